@@ -1,0 +1,67 @@
+"""What every command-line tool shares: arguments, device set-up, one-line errors.
+
+Bad input never produces a traceback: a ConfigError becomes `error: <message>`
+on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+import jax
+
+from ultrajax import config as config_lib
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: one line, exit 2
+        fail(f"{self.prog}: {message}")
+
+
+def fail(message: str, code: int = 2):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def parser(prog: str, description: str, *, config_required: bool = True) -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description=description)
+    p.add_argument("--config", required=config_required, help="YAML config file")
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="simulate N devices on a CPU host (sets jax_num_cpu_devices)",
+    )
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50")
+    return p
+
+
+def setup_devices(cpu_devices: int | None) -> None:
+    """Must run before anything asks JAX for devices."""
+    if cpu_devices is not None:
+        if cpu_devices < 1:
+            fail("--cpu-devices must be >= 1")
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+
+
+def load_config(args) -> config_lib.Config:
+    try:
+        return config_lib.load(args.config, args.overrides)
+    except config_lib.ConfigError as e:
+        fail(str(e))
+
+
+def run(main: Callable[[], int | None]) -> None:
+    """Call main; ConfigError anywhere below becomes a one-line error with status 2."""
+    try:
+        code = main()
+    except config_lib.ConfigError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code or 0)

@@ -1,0 +1,395 @@
+"""Typed run configuration: dataclasses, YAML plus dotted overrides, validation.
+
+Everything a run needs is checked here before JAX compiles anything, so a typo
+costs a one-line error instead of a minute of tracing and a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem: printed as one line, exit status 2."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 384
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_ff: int = 384
+    seq_len: int = 256
+    head_dim: int | None = None  # None: d_model // n_heads (HF's head_dim)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # none | full | selective | offload, or a list of checkpoint_name tags to keep
+    remat: str | list[str] = "none"
+    attention: Literal["xla", "cudnn"] = "xla"
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+@dataclass
+class DataConfig:
+    source: Literal["stdlib", "files"] = "stdlib"
+    path: str | None = None  # file, directory or glob for source=files
+    tokenizer: str = "bytes"  # "bytes" or a path to a Hugging Face tokenizer.json
+    cross_doc_mask: bool = False
+    eval_fraction: float = 0.02
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    run_dir: str = "runs/default"
+    profile_steps: list[int] | None = None
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    decay_fraction: float = 0.2  # wsd: share of steps spent decaying at the end
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+
+
+@dataclass
+class MeshConfig:
+    data: int = 1
+    fsdp: int = 1
+    pipeline: int = 1
+    sequence: int = 1
+    tensor: int = 1
+
+
+@dataclass
+class ParallelConfig:
+    zero: int = 0
+    sequence_parallel: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    every: int = 0
+    keep: int = 3
+    resume: str = "auto"  # auto | none | a checkpoint path
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: the batch is split over data x fsdp."""
+        return self.mesh.data * self.mesh.fsdp
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step: mbs x grad_accum x dp."""
+        return self.train.micro_batch_size * self.train.grad_accum * self.dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.model.seq_len
+
+
+REMAT_POLICIES = ("none", "full", "selective", "offload")
+REMAT_NAMES = ("query", "key", "value", "attn_out", "mlp_in", "mlp_out")
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert a YAML/override value to the annotated type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arm in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arm, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[-1])
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            raise ConfigError(f"{key}: expected a list like [a, b], got {value!r}")
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML reads 3e-4 as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {tp}")  # pragma: no cover
+
+
+def _unknown(key: str, choices: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], choices, n=1)
+    prefix = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known: {', '.join(choices)}"
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _set(cfg: Config, key: str, value: Any) -> None:
+    parts = key.split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"config key {key!r} must look like section.name, e.g. train.steps")
+    section_name, name = parts
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section_name not in sections:
+        raise _unknown(section_name, list(sections))
+    section = getattr(cfg, section_name)
+    hints = typing.get_type_hints(type(section))
+    if name not in hints:
+        raise _unknown(key, list(hints))
+    setattr(section, name, _coerce(value, hints[name], key))
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and not prefix:
+            out.update(_flatten(v, f"{key}."))
+        elif isinstance(v, dict):
+            raise ConfigError(f"{key}: nested sections are not allowed here")
+        else:
+            out[key] = v
+    return out
+
+
+def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read YAML (or start from defaults), apply `section.key=value` overrides, validate."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            line = getattr(getattr(e, "problem_mark", None), "line", None)
+            where = f" line {line + 1}" if line is not None else ""
+            raise ConfigError(f"config file {str(path)!r}{where}: not valid YAML") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {str(path)!r}: expected sections like 'model:'")
+        for key, value in _flatten(tree).items():
+            if "." not in key:
+                raise ConfigError(f"config file {str(path)!r}: {key!r} must be a section")
+            _set(cfg, key, value)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        _set(cfg, key.strip(), value)
+    validate(cfg)
+    return cfg
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config) -> None:
+    """Every consistency rule a run depends on, each with a message saying what to change."""
+    m, t, o, d = cfg.model, cfg.train, cfg.optim, cfg.data
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "seq_len"):
+        _check(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
+    _check(
+        m.head_dim is not None or m.d_model % m.n_heads == 0,
+        f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads}),"
+        " or set model.head_dim",
+    )
+    _check(m.head_dim is None or m.head_dim > 0, "model.head_dim must be positive")
+    _check(m.hd % 2 == 0, f"head dimension {m.hd} must be even for rotary embeddings")
+    _check(
+        m.n_heads % m.n_kv_heads == 0,
+        f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.n_kv_heads})",
+    )
+    _check(m.rope_theta > 0, "model.rope_theta must be positive")
+    _check(m.norm_eps > 0, "model.norm_eps must be positive")
+    remat = [m.remat] if isinstance(m.remat, str) else m.remat
+    if isinstance(m.remat, str):
+        _check(
+            m.remat in REMAT_POLICIES,
+            f"model.remat: {m.remat!r} is not one of {', '.join(REMAT_POLICIES)} "
+            f"or a list of names from {', '.join(REMAT_NAMES)}",
+        )
+    else:
+        for name in remat:
+            _check(
+                name in REMAT_NAMES,
+                f"model.remat: {name!r} is not a checkpoint name; use {', '.join(REMAT_NAMES)}",
+            )
+    for key in ("steps", "micro_batch_size", "grad_accum", "log_every", "eval_every"):
+        _check(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
+    _check(t.eval_batches >= 0, "train.eval_batches must be >= 0")
+    if t.profile_steps is not None:
+        _check(
+            len(t.profile_steps) == 2 and 0 <= t.profile_steps[0] <= t.profile_steps[1],
+            "train.profile_steps must be [first, last] with 0 <= first <= last",
+        )
+    _check(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction must be in [0, 1)")
+    _check(
+        d.source != "files" or bool(d.path),
+        "data.path is required when data.source is files (a file, directory or glob)",
+    )
+    _check(o.lr > 0, "optim.lr must be positive")
+    _check(0 <= o.min_lr <= o.lr, "optim.min_lr must be between 0 and optim.lr")
+    _check(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
+    _check(
+        o.warmup_steps < t.steps,
+        f"optim.warmup_steps ({o.warmup_steps}) must be smaller than train.steps ({t.steps})",
+    )
+    _check(0.0 < o.decay_fraction <= 1.0, "optim.decay_fraction must be in (0, 1]")
+    _check(o.weight_decay >= 0, "optim.weight_decay must be >= 0")
+    _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optim.b1 and optim.b2 must be in [0, 1)")
+    _check(o.clip_norm >= 0, "optim.clip_norm must be >= 0 (0 disables clipping)")
+    sizes = dataclasses.asdict(cfg.mesh)
+    fills = [k for k, v in sizes.items() if v == -1]
+    _check(len(fills) <= 1, f"only one mesh size may be -1 (fill); got {', '.join(fills)}")
+    for k, v in sizes.items():
+        _check(v == -1 or v >= 1, f"mesh.{k} must be >= 1 or -1 (fill), got {v}")
+    _check(cfg.parallel.zero in (0, 1, 2, 3), "parallel.zero must be 0, 1, 2 or 3")
+    _check(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
+    _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0: only at the end)")
+    validate_layout(cfg)
+
+
+def validate_layout(cfg: Config) -> None:
+    """Divisibility rules of the mesh; needs concrete mesh sizes (no -1 left)."""
+    mesh = cfg.mesh
+    if -1 in dataclasses.asdict(mesh).values():
+        return  # checked again once the device count has resolved the fill
+    m = cfg.model
+    tp = mesh.tensor
+    for key in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+        value = getattr(m, key)
+        _check(
+            value % tp == 0,
+            f"model.{key} ({value}) must be divisible by mesh.tensor ({tp})",
+        )
+    if cfg.parallel.zero > 0:
+        _check(
+            m.d_model % mesh.fsdp == 0,
+            f"model.d_model ({m.d_model}) must be divisible by mesh.fsdp ({mesh.fsdp}) for ZeRO",
+        )
+    if cfg.parallel.sequence_parallel:
+        _check(
+            m.seq_len % (tp * mesh.sequence) == 0,
+            f"model.seq_len ({m.seq_len}) must be divisible by mesh.tensor x mesh.sequence "
+            f"({tp * mesh.sequence}) for sequence parallelism",
+        )
+    _check(
+        m.seq_len % mesh.sequence == 0,
+        f"model.seq_len ({m.seq_len}) must be divisible by mesh.sequence ({mesh.sequence})",
+    )
+    _check(mesh.pipeline == 1, "mesh.pipeline > 1: pipeline parallelism is not implemented yet")
+    _check(
+        mesh.sequence == 1,
+        "mesh.sequence > 1: context parallelism (ring attention) is not implemented yet",
+    )
+
+
+def resolve_mesh(cfg: Config, n_devices: int) -> None:
+    """Fill a -1 mesh size from the device count and check the product."""
+    sizes = dataclasses.asdict(cfg.mesh)
+    known = 1
+    for v in sizes.values():
+        if v != -1:
+            known *= v
+    for k, v in sizes.items():
+        if v == -1:
+            _check(
+                n_devices % known == 0,
+                f"mesh.{k}=-1: {n_devices} devices are not divisible by the other sizes ({known})",
+            )
+            setattr(cfg.mesh, k, n_devices // known)
+    product = 1
+    for v in dataclasses.asdict(cfg.mesh).values():
+        product *= v
+    _check(
+        product == n_devices,
+        f"mesh sizes {dataclasses.asdict(cfg.mesh)} multiply to {product}, but there are "
+        f"{n_devices} devices; change the sizes or set one to -1",
+    )
+    validate_layout(cfg)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -1,0 +1,212 @@
+"""A Llama-style decoder in Flax NNX, written in logical axis names only.
+
+Token embedding -> L x [RMSNorm -> GQA attention with rotary positions ->
+residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head.
+
+The L blocks are stored stacked along a leading `layers` axis and applied with
+`lax.scan`, so compile time does not grow with depth and a pipeline stage is a
+slice of the stack. `block` is a pure function of one layer's parameters and
+the residual stream; `Transformer` only owns the parameters (with their logical
+axis names) and calls `forward`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from ultrajax.attention import attend
+from ultrajax.config import ModelConfig
+
+NORMS = ("attn_norm", "mlp_norm", "final_norm")  # excluded from weight decay
+
+
+def _constrain(rules, x, *names):
+    return x if rules is None else rules.constrain(x, *names)
+
+
+def rms_norm(x, scale, eps):
+    """RMSNorm in fp32 (the mean of squares is where bf16 loses digits)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, positions, theta):
+    """Rotary embedding, half-split layout (Hugging Face Llama's `rotate_half`).
+
+    x: (batch, length, heads, head_dim); positions: (batch, length).
+    """
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions.astype(jnp.float32)[..., None] * freq  # (b, t, half)
+    cos, sin = jnp.cos(angle)[:, :, None], jnp.sin(angle)[:, :, None]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def block(p, x, positions, segment_ids, *, cfg: ModelConfig, rules=None):
+    """One decoder layer: x (batch, length, embed) -> same. `p` holds one layer's weights."""
+    c = functools.partial(_constrain, rules)
+    h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
+    h = c(h, "batch", "length", "embed")  # enters the TP region (SP: all-gather)
+    q = checkpoint_name(jnp.einsum("btd,dnh->btnh", h, p["wq"]), "query")
+    k = checkpoint_name(jnp.einsum("btd,dkh->btkh", h, p["wk"]), "key")
+    v = checkpoint_name(jnp.einsum("btd,dkh->btkh", h, p["wv"]), "value")
+    q = c(rope(q, positions, cfg.rope_theta), "batch", "length", "heads", "head_dim")
+    k = c(rope(k, positions, cfg.rope_theta), "batch", "length", "kv_heads", "head_dim")
+    v = c(v, "batch", "length", "kv_heads", "head_dim")
+    o = attend(q, k, v, segment_ids, implementation=cfg.attention)
+    o = checkpoint_name(o, "attn_out")
+    o = jnp.einsum("btnh,nhd->btd", o, p["wo"])
+    x = x + c(o, "batch", "norm_length", "embed")  # leaves the TP region (SP: reduce-scatter)
+
+    h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+    h = c(h, "batch", "length", "embed")
+    gate = checkpoint_name(jnp.einsum("btd,df->btf", h, p["w_gate"]), "mlp_in")
+    up = checkpoint_name(jnp.einsum("btd,df->btf", h, p["w_up"]), "mlp_in")
+    a = c(jax.nn.silu(gate) * up, "batch", "length", "mlp")
+    out = checkpoint_name(jnp.einsum("btf,fd->btd", a, p["w_down"]), "mlp_out")
+    return x + c(out, "batch", "norm_length", "embed")
+
+
+def remat_policy(remat):
+    """model.remat -> (wrap?, jax.checkpoint policy). See the README's memory section."""
+    cp = jax.checkpoint_policies
+    if remat == "none":
+        return None
+    if remat == "full":
+        return cp.nothing_saveable  # keep only the block input
+    if remat == "selective":
+        # Korthikanti et al.: keep matmul outputs, recompute softmax and elementwise work.
+        return cp.save_only_these_names("query", "key", "value", "attn_out", "mlp_in", "mlp_out")
+    if remat == "offload":
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=["query", "key", "value", "attn_out", "mlp_in", "mlp_out"],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    return cp.save_only_these_names(*remat)  # a list of names to keep
+
+
+def forward(cfg: ModelConfig, params, tokens, positions=None, segment_ids=None, *, rules=None):
+    """Logits in fp32, (batch, length, vocab). `params` is a pure dict in any dtype."""
+    dtype = jnp.dtype(cfg.dtype)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    x = params["embed"].astype(dtype)[tokens]
+    x = _constrain(rules, x, "batch", "norm_length", "embed")
+
+    layer = functools.partial(block, cfg=cfg, rules=rules)
+    policy = remat_policy(cfg.remat)
+    if policy is not None:
+        layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+
+    def step(x, p):
+        p = jax.tree.map(lambda w: w.astype(dtype), p)
+        return layer(p, x, positions, segment_ids), None
+
+    x, _ = jax.lax.scan(step, x, params["layers"])
+    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    x = _constrain(rules, x, "batch", "length", "embed")
+    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
+    return _constrain(rules, logits, "batch", "length", "vocab")
+
+
+def _normal(std):
+    return jax.nn.initializers.normal(stddev=std)
+
+
+class Transformer(nnx.Module):
+    """Owns the parameters, each annotated with logical axis names (`out_sharding`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, f, n = cfg.d_model, cfg.d_ff, cfg.n_layers
+        h, kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.hd
+        pdt = jnp.dtype(cfg.param_dtype)
+        out_scale = (2 * n) ** -0.5  # residual branches: GPT-2's 1/sqrt(2L)
+
+        def param(init, shape, names):
+            return nnx.Param(
+                init(rngs.params(), shape, pdt), out_sharding=names, eager_sharding=False
+            )
+
+        ones = jax.nn.initializers.ones
+        self.embed = param(_normal(0.02), (cfg.vocab_size, d), ("vocab", "embed"))
+        self.layers = nnx.Dict(
+            attn_norm=param(ones, (n, d), ("layers", "embed")),
+            wq=param(_normal(d**-0.5), (n, d, h, hd), ("layers", "embed", "heads", "head_dim")),
+            wk=param(_normal(d**-0.5), (n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim")),
+            wv=param(_normal(d**-0.5), (n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim")),
+            wo=param(
+                _normal((h * hd) ** -0.5 * out_scale),
+                (n, h, hd, d),
+                ("layers", "heads", "head_dim", "embed"),
+            ),
+            mlp_norm=param(ones, (n, d), ("layers", "embed")),
+            w_gate=param(_normal(d**-0.5), (n, d, f), ("layers", "embed", "mlp")),
+            w_up=param(_normal(d**-0.5), (n, d, f), ("layers", "embed", "mlp")),
+            w_down=param(_normal(f**-0.5 * out_scale), (n, f, d), ("layers", "mlp", "embed")),
+        )
+        self.final_norm = param(ones, (d,), ("embed",))
+        if not cfg.tie_embeddings:
+            self.lm_head = param(_normal(d**-0.5), (d, cfg.vocab_size), ("embed", "vocab"))
+
+    def params(self) -> dict:
+        return nnx.to_pure_dict(nnx.state(self, nnx.Param))
+
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        return forward(self.cfg, self.params(), tokens, positions, segment_ids)
+
+
+def init_params(cfg: ModelConfig, key) -> dict:
+    """Fresh parameters as a pure dict; call inside `jit` to build them sharded."""
+    return Transformer(cfg, rngs=nnx.Rngs(params=key)).params()
+
+
+def logical_axes(cfg: ModelConfig) -> dict:
+    """The logical names of every parameter, as a pure dict of tuples (nothing allocated).
+
+    Traced with jax.eval_shape (not nnx.eval_shape, which would try to turn the
+    names into shardings of whatever mesh is current).
+    """
+    found = {}
+
+    def build():
+        state = nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=0)), nnx.Param)
+        names = jax.tree.map(
+            lambda v: tuple(v.get_metadata()["out_sharding"]),
+            state,
+            is_leaf=lambda v: isinstance(v, nnx.Variable),
+        )
+        found["names"] = nnx.to_pure_dict(names)
+
+    jax.eval_shape(build)
+    return found["names"]
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Closed form, derived in the README ("Parameter count"); tested against the model.
+
+    N = V·h·(1 if tied else 2) + L·(2h + h·hd·(2a + 2a_kv) + 3·h·d_ff) + h
+    """
+    h, hd, a, akv = cfg.d_model, cfg.hd, cfg.n_heads, cfg.n_kv_heads
+    per_layer = 2 * h + h * hd * (2 * a + 2 * akv) + 3 * h * cfg.d_ff
+    heads = 1 if cfg.tie_embeddings else 2
+    return cfg.vocab_size * h * heads + cfg.n_layers * per_layer + h
+
+
+def matmul_param_count(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token: all but the embedding lookup
+    (the LM head counts even when tied) and the norm scales."""
+    h, hd, a, akv = cfg.d_model, cfg.hd, cfg.n_heads, cfg.n_kv_heads
+    per_layer = h * hd * (2 * a + 2 * akv) + 3 * h * cfg.d_ff
+    return cfg.n_layers * per_layer + cfg.vocab_size * h

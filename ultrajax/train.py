@@ -1,0 +1,216 @@
+"""`python -m ultrajax.train --config FILE [--cpu-devices N] [section.key=value ...]`
+
+The loop: build the mesh, the data and the sharded state (inside jit, so no
+replicated copy ever exists), compile the step once ahead of time, then run it
+with no host synchronisation except at log steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from ultrajax import cli, optim
+from ultrajax import data as data_lib
+from ultrajax import mesh as mesh_lib
+from ultrajax import metrics as metrics_lib
+from ultrajax.config import Config, ConfigError, dump, resolve_mesh
+from ultrajax.model import param_count
+from ultrajax.step import init_state, jit_train_step, make_eval_step, state_shardings
+
+
+def _human(n: float) -> str:
+    for unit in ("", "K", "M", "B", "T"):
+        if abs(n) < 1000:
+            return f"{n:.4g}{unit}"
+        n /= 1000
+    return f"{n:.4g}P"
+
+
+def check_backend(cfg: Config) -> None:
+    """Options that need hardware this process does not have."""
+    backend = jax.default_backend()
+    if cfg.model.attention == "cudnn" and backend != "gpu":
+        raise ConfigError(f"model.attention=cudnn needs a GPU (backend is {backend}); use xla")
+    if cfg.model.remat == "offload" and backend != "gpu":
+        raise ConfigError(
+            f"model.remat=offload needs host offloading, which the {backend} backend lacks; "
+            "use full or selective"
+        )
+
+
+def to_global(local: dict, sharding, grad_accum: int) -> dict:
+    """(local_batch, S+1) numpy -> global (grad_accum, micro x dp, S+1) jax arrays."""
+    return {
+        k: jax.make_array_from_process_local_data(sharding, v.reshape(grad_accum, -1, v.shape[-1]))
+        for k, v in local.items()
+    }
+
+
+def prepare(cfg: Config):
+    """Everything before the loop: mesh, data, state, compiled step. Prints the plan."""
+    resolve_mesh(cfg, jax.device_count())
+    check_backend(cfg)
+    mesh = mesh_lib.make_mesh(cfg)
+    rules = mesh_lib.rules(cfg)
+    n_proc = jax.process_count()
+    if cfg.global_batch % n_proc:
+        raise ConfigError(
+            f"the global batch ({cfg.global_batch}) must split evenly over {n_proc} processes"
+        )
+    data = data_lib.build(
+        cfg.data,
+        seq_len=cfg.model.seq_len,
+        batch_size=cfg.global_batch // n_proc,
+        seed=cfg.train.seed,
+        vocab_size=cfg.model.vocab_size,
+        shard_index=jax.process_index(),
+        shard_count=n_proc,
+    )
+    tx, schedule = optim.optimizer(cfg), optim.schedule(cfg)
+    shardings = state_shardings(cfg, mesh, rules, tx)
+    batch_sh = mesh_lib.batch_sharding(mesh)
+    with jax.set_mesh(mesh):
+        init = jax.jit(lambda k: init_state(cfg, tx, k), out_shardings=shardings)
+        state = init(jax.random.key(cfg.train.seed))
+        step_fn = jit_train_step(cfg, mesh, rules, tx, schedule, shardings, batch_sh)
+        eval_fn = jax.jit(make_eval_step(cfg, rules), in_shardings=(shardings["params"], batch_sh))
+    return mesh, rules, data, state, step_fn, eval_fn, batch_sh
+
+
+def main(argv=None) -> int:
+    args = cli.parser("ultrajax.train", "Train a Llama-style model.").parse_args(argv)
+    cli.setup_devices(args.cpu_devices)
+    cfg = cli.load_config(args)
+    return train(cfg)
+
+
+def train(cfg: Config) -> int:
+    lead = jax.process_index() == 0
+    say = print if lead else (lambda *a, **k: None)
+    mesh, rules, data, state, step_fn, eval_fn, batch_sh = prepare(cfg)
+    run_dir = Path(cfg.train.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump(cfg))
+
+    m, t = cfg.model, cfg.train
+    say(dump(cfg).rstrip())
+    say(mesh_lib.describe(mesh, rules))
+    say(
+        f"batch: {cfg.global_batch} samples = {t.micro_batch_size} micro x {t.grad_accum} accum"
+        f" x {cfg.dp} dp; {cfg.tokens_per_step:,} tokens per step (x {m.seq_len} seq)"
+    )
+    n_params = param_count(m)
+    say(
+        f"model: {_human(n_params)} parameters ({n_params:,}); "
+        f"{_human(metrics_lib.flops_per_token(m))} FLOPs per token; "
+        f"data: {len(data.train_docs)} train / {len(data.eval_docs)} eval documents"
+    )
+
+    with jax.set_mesh(mesh):
+        first = to_global(next(data.train), batch_sh, t.grad_accum)
+        t0 = time.perf_counter()
+        compiled = step_fn.lower(state, first).compile()
+        say(f"compiled the step in {time.perf_counter() - t0:.1f}s")
+        eval_batches = [
+            to_global(b, batch_sh, t.grad_accum) for b in data.eval_batches(t.eval_batches)
+        ]
+
+    peak, peak_source = metrics_lib.host_peak(cfg)
+    say(f"peak: {_human(peak)}FLOP/s ({peak_source})")
+    fpt, hfpt = metrics_lib.flops_per_token(m), metrics_lib.hardware_flops_per_token(m)
+    writer = metrics_lib.MetricsWriter(run_dir, fresh=True) if lead else None
+
+    def evaluate():
+        total, count = 0.0, 0
+        for b in eval_batches:
+            s, n = eval_fn(state["params"], b)
+            total, count = total + float(s), count + int(n)
+        return total / max(count, 1) if count else None
+
+    history, eval_loss, last = [], None, None
+    tokens_per_s_all = []
+    bar = tqdm(total=t.steps, disable=not lead, dynamic_ncols=True, desc="train")
+    t_last, step_last = time.perf_counter(), 0
+    batch = first
+    profile = t.profile_steps
+    with jax.set_mesh(mesh):
+        for step in range(t.steps):
+            if profile and step == profile[0]:
+                jax.profiler.start_trace(str(run_dir / "profile"))
+            state, out = compiled(state, batch)
+            if profile and step == profile[1]:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+                jax.profiler.save_device_memory_profile(str(run_dir / "memory.prof"))
+                say(f"profile of steps {profile[0]}..{profile[1]} written to {run_dir}/profile")
+            done = step + 1
+            if done < t.steps:
+                batch = to_global(next(data.train), batch_sh, t.grad_accum)
+            bar.update(1)
+            is_log = done == 1 or done % t.log_every == 0 or done == t.steps
+            is_eval = eval_batches and (done % t.eval_every == 0 or done == t.steps)
+            if not (is_log or is_eval):
+                continue
+            out = jax.device_get(out)  # the only host sync: at log steps
+            now = time.perf_counter()
+            step_time = (now - t_last) / (done - step_last)
+            t_last, step_last = now, done
+            tokens_per_s = cfg.tokens_per_step / step_time
+            tokens_per_s_all.append(tokens_per_s)
+            record = {
+                "step": done,
+                "loss": float(out["loss"]),
+                "grad_norm": float(out["grad_norm"]),
+                "lr": float(out["lr"]),
+                "tokens_per_s": tokens_per_s,
+                "step_time_s": step_time,
+                "mfu": tokens_per_s * fpt / peak,
+                "hfu": tokens_per_s * hfpt / peak,
+            }
+            if not math.isfinite(record["loss"]):
+                bar.close()
+                cli.fail(f"loss is {record['loss']} at step {done}; lower optim.lr", code=1)
+            if is_eval:
+                eval_loss = evaluate()
+                record["eval_loss"] = eval_loss
+                t_last = time.perf_counter()  # evaluation time is not step time
+            history.append(record)
+            last = record
+            if writer:
+                writer.write(record)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
+            if lead:
+                ev = f" eval {eval_loss:.4f}" if is_eval and eval_loss is not None else ""
+                tqdm.write(
+                    f"step {done:>6} loss {record['loss']:.4f}{ev} gnorm {record['grad_norm']:.3f}"
+                    f" lr {record['lr']:.2e} {tokens_per_s:,.0f} tok/s"
+                    f" {step_time * 1e3:.0f} ms/step mfu {record['mfu']:.1%}"
+                )
+    bar.close()
+    if writer:
+        writer.close()
+
+    steady = tokens_per_s_all[1:] or tokens_per_s_all
+    tps = float(np.median(steady))
+    mem = metrics_lib.peak_memory_bytes()
+    say("summary:")
+    say(f"  tokens/s     {tps:,.0f} (median of logged intervals)")
+    say(f"  MFU / HFU    {tps * fpt / peak:.1%} / {tps * hfpt / peak:.1%}  (peak: {peak_source})")
+    say(f"  peak memory  {mem / 2**30:.2f} GiB" if mem else "  peak memory  not reported (CPU)")
+    if history:
+        first_loss = history[0]["loss"]
+        say(f"  train loss   {first_loss:.4f} at step {history[0]['step']} -> {last['loss']:.4f}")
+    if eval_loss is not None:
+        say(f"  eval loss    {eval_loss:.4f}")
+    say(f"  metrics      {run_dir / 'metrics.jsonl'}")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
