@@ -60,6 +60,11 @@ class Rules:
             return x
         return jax.lax.with_sharding_constraint(x, self.spec(names))
 
+    def inside_batch_shard_map(self) -> Rules:
+        """Rules for code running per data-parallel shard (batch axes are manual there)."""
+        activation = dict(self.activation, batch=None)
+        return Rules(stored=self.stored, compute=self.compute, activation=activation)
+
     def table(self) -> list[tuple[str, str, str, str]]:
         fmt = lambda v: "-" if v is None else (v if isinstance(v, str) else "x".join(v))  # noqa: E731
         return [
@@ -94,6 +99,20 @@ def rules(cfg: Config) -> Rules:
         "vocab": "tensor",
     }
     return Rules(stored=stored, compute=compute, activation=activation)
+
+
+def only_axes(spec: PartitionSpec, axes) -> PartitionSpec:
+    """The part of a spec over the given mesh axes (shard_map's in/out specs name only
+    its manual axes; the others stay with the partitioner)."""
+
+    def keep(entry):
+        if entry is None:
+            return None
+        entry = (entry,) if isinstance(entry, str) else tuple(entry)
+        kept = tuple(a for a in entry if a in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return PartitionSpec(*(keep(e) for e in spec))
 
 
 def tree_shardings(mesh, logical_tree, rules_: Rules, kind: str):

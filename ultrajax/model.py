@@ -95,24 +95,50 @@ def remat_policy(remat):
     return cp.save_only_these_names(*remat)  # a list of names to keep
 
 
-def forward(cfg: ModelConfig, params, tokens, positions=None, segment_ids=None, *, rules=None):
-    """Logits in fp32, (batch, length, vocab). `params` is a pure dict in any dtype."""
+def _all_but_gathered_weights(prim, *_, **params) -> bool:
+    """remat policy for ZeRO-3 without recomputation: keep every activation, but never
+    a gathered weight (it is all-gathered again in the backward pass instead)."""
+    if prim.name == "all_gather":
+        return False
+    return not (prim.name == "name" and params.get("name") == "weights")
+
+
+def forward(
+    cfg: ModelConfig,
+    params,
+    tokens,
+    positions=None,
+    segment_ids=None,
+    *,
+    rules=None,
+    layer_weights=None,
+):
+    """Logits in fp32, (batch, length, vocab). `params` is a pure dict in any dtype.
+
+    `layer_weights(p) -> p`, if given, prepares one layer's weights inside the
+    layer scan (ZeRO-3 all-gathers them there). Its output is never kept for
+    the backward pass: it is recomputed, so gathered weights live one layer at
+    a time, in the backward pass too.
+    """
     dtype = jnp.dtype(cfg.dtype)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     x = params["embed"].astype(dtype)[tokens]
     x = _constrain(rules, x, "batch", "norm_length", "embed")
 
-    layer = functools.partial(block, cfg=cfg, rules=rules)
+    def layer(p, x):
+        p = jax.tree.map(lambda w: w.astype(dtype), p)
+        if layer_weights is not None:
+            p = jax.tree.map(lambda w: checkpoint_name(w, "weights"), layer_weights(p))
+        return block(p, x, positions, segment_ids, cfg=cfg, rules=rules)
+
     policy = remat_policy(cfg.remat)
+    if policy is None and layer_weights is not None:
+        policy = _all_but_gathered_weights
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
 
-    def step(x, p):
-        p = jax.tree.map(lambda w: w.astype(dtype), p)
-        return layer(p, x, positions, segment_ids), None
-
-    x, _ = jax.lax.scan(step, x, params["layers"])
+    x, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), x, params["layers"])
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
     x = _constrain(rules, x, "batch", "length", "embed")
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]

@@ -20,7 +20,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ultrajax.config import Config
-from ultrajax.mesh import Rules, tree_shardings
+from ultrajax.mesh import Rules, make_mesh, only_axes, tree_shardings
+from ultrajax.mesh import rules as mesh_rules
 from ultrajax.model import forward, init_params, logical_axes
 
 
@@ -50,7 +51,7 @@ def target_mask(segment_ids, cross_doc_mask: bool):
     return valid
 
 
-def loss_sum(cfg: Config, params, batch, rules=None):
+def loss_sum(cfg: Config, params, batch, rules=None, layer_weights=None):
     """(sum of token NLLs, count of target tokens) for one micro-batch (batch, seq_len + 1)."""
     tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
     cross_doc = cfg.data.cross_doc_mask
@@ -61,6 +62,7 @@ def loss_sum(cfg: Config, params, batch, rules=None):
         pos[:, :-1],
         seg[:, :-1] if cross_doc else None,
         rules=rules,
+        layer_weights=layer_weights,
     )
     targets = tokens[:, 1:]
     mask = target_mask(seg, cross_doc)
@@ -72,34 +74,119 @@ def loss_sum(cfg: Config, params, batch, rules=None):
     return nll.sum(), mask.sum()
 
 
+DP_AXES = ("data", "fsdp")  # the batch is split over these; gradients are reduced over them
+
+
+def _embed_dim(names) -> int:
+    return names.index("embed")
+
+
+def _shard_zeros(z, names):
+    shape = list(z.shape)
+    shape[_embed_dim(names)] //= jax.lax.axis_size("fsdp")
+    return jnp.zeros(shape, z.dtype)
+
+
 def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = None):
-    """Build train_step(state, batch) -> (state, metrics). Jit it with `jit_train_step`."""
+    """Build train_step(state, batch) -> (state, metrics). Jit it with `jit_train_step`.
+
+    The data-parallel part is explicit: the micro-batch loop runs per batch shard
+    inside `shard_map` over (data, fsdp), so we choose when gradients are reduced
+    (the tensor axis stays with the partitioner, which places the TP collectives):
+
+    - ZeRO-0: accumulate full gradients locally, one all-reduce per step.
+    - ZeRO-1: accumulate full gradients locally, one reduce-scatter per step over
+      fsdp; each rank updates its shard of master weights and optimizer state; the
+      next step all-gathers the (compute-dtype) parameters.
+    - ZeRO-2: reduce-scatter every micro-batch into a sharded accumulator (gradient
+      memory / N_d, communication x grad_accum: the stage cannot reduce once).
+    - ZeRO-3: parameters stay sharded; each layer's weights are all-gathered inside
+      the layer scan, forward and again (recomputed) backward; autodiff turns the
+      gather into a reduce-scatter of that layer's gradient.
+    The data axis (pure replicas) always reduces once per step.
+    """
+    if mesh is None:  # one device, every mesh size 1
+        mesh, rules = make_mesh(cfg, jax.devices()[:1]), mesh_rules(cfg)
     dtype = jnp.dtype(cfg.model.dtype)
+    zero = cfg.parallel.zero
     axes = logical_axes(cfg.model)
+    is_names = lambda x: isinstance(x, tuple)  # noqa: E731
+    spec = lambda kind: jax.tree.map(lambda n: rules.spec(n, kind), axes, is_leaf=is_names)  # noqa: E731
+    manual = lambda tree: jax.tree.map(  # noqa: E731
+        lambda sp: only_axes(sp, DP_AXES), tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+    stored_specs, compute_specs = spec("stored"), spec("compute")
+    inner = rules.inside_batch_shard_map()
 
-    def constrain(tree, kind):
-        if mesh is None or rules is None:
-            return tree
-        return jax.lax.with_sharding_constraint(tree, tree_shardings(mesh, axes, rules, kind))
+    def psum(x, names):  # skip size-1 axes: no trivial collectives in the HLO we count
+        names = tuple(a for a in names if mesh.shape[a] > 1)
+        return jax.lax.psum(x, names) if names else x
 
-    def train_step(state, batch):
-        params = state["params"]
-        # compute copy: cast once per step, outside the micro-batch loop (ZeRO-1/2 gather here)
-        cparams = constrain(jax.tree.map(lambda p: p.astype(dtype), params), "compute")
-        n_targets = target_mask(batch["segment_ids"], cfg.data.cross_doc_mask).sum()
+    def gather(w, names):  # ZeRO-3: whole weights from fsdp shards
+        return jax.lax.all_gather(w, "fsdp", axis=_embed_dim(names), tiled=True)
+
+    def scatter(g, names):  # sum over fsdp, keep this rank's shard
+        return jax.lax.psum_scatter(g, "fsdp", scatter_dimension=_embed_dim(names), tiled=True)
+
+    layer_axes = {k: v[1:] for k, v in axes["layers"].items()}
+    top_keys = [k for k in axes if k != "layers"]
+
+    def loss_fn(cparams, mb, scale):
+        if zero >= 3:
+            cparams = dict(cparams)
+            for k in top_keys:
+                cparams[k] = gather(cparams[k], axes[k])
+            hook = lambda p: {k: gather(w, layer_axes[k]) for k, w in p.items()}  # noqa: E731
+        else:
+            hook = None
+        total, _ = loss_sum(cfg, cparams, mb, inner, layer_weights=hook)
+        return total * scale
+
+    def shard_grads(cparams, batch):
+        """Per data-parallel shard: local micro-batches -> (gradients, loss) reduced as the
+        ZeRO stage says."""
+        n_targets = psum(target_mask(batch["segment_ids"], cfg.data.cross_doc_mask).sum(), DP_AXES)
         scale = 1.0 / jnp.maximum(n_targets, 1).astype(jnp.float32)
 
         def micro(carry, mb):
             grads, loss = carry
-            mean_part = lambda p: loss_sum(cfg, p, mb, rules)[0] * scale  # noqa: E731
-            part, g = jax.value_and_grad(mean_part)(cparams)
+            part, g = jax.value_and_grad(loss_fn)(cparams, mb, scale)
+            if zero == 2:
+                g = jax.tree.map(scatter, g, axes, is_leaf=is_names)
             grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
-            grads = constrain(grads, "stored" if cfg.parallel.zero >= 2 else "compute")
             return (grads, loss + part), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), cparams)
+        if zero == 2:  # the accumulator holds only this rank's shard
+            zeros = jax.tree.map(_shard_zeros, zeros, axes)
         (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), batch)
-        grads = constrain(grads, "stored")
+        if zero == 0:
+            grads = psum(grads, DP_AXES)
+        else:
+            if zero == 1:
+                grads = jax.tree.map(scatter, grads, axes, is_leaf=is_names)
+            grads = psum(grads, ("data",))
+        return grads, psum(loss, DP_AXES), n_targets
+
+    batch_spec = PartitionSpec(None, DP_AXES, None)
+    grads_spec = manual(stored_specs) if zero >= 1 else manual(compute_specs)
+    sharded_grads = jax.shard_map(
+        shard_grads,
+        mesh=mesh,
+        in_specs=(manual(compute_specs), batch_spec),
+        out_specs=(grads_spec, PartitionSpec(), PartitionSpec()),
+        axis_names=frozenset(DP_AXES),
+        check_vma=False,  # we place every reduction ourselves (see the docstring)
+    )
+    compute_sh = tree_shardings(mesh, axes, rules, "compute")
+
+    def train_step(state, batch):
+        params = state["params"]
+        # compute copy, cast once per step (ZeRO-1/2: the parameter all-gather happens here)
+        cparams = jax.lax.with_sharding_constraint(
+            jax.tree.map(lambda p: p.astype(dtype), params), compute_sh
+        )
+        grads, loss, n_targets = sharded_grads(cparams, batch)
         grad_norm = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new = {
