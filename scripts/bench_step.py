@@ -1,0 +1,190 @@
+"""Time the train step for a few model sizes on the device present; print a table.
+
+    python scripts/bench_step.py                      # CPU: tiny, small; GPU: 125m, 350m, 1b
+    python scripts/bench_step.py --sizes 125m,1b --steps 20
+    python scripts/bench_step.py --cpu-devices 4 parallel.zero=1   # overrides apply to every size
+
+The step is built exactly as `python -m ultrajax.train` builds it
+(`ultrajax.train.prepare`: mesh, rules, sharded state created inside jit, the
+donated, jitted step), then compiled once ahead of time and fed random token
+batches that are already on the device, so the figures leave out the data
+pipeline. MFU and HFU use `ultrajax.metrics`: FLOPs per token 6N + 12·L·h·s
+against the data-sheet peak of a known GPU, or on a CPU a measured matmul rate
+(labelled as measured). This is a benchmark, not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+# Each size: model shape, sequence length and micro-batch. `cpu` sizes keep a run of the
+# defaults under a minute on 2 cores; `gpu` sizes are Llama-style shapes at ~125M, ~350M, ~1B.
+SIZES = {
+    "tiny": dict(  # configs/tiny.yaml's shape
+        vocab_size=384, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384,
+        seq_len=256, micro_batch_size=8,
+    ),
+    "small": dict(
+        vocab_size=384, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=768,
+        seq_len=256, micro_batch_size=8,
+    ),
+    "125m": dict(
+        vocab_size=32768, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=2048,
+        seq_len=2048, micro_batch_size=8,
+    ),
+    "350m": dict(
+        vocab_size=32768, d_model=1024, n_layers=24, n_heads=16, n_kv_heads=8, d_ff=2816,
+        seq_len=2048, micro_batch_size=4,
+    ),
+    "1b": dict(  # Llama 3.2 1B's shape (tied embeddings), shorter sequence
+        vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192,
+        seq_len=2048, micro_batch_size=2, tie_embeddings=True, remat="selective",
+    ),
+}  # fmt: skip
+DEFAULTS = {"cpu": ("tiny", "small"), "gpu": ("125m", "350m", "1b")}
+
+
+def _human(n: float) -> str:
+    for unit in ("", "K", "M", "B", "T"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}P"
+
+
+def size_overrides(name: str, platform: str, user: list[str]) -> list[str]:
+    spec = dict(SIZES[name])
+    train = {"micro_batch_size": spec.pop("micro_batch_size")}
+    # XLA's CPU backend emulates bf16 matmuls (slower than fp32): benchmark CPUs in fp32
+    dtype = "float32" if platform == "cpu" else "bfloat16"
+    out = [f"model.{k}={v}" for k, v in spec.items()]
+    out += [f"model.dtype={dtype}", "model.param_dtype=float32"]
+    out += [f"train.{k}={v}" for k, v in train.items()]
+    out += ["train.grad_accum=1", "train.steps=1000", "optim.warmup_steps=10"]
+    if not any(o.startswith("mesh.") for o in user):
+        out.append("mesh.data=-1")  # pure data parallelism over whatever devices exist
+    return out + list(user)
+
+
+def random_batch(cfg, batch_sh, rng):
+    """(grad_accum, global micro-batch, seq_len + 1) random tokens, one document a row."""
+    import jax
+    import numpy as np
+
+    shape = (cfg.train.grad_accum, cfg.train.micro_batch_size * cfg.dp, cfg.model.seq_len + 1)
+    tokens = rng.integers(0, cfg.model.vocab_size, size=shape, dtype=np.int32)
+    batch = {
+        "tokens": tokens,
+        "segment_ids": np.ones(shape, np.int32),
+        "positions": np.broadcast_to(np.arange(shape[-1], dtype=np.int32), shape).copy(),
+    }
+    return {k: jax.device_put(v, batch_sh) for k, v in batch.items()}
+
+
+def bench(name: str, cfg, steps: int, warmup: int) -> dict:
+    import jax
+    import numpy as np
+
+    from ultrajax import metrics
+    from ultrajax.model import param_count
+    from ultrajax.train import prepare
+
+    mesh, _, _, state, step_fn, _, batch_sh = prepare(cfg)
+    rng = np.random.default_rng(cfg.train.seed)
+    with jax.set_mesh(mesh):
+        batches = [random_batch(cfg, batch_sh, rng) for _ in range(2)]
+        t0 = time.perf_counter()
+        compiled = step_fn.lower(state, batches[0]).compile()
+        compile_s = time.perf_counter() - t0
+        for i in range(warmup):
+            state, out = compiled(state, batches[i % 2])
+        jax.block_until_ready(state)
+        # a CPU's peak is measured: measure it next to the timed steps, under the same load
+        peak, _ = metrics.host_peak(cfg)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            state, out = compiled(state, batches[i % 2])
+        jax.block_until_ready((state, out))
+        step_s = (time.perf_counter() - t0) / steps
+    tokens_per_s = cfg.tokens_per_step / step_s
+    return {
+        "model": name,
+        "params": param_count(cfg.model),
+        "tokens_per_step": cfg.tokens_per_step,
+        "step_ms": step_s * 1e3,
+        "tokens_per_s": tokens_per_s,
+        "mfu": tokens_per_s * metrics.flops_per_token(cfg.model) / peak,
+        "hfu": tokens_per_s * metrics.hardware_flops_per_token(cfg.model) / peak,
+        "peak": peak,
+        "compile_s": compile_s,
+        "layout": f"{cfg.train.micro_batch_size}x{cfg.model.seq_len}, dp={cfg.dp},"
+        f" {cfg.model.dtype}, remat={cfg.model.remat}",
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = "| model | params | batch (mbs x seq, layout) | tokens/step | step ms | tokens/s | peak FLOP/s | MFU | HFU | compile s |"  # noqa: E501
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {_human(r['params'])} | {r['layout']} | {r['tokens_per_step']:,} |"
+            f" {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {_human(r['peak'])} |"
+            f" {r['mfu']:.1%} | {r['hfu']:.1%} |"
+            f" {r['compile_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", help=f"comma-separated, from {', '.join(SIZES)} (default by device)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per size (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps after compiling")
+    p.add_argument("--cpu-devices", type=int, default=None, metavar="N", help="simulate N CPUs")
+    p.add_argument("overrides", nargs="*", help="config overrides for every size, e.g. a=b")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+
+    from ultrajax import cli
+
+    cli.setup_devices(args.cpu_devices)  # before anything asks JAX for devices
+    import jax
+
+    from ultrajax import metrics
+    from ultrajax.config import ConfigError, load
+
+    platform = jax.default_backend()
+    names = args.sizes.split(",") if args.sizes else DEFAULTS.get(platform, DEFAULTS["gpu"])
+    unknown = [n for n in names if n not in SIZES]
+    if unknown:
+        p.error(f"unknown size {unknown[0]!r}; choose from {', '.join(SIZES)}")
+    try:
+        cfgs = [(n, load(None, size_overrides(n, platform, args.overrides))) for n in names]
+    except ConfigError as e:
+        cli.fail(str(e))
+
+    device = jax.devices()[0]
+    kind = getattr(device, "device_kind", platform)
+    print(f"device: {jax.device_count()} x {kind} ({platform}), jax {jax.__version__}")
+    if platform == "cpu":
+        source = "measured: fp32 1024x1024 matmul on this CPU, just before each size's steps"
+    else:
+        source = metrics.device_peak(device, cfgs[0][1].model.dtype)[1] + " x devices"
+    print(f"peak: {source}")
+    print(f"timing: {args.warmup} warm-up + {args.steps} timed steps per size, random tokens")
+    rows = []
+    for name, cfg in cfgs:
+        try:
+            rows.append(bench(name, cfg, args.steps, args.warmup))
+        except ConfigError as e:
+            cli.fail(f"size {name}: {e}")
+        print(f"  {name}: {rows[-1]['step_ms']:.1f} ms/step", file=sys.stderr, flush=True)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

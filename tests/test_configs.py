@@ -1,0 +1,39 @@
+"""Every YAML in configs/ parses and validates; the model recipes have the sizes they claim."""
+
+from pathlib import Path
+
+import pytest
+
+from ultrajax.config import load, resolve_mesh
+from ultrajax.model import param_count
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+# file: (devices its comment plans for, published parameter count, tokens per step)
+RECIPES = {
+    "llama-1b.yaml": (8, 1.24e9, 1_048_576),
+    "llama-8b.yaml": (64, 8.03e9, 4_194_304),
+}
+
+
+def test_configs_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"tiny.yaml", *RECIPES} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_validates(path):
+    cfg = load(path)
+    assert cfg.tokens_per_step == cfg.global_batch * cfg.model.seq_len
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_sizes(name):
+    devices, params, tokens = RECIPES[name]
+    path = CONFIGS[0].parent / name
+    cfg = load(path)
+    resolve_mesh(cfg, devices)  # the mesh in the file fits the device count it names
+    assert abs(param_count(cfg.model) - params) / params < 0.05
+    assert cfg.tokens_per_step == tokens
+    assert f"{tokens:,} tokens" in path.read_text()  # the comment states the real batch
+    assert cfg.model.dtype == "bfloat16"
