@@ -12,21 +12,16 @@ axis names) and calls `forward`.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from ultrajax.attention import attend
+from ultrajax.attention import NEG_INF, attend
 from ultrajax.config import ModelConfig
+from ultrajax.parallel.tensor import TensorParallel
 
 NORMS = ("attn_norm", "mlp_norm", "final_norm")  # excluded from weight decay
-
-
-def _constrain(rules, x, *names):
-    return x if rules is None else rules.constrain(x, *names)
 
 
 def rms_norm(x, scale, eps):
@@ -50,29 +45,28 @@ def rope(x, positions, theta):
     return out.astype(x.dtype)
 
 
-def block(p, x, positions, segment_ids, *, cfg: ModelConfig, rules=None):
-    """One decoder layer: x (batch, length, embed) -> same. `p` holds one layer's weights."""
-    c = functools.partial(_constrain, rules)
-    h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
-    h = c(h, "batch", "length", "embed")  # enters the TP region (SP: all-gather)
+def block(p, x, positions, segment_ids, *, cfg: ModelConfig, tp: TensorParallel | None = None):
+    """One decoder layer: x (batch, length, embed) -> same. `p` holds one layer's weights.
+
+    Under tensor parallelism `p` holds this rank's heads and d_ff slice, and x is
+    the residual stream (1/tp of the sequence with sequence parallelism); `enter`
+    and `exit` are the only places where ranks talk (parallel/tensor.py).
+    """
+    enter = tp.enter if tp is not None else (lambda y: y)
+    exit_ = tp.exit if tp is not None else (lambda y: y)
+    h = enter(rms_norm(x, p["attn_norm"], cfg.norm_eps))
     q = checkpoint_name(jnp.einsum("btd,dnh->btnh", h, p["wq"]), "query")
     k = checkpoint_name(jnp.einsum("btd,dkh->btkh", h, p["wk"]), "key")
     v = checkpoint_name(jnp.einsum("btd,dkh->btkh", h, p["wv"]), "value")
-    q = c(rope(q, positions, cfg.rope_theta), "batch", "length", "heads", "head_dim")
-    k = c(rope(k, positions, cfg.rope_theta), "batch", "length", "kv_heads", "head_dim")
-    v = c(v, "batch", "length", "kv_heads", "head_dim")
-    o = attend(q, k, v, segment_ids, implementation=cfg.attention)
-    o = checkpoint_name(o, "attn_out")
-    o = jnp.einsum("btnh,nhd->btd", o, p["wo"])
-    x = x + c(o, "batch", "norm_length", "embed")  # leaves the TP region (SP: reduce-scatter)
+    q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+    o = checkpoint_name(attend(q, k, v, segment_ids, implementation=cfg.attention), "attn_out")
+    x = x + exit_(jnp.einsum("btnh,nhd->btd", o, p["wo"]))  # row-parallel: partial sums
 
-    h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-    h = c(h, "batch", "length", "embed")
+    h = enter(rms_norm(x, p["mlp_norm"], cfg.norm_eps))
     gate = checkpoint_name(jnp.einsum("btd,df->btf", h, p["w_gate"]), "mlp_in")
     up = checkpoint_name(jnp.einsum("btd,df->btf", h, p["w_up"]), "mlp_in")
-    a = c(jax.nn.silu(gate) * up, "batch", "length", "mlp")
-    out = checkpoint_name(jnp.einsum("btf,fd->btd", a, p["w_down"]), "mlp_out")
-    return x + c(out, "batch", "norm_length", "embed")
+    out = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"])
+    return x + exit_(checkpoint_name(out, "mlp_out"))
 
 
 def remat_policy(remat):
@@ -110,27 +104,29 @@ def forward(
     positions=None,
     segment_ids=None,
     *,
-    rules=None,
+    tp: TensorParallel | None = None,
     layer_weights=None,
 ):
     """Logits in fp32, (batch, length, vocab). `params` is a pure dict in any dtype.
 
-    `layer_weights(p) -> p`, if given, prepares one layer's weights inside the
-    layer scan (ZeRO-3 all-gathers them there). Its output is never kept for
-    the backward pass: it is recomputed, so gathered weights live one layer at
-    a time, in the backward pass too.
+    Under tensor parallelism (`tp`, inside shard_map) the logits are this rank's
+    slice of the vocabulary: the loss (parallel.tensor.cross_entropy) never
+    gathers them. `layer_weights(p) -> p`, if given, prepares one layer's
+    weights inside the layer scan (ZeRO-3 all-gathers them there); its output is
+    never kept for the backward pass but recomputed, so gathered weights live
+    one layer at a time, in the backward pass too.
     """
     dtype = jnp.dtype(cfg.dtype)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    x = params["embed"].astype(dtype)[tokens]
-    x = _constrain(rules, x, "batch", "norm_length", "embed")
+    table = params["embed"].astype(dtype)
+    x = table[tokens] if tp is None else tp.embed(table, tokens)
 
     def layer(p, x):
         p = jax.tree.map(lambda w: w.astype(dtype), p)
         if layer_weights is not None:
             p = jax.tree.map(lambda w: checkpoint_name(w, "weights"), layer_weights(p))
-        return block(p, x, positions, segment_ids, cfg=cfg, rules=rules)
+        return block(p, x, positions, segment_ids, cfg=cfg, tp=tp)
 
     policy = remat_policy(cfg.remat)
     if policy is None and layer_weights is not None:
@@ -140,10 +136,10 @@ def forward(
 
     x, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), x, params["layers"])
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
-    x = _constrain(rules, x, "batch", "length", "embed")
+    if tp is not None:
+        x = tp.enter(x)  # the LM head is column-parallel over the vocabulary
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
-    return _constrain(rules, logits, "batch", "length", "vocab")
+    return jnp.einsum("btd,dv->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
 
 
 def _normal(std):
@@ -236,3 +232,71 @@ def matmul_param_count(cfg: ModelConfig) -> int:
     h, hd, a, akv = cfg.d_model, cfg.hd, cfg.n_heads, cfg.n_kv_heads
     per_layer = h * hd * (2 * a + 2 * akv) + 3 * h * cfg.d_ff
     return cfg.n_layers * per_layer + cfg.vocab_size * h
+
+
+# ------------------------------------------------------------------ decoding with a KV cache
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> dict:
+    """Room for the keys and values of `length` positions, every layer:
+    (layers, batch, length, kv_heads, head_dim) each, in the compute dtype."""
+    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.hd)
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def _cached_attention(q, k, v, q_pos):
+    """`xla_attention` against a cache: q (b, t, h, d) at positions q_pos (b, t); k, v
+    (b, S, kv, d) hold positions 0..S-1. A query at position p sees slots s <= p, so
+    the slots not yet written (all later than p) never count."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (d**-0.5)
+    visible = q_pos[:, None, None, :, None] >= jnp.arange(k.shape[1])  # (b, 1, 1, t, S)
+    scores = jnp.where(visible, scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, d)
+
+
+def decode_block(p, x, positions, cache_k, cache_v, start, *, cfg: ModelConfig):
+    """`block` for generation: the same weights, norms, rotary and MLP; the chunk's keys
+    and values are written into this layer's cache at `start`, and its queries attend
+    to everything cached so far. Returns (x, cache_k, cache_v)."""
+    h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
+    q = rope(jnp.einsum("btd,dnh->btnh", h, p["wq"]), positions, cfg.rope_theta)
+    k = rope(jnp.einsum("btd,dkh->btkh", h, p["wk"]), positions, cfg.rope_theta)
+    v = jnp.einsum("btd,dkh->btkh", h, p["wv"])
+    cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), start, 1)
+    cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), start, 1)
+    o = _cached_attention(q, cache_k, cache_v, positions)
+    x = x + jnp.einsum("btnh,nhd->btd", o, p["wo"])
+    h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, p["w_gate"])
+    up = jnp.einsum("btd,df->btf", h, p["w_up"])
+    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"])
+    return x, cache_k, cache_v
+
+
+def forward_with_cache(cfg: ModelConfig, params, tokens, cache: dict, start):
+    """fp32 logits of `tokens` (batch, t) placed at positions start..start+t-1, and the
+    cache with their keys and values written (prefill: the prompt at start=0; then one
+    token at a time). Equals `forward` on the whole sequence so far."""
+    dtype = jnp.dtype(cfg.dtype)
+    b, t = tokens.shape
+    positions = start + jnp.broadcast_to(jnp.arange(t), (b, t))
+    x = params["embed"].astype(dtype)[tokens]
+
+    def layer(x, inputs):
+        p, ck, cv = inputs
+        p = jax.tree.map(lambda w: w.astype(dtype), p)
+        x, ck, cv = decode_block(p, x, positions, ck, cv, start, cfg=cfg)
+        return x, (ck, cv)
+
+    x, (k, v) = jax.lax.scan(layer, x, (params["layers"], cache["k"], cache["v"]))
+    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
+    return logits, {"k": k, "v": v}

@@ -79,7 +79,9 @@ def prepare(cfg: Config):
         init = jax.jit(lambda k: init_state(cfg, tx, k), out_shardings=shardings)
         state = init(jax.random.key(cfg.train.seed))
         step_fn = jit_train_step(cfg, mesh, rules, tx, schedule, shardings, batch_sh)
-        eval_fn = jax.jit(make_eval_step(cfg, rules), in_shardings=(shardings["params"], batch_sh))
+        eval_fn = jax.jit(
+            make_eval_step(cfg, mesh, rules), in_shardings=(shardings["params"], batch_sh)
+        )
     return mesh, rules, data, state, step_fn, eval_fn, batch_sh
 
 
