@@ -8,3 +8,34 @@ import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def random_params():
+    """make(cfg, seed) -> a parameter dict shaped like model.init_params, filled from numpy.
+
+    Compiling `init_params` costs seconds per shape on a busy CPU; tests that only need
+    some weights of the right structure build them here instead (norm scales near 1).
+    """
+    from ultrajax.model import NORMS, init_params
+
+    def make(cfg, seed=0, scale=1.0):
+        shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+        rng = np.random.default_rng(seed)
+
+        def leaf(path, s):
+            name = path[-1].key
+            if name in NORMS:
+                value = 1.0 + 0.1 * rng.standard_normal(s.shape)
+            else:
+                fan_in = s.shape[-1] if name == "embed" else s.shape[1 if name != "lm_head" else 0]
+                value = rng.standard_normal(s.shape) * scale * fan_in**-0.5
+            return jax.numpy.asarray(value, s.dtype)
+
+        return jax.tree_util.tree_map_with_path(leaf, shapes)
+
+    return make

@@ -1,0 +1,270 @@
+"""Config: YAML + dotted overrides, type conversion, validation, mesh resolution."""
+
+from pathlib import Path
+
+import pytest
+
+from ultrajax import config as config_lib
+from ultrajax.config import Config, ConfigError, load, resolve_mesh
+
+
+def _write(tmp_path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def _error(*overrides, path=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load(path, list(overrides))
+    message = str(info.value)
+    assert message and "\n" not in message, f"not one line: {message!r}"
+    return message
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def test_yaml_file_sets_values_and_leaves_defaults(tmp_path):
+    path = _write(
+        tmp_path,
+        "model:\n  d_model: 64\n  n_heads: 4\n  n_kv_heads: 1\n"
+        "optim:\n  lr: 3.0e-4\n  schedule: wsd\n"
+        "mesh: {data: 1, fsdp: 1, pipeline: 1, sequence: 1, tensor: 1}\n",
+    )
+    cfg = load(path)
+    assert cfg.model.d_model == 64 and cfg.model.n_kv_heads == 1
+    assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)
+    assert cfg.optim.schedule == "wsd"
+    default = Config()
+    assert cfg.train.steps == default.train.steps
+    assert cfg.model.d_ff == default.model.d_ff
+
+
+def test_overrides_convert_types(tmp_path):
+    path = _write(tmp_path, "train:\n  steps: 10\n")
+    cfg = load(
+        path,
+        [
+            "train.steps=50",
+            "optim.lr=3e-4",  # YAML 1.1 reads this as a string: it must become a float
+            "optim.b2=0.99",
+            "optim.min_lr=0",  # an int where a float is expected
+            "model.tie_embeddings=true",
+            "train.profile_steps=[2, 4]",
+            "model.remat=[query, attn_out]",
+            "model.head_dim=16",
+            "checkpoint.dir=null",
+            "data.path=",  # empty value: None for an optional key
+            "model.dtype=float32",
+        ],
+    )
+    assert cfg.train.steps == 50 and type(cfg.train.steps) is int
+    assert cfg.optim.lr == 3e-4 and type(cfg.optim.lr) is float
+    assert cfg.optim.b2 == 0.99
+    assert cfg.optim.min_lr == 0.0 and type(cfg.optim.min_lr) is float
+    assert cfg.model.tie_embeddings is True
+    assert cfg.train.profile_steps == [2, 4]
+    assert cfg.model.remat == ["query", "attn_out"]
+    assert cfg.model.head_dim == 16 and cfg.model.hd == 16
+    assert cfg.checkpoint.dir is None
+    assert cfg.data.path is None
+    assert cfg.model.dtype == "float32"
+
+
+def test_overrides_win_over_the_file_in_order(tmp_path):
+    path = _write(tmp_path, "train:\n  steps: 10\n  seed: 3\n")
+    cfg = load(path, ["train.steps=40", "train.steps=50"])
+    assert cfg.train.steps == 50
+    assert cfg.train.seed == 3
+
+
+def test_optional_int_accepts_value_and_null():
+    assert load(None, ["model.head_dim=32"]).model.head_dim == 32
+    cfg = load(None, ["model.head_dim=32", "model.head_dim=null"])
+    assert cfg.model.head_dim is None
+    assert cfg.model.hd == cfg.model.d_model // cfg.model.n_heads
+
+
+def test_batch_sizes_in_samples_and_tokens():
+    cfg = load(
+        None,
+        [
+            "train.micro_batch_size=4",
+            "train.grad_accum=3",
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "model.seq_len=64",
+        ],
+    )
+    assert cfg.dp == 4
+    assert cfg.global_batch == 4 * 3 * 4
+    assert cfg.tokens_per_step == 4 * 3 * 4 * 64
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = load(None, ["optim.lr=1e-3", "train.profile_steps=[1, 2]", "model.remat=full"])
+    path = tmp_path / "config.yaml"
+    path.write_text(config_lib.dump(cfg))
+    assert load(path) == cfg
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_unknown_key_suggests_closest():
+    message = _error("train.stepz=5")
+    assert "train.stepz" in message and "train.steps" in message
+
+
+def test_unknown_section_suggests_closest():
+    message = _error("trian.steps=5")
+    assert "trian" in message and "did you mean train" in message
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = _write(tmp_path, "optim:\n  learning_rate: 0.1\n")
+    message = _error(path=path)
+    assert "optim.learning_rate" in message
+
+
+def test_unknown_key_without_close_match_lists_known_keys():
+    message = _error("mesh.zzzzzz=2")
+    assert "mesh.zzzzzz" in message and "tensor" in message
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.steps=abc", "train.steps"),
+        ("train.steps=1.5", "train.steps"),
+        ("train.steps=true", "train.steps"),
+        ("optim.lr=fast", "optim.lr"),
+        ("model.tie_embeddings=maybe", "model.tie_embeddings"),
+        ("model.tie_embeddings=1", "model.tie_embeddings"),
+        ("model.dtype=float64", "model.dtype"),
+        ("train.profile_steps=5", "train.profile_steps"),
+        ("train.profile_steps=[a, b]", "train.profile_steps"),
+        ("model.head_dim=wide", "model.head_dim"),
+        ("data.path=[1, 2]", "data.path"),
+    ],
+)
+def test_wrong_type_names_the_key(override, key):
+    assert key in _error(override)
+
+
+def test_wrong_type_in_yaml_file(tmp_path):
+    path = _write(tmp_path, "model:\n  n_layers: four\n")
+    assert "model.n_layers" in _error(path=path)
+
+
+def test_d_model_must_divide_by_n_heads():
+    message = _error("model.d_model=100", "model.n_heads=3", "model.n_kv_heads=1")
+    assert "model.d_model" in message and "model.n_heads" in message
+
+
+def test_explicit_head_dim_lifts_the_d_model_rule():
+    cfg = load(
+        None, ["model.d_model=96", "model.n_heads=5", "model.n_kv_heads=1", "model.head_dim=16"]
+    )
+    assert cfg.model.hd == 16
+
+
+def test_n_heads_must_divide_by_n_kv_heads():
+    message = _error("model.n_heads=4", "model.n_kv_heads=3")
+    assert "model.n_heads" in message and "model.n_kv_heads" in message
+
+
+def test_missing_file_names_it(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    message = _error(path=missing)
+    assert str(missing) in message
+
+
+def test_invalid_yaml_names_the_file(tmp_path):
+    path = _write(tmp_path, "model:\n  d_model: [1, 2\n")
+    assert str(path) in _error(path=path)
+
+
+def test_top_level_must_be_sections(tmp_path):
+    path = _write(tmp_path, "steps: 10\n")
+    assert "steps" in _error(path=path)
+
+
+def test_override_without_equals_sign():
+    assert "train.steps" in _error("train.steps")
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["train.steps=0"], "train.steps"),
+        (["optim.warmup_steps=400", "train.steps=300"], "optim.warmup_steps"),
+        (["optim.min_lr=1.0", "optim.lr=0.1"], "optim.min_lr"),
+        (["data.source=files"], "data.path"),
+        (["data.eval_fraction=1.0"], "data.eval_fraction"),
+        (["mesh.data=-1", "mesh.fsdp=-1"], "-1"),
+        (["mesh.tensor=0"], "mesh.tensor"),
+        (["parallel.zero=4"], "parallel.zero"),
+        (["model.remat=sometimes"], "model.remat"),
+        (["model.remat=[query, bogus]"], "model.remat"),
+    ],
+)
+def test_inconsistent_values_are_rejected(overrides, key):
+    assert key in _error(*overrides)
+
+
+# --------------------------------------------------------------------------- mesh
+
+
+def test_resolve_mesh_fills_minus_one():
+    cfg = load(None, ["mesh.data=2", "mesh.fsdp=-1"])
+    resolve_mesh(cfg, 8)
+    assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (2, 4, 1)
+
+
+def test_resolve_mesh_fill_must_divide_device_count():
+    cfg = load(None, ["mesh.data=3", "mesh.fsdp=-1"])
+    with pytest.raises(ConfigError, match=r"mesh\.fsdp=-1"):
+        resolve_mesh(cfg, 8)
+
+
+def test_resolve_mesh_product_must_equal_device_count():
+    cfg = load(None, ["mesh.data=2", "mesh.fsdp=2"])
+    with pytest.raises(ConfigError, match="multiply to 4") as info:
+        resolve_mesh(cfg, 8)
+    assert "8 devices" in str(info.value)
+
+
+def test_resolve_mesh_accepts_exact_product():
+    cfg = load(None, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
+    resolve_mesh(cfg, 8)
+    assert cfg.mesh.tensor == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["model.n_heads=4", "model.n_kv_heads=1", "mesh.tensor=2"], "model.n_kv_heads"),
+        (
+            ["model.n_heads=6", "model.n_kv_heads=3", "model.d_model=96", "mesh.tensor=4"],
+            "model.n_heads",
+        ),
+        (["model.d_ff=301", "mesh.tensor=2"], "model.d_ff"),
+        (["model.vocab_size=385", "mesh.tensor=2"], "model.vocab_size"),
+    ],
+)
+def test_tensor_divisibility(overrides, key):
+    message = _error(*overrides)
+    assert key in message and "mesh.tensor" in message
+
+
+def test_tensor_divisibility_checked_after_fill():
+    cfg = load(None, ["model.n_heads=4", "model.n_kv_heads=2", "mesh.tensor=-1"])
+    with pytest.raises(ConfigError, match=r"model\.n_heads \(4\).*mesh\.tensor \(8\)"):
+        resolve_mesh(cfg, 8)
+
+
+def test_zero_needs_d_model_divisible_by_fsdp():
+    message = _error("model.d_model=96", "model.n_heads=4", "mesh.fsdp=5", "parallel.zero=1")
+    assert "model.d_model" in message and "mesh.fsdp" in message

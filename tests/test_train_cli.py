@@ -1,0 +1,149 @@
+"""`python -m ultrajax.train` as a user runs it: a short end-to-end run, and bad input."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ultrajax import config as config_lib
+from ultrajax import optim
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = "configs/tiny.yaml"
+FIELDS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "hfu")
+SMALL = [
+    "train.steps=12",
+    "train.log_every=4",
+    "train.eval_every=6",
+    "train.eval_batches=2",
+    "train.micro_batch_size=4",
+    "train.grad_accum=2",
+    "model.n_layers=2",
+    "model.seq_len=64",
+    "optim.warmup_steps=2",
+]
+
+
+def _env():
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _train(*args, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "ultrajax.train", *args],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    proc = _train("--config", TINY, *SMALL, f"train.run_dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, run_dir
+
+
+@pytest.mark.slow
+def test_run_exits_cleanly_and_prints_a_summary(run):
+    proc, _ = run
+    assert "Traceback" not in proc.stderr
+    assert "summary:" in proc.stdout
+    assert "tokens/s" in proc.stdout and "MFU" in proc.stdout
+    assert "parameters" in proc.stdout
+
+
+@pytest.mark.slow
+def test_metrics_jsonl_has_every_field_finite(run):
+    _, run_dir = run
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    # logged at step 1, every 4 steps and the last; evaluated every 6 steps and the last
+    assert [r["step"] for r in records] == [1, 4, 6, 8, 12]
+    assert [r["step"] for r in records if "eval_loss" in r] == [6, 12]
+    for r in records:
+        for key in FIELDS:
+            assert key in r, (key, r)
+            assert isinstance(r[key], (int, float)) and math.isfinite(r[key]), (key, r)
+        if "eval_loss" in r:
+            assert math.isfinite(r["eval_loss"]) and r["eval_loss"] > 0
+        assert r["loss"] > 0 and r["grad_norm"] > 0
+        assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0
+        assert 0 < r["mfu"] <= r["hfu"]
+        # tokens per step = 4 micro x 2 accum x 64 seq
+        assert r["tokens_per_s"] * r["step_time_s"] == pytest.approx(4 * 2 * 64, rel=1e-6)
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+@pytest.mark.slow
+def test_config_yaml_is_the_resolved_config_and_lr_follows_its_schedule(run):
+    _, run_dir = run
+    cfg = config_lib.load(run_dir / "config.yaml")
+    assert cfg.train.steps == 12 and cfg.model.n_layers == 2 and cfg.model.seq_len == 64
+    assert cfg.train.run_dir == str(run_dir)
+    schedule = optim.schedule(cfg)
+    for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        # the lr logged at step s is the one step s used (the schedule at s - 1)
+        assert r["lr"] == pytest.approx(float(schedule(r["step"] - 1)), rel=1e-5, abs=1e-12)
+
+
+# --------------------------------------------------------------------------- bad input
+
+BAD = {
+    "unknown-key": (["--config", TINY, "train.stepz=5"], "train.steps"),
+    "wrong-type": (["--config", TINY, "train.steps=abc"], "train.steps"),
+    "missing-config": (["--config", "configs/no_such_file.yaml"], "no_such_file.yaml"),
+    "d_model-n_heads": (["--config", TINY, "model.d_model=100", "model.n_heads=3"], "n_heads"),
+    "missing-data-path": (
+        ["--config", TINY, "data.source=files", "data.path=/nonexistent/corpus.txt"],
+        "/nonexistent/corpus.txt",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory):
+    """Start every bad-input run at once (each is mostly interpreter start-up)."""
+    run_dir = tmp_path_factory.mktemp("bad")
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "ultrajax.train", *args, f"train.run_dir={run_dir / name}"],
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, (args, _) in BAD.items()
+    }
+    results = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        results[name] = (proc.returncode, out, err, run_dir / name)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_exits_2_with_one_line(bad_runs, name):
+    code, _, err, run_dir = bad_runs[name]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and len(lines[0]) > len("error: ")
+    assert BAD[name][1] in lines[0]
+    assert not (run_dir / "metrics.jsonl").exists()
