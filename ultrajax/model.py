@@ -92,8 +92,9 @@ def remat_policy(remat):
 def _all_but_gathered_weights(prim, *_, **params) -> bool:
     """remat policy for ZeRO-3 without recomputation: keep every activation, but never
     a gathered weight (it is all-gathered again in the backward pass instead)."""
-    if prim.name == "all_gather":
-        return False
+    if prim.name == "all_gather":  # ZeRO-3 gathers weights over fsdp: never keep those
+        names = params.get("axis_name", ())
+        return "fsdp" not in (names if isinstance(names, tuple) else (names,))
     return not (prim.name == "name" and params.get("name") == "weights")
 
 
