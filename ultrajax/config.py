@@ -82,12 +82,27 @@ class OptimConfig:
 
 
 @dataclass
+class DcnConfig:
+    """How many hosts (processes) each outer mesh axis spans: its factor over the slow
+    data-centre network (DCN). The rest of the axis stays inside a host (ICI/NVLink)."""
+
+    data: int = 1
+    fsdp: int = 1
+    pipeline: int = 1
+
+
+@dataclass
 class MeshConfig:
     data: int = 1
     fsdp: int = 1
     pipeline: int = 1
     sequence: int = 1
     tensor: int = 1
+    dcn: DcnConfig = field(default_factory=DcnConfig)
+
+    def sizes(self) -> dict[str, int]:
+        """The five axis sizes (without the dcn factors)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "dcn"}
 
 
 @dataclass
@@ -183,6 +198,19 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if dataclasses.is_dataclass(tp):  # a nested section, e.g. mesh.dcn
+        if isinstance(value, tp):
+            return value
+        hints = typing.get_type_hints(tp)
+        if not isinstance(value, dict):
+            keys = ", ".join(f"{key}.{k}" for k in hints)
+            raise ConfigError(f"{key} is a section; set its keys: {keys}")
+        obj = tp()
+        for k, v in value.items():
+            if k not in hints:
+                raise _unknown(f"{key}.{k}", list(hints))
+            setattr(obj, k, _coerce(v, hints[k], f"{key}.{k}"))
+        return obj
     raise ConfigError(f"{key}: unsupported type {tp}")  # pragma: no cover
 
 
@@ -194,28 +222,30 @@ def _unknown(key: str, choices: list[str]) -> ConfigError:
 
 
 def _set(cfg: Config, key: str, value: Any) -> None:
+    """Set `section.name`, or `section.sub.name` in a nested section such as mesh.dcn."""
     parts = key.split(".")
-    if len(parts) != 2:
+    if len(parts) < 2:
         raise ConfigError(f"config key {key!r} must look like section.name, e.g. train.steps")
-    section_name, name = parts
-    sections = {f.name: f for f in dataclasses.fields(Config)}
-    if section_name not in sections:
-        raise _unknown(section_name, list(sections))
-    section = getattr(cfg, section_name)
-    hints = typing.get_type_hints(type(section))
-    if name not in hints:
-        raise _unknown(key, list(hints))
-    setattr(section, name, _coerce(value, hints[name], key))
+    obj = cfg
+    for i, part in enumerate(parts):
+        here = ".".join(parts[: i + 1])
+        hints = typing.get_type_hints(type(obj))
+        if part not in hints:
+            raise _unknown(here, list(hints))
+        if i == len(parts) - 1:
+            setattr(obj, part, _coerce(value, hints[part], key))
+        elif not dataclasses.is_dataclass(hints[part]):
+            raise ConfigError(f"config key {key!r}: {here} is a value, not a section")
+        else:
+            obj = getattr(obj, part)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and not prefix:
+        if isinstance(v, dict):  # sections, and nested sections like mesh.dcn
             out.update(_flatten(v, f"{key}."))
-        elif isinstance(v, dict):
-            raise ConfigError(f"{key}: nested sections are not allowed here")
         else:
             out[key] = v
     return out
@@ -316,11 +346,13 @@ def validate(cfg: Config) -> None:
     _check(o.weight_decay >= 0, "optim.weight_decay must be >= 0")
     _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optim.b1 and optim.b2 must be in [0, 1)")
     _check(o.clip_norm >= 0, "optim.clip_norm must be >= 0 (0 disables clipping)")
-    sizes = dataclasses.asdict(cfg.mesh)
+    sizes = cfg.mesh.sizes()
     fills = [k for k, v in sizes.items() if v == -1]
     _check(len(fills) <= 1, f"only one mesh size may be -1 (fill); got {', '.join(fills)}")
     for k, v in sizes.items():
         _check(v == -1 or v >= 1, f"mesh.{k} must be >= 1 or -1 (fill), got {v}")
+    for k, v in dataclasses.asdict(cfg.mesh.dcn).items():
+        _check(v >= 1, f"mesh.dcn.{k} must be >= 1 (the number of hosts mesh.{k} spans), got {v}")
     _check(cfg.parallel.zero in (0, 1, 2, 3), "parallel.zero must be 0, 1, 2 or 3")
     _check(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
     _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0: only at the end)")
@@ -330,8 +362,14 @@ def validate(cfg: Config) -> None:
 def validate_layout(cfg: Config) -> None:
     """Divisibility rules of the mesh; needs concrete mesh sizes (no -1 left)."""
     mesh = cfg.mesh
-    if -1 in dataclasses.asdict(mesh).values():
+    if -1 in mesh.sizes().values():
         return  # checked again once the device count has resolved the fill
+    for k, f in dataclasses.asdict(mesh.dcn).items():
+        _check(
+            getattr(mesh, k) % f == 0,
+            f"mesh.dcn.{k} ({f}) must divide mesh.{k} ({getattr(mesh, k)}): it is the part "
+            f"of mesh.{k} that spans hosts",
+        )
     m = cfg.model
     tp = mesh.tensor
     for key in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
@@ -364,7 +402,7 @@ def validate_layout(cfg: Config) -> None:
 
 def resolve_mesh(cfg: Config, n_devices: int) -> None:
     """Fill a -1 mesh size from the device count and check the product."""
-    sizes = dataclasses.asdict(cfg.mesh)
+    sizes = cfg.mesh.sizes()
     known = 1
     for v in sizes.values():
         if v != -1:
@@ -377,11 +415,11 @@ def resolve_mesh(cfg: Config, n_devices: int) -> None:
             )
             setattr(cfg.mesh, k, n_devices // known)
     product = 1
-    for v in dataclasses.asdict(cfg.mesh).values():
+    for v in cfg.mesh.sizes().values():
         product *= v
     _check(
         product == n_devices,
-        f"mesh sizes {dataclasses.asdict(cfg.mesh)} multiply to {product}, but there are "
+        f"mesh sizes {cfg.mesh.sizes()} multiply to {product}, but there are "
         f"{n_devices} devices; change the sizes or set one to -1",
     )
     validate_layout(cfg)

@@ -8,9 +8,11 @@ model code.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ultrajax.config import Config
@@ -36,10 +38,74 @@ LOGICAL_NAMES = (
 
 
 def make_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
-    """Build the mesh in AXES order with Auto axes (constraints are hints, not asserts)."""
+    """Build the mesh in AXES order with Auto axes (constraints are hints, not asserts).
+
+    With any `mesh.dcn.*` factor > 1 the mesh is hybrid: those factors of data, fsdp
+    and pipeline span hosts (the slow DCN links), everything else stays inside one."""
     sizes = tuple(getattr(cfg.mesh, a) for a in AXES)
     devices = jax.devices() if devices is None else devices
-    return jax.make_mesh(sizes, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+    types = (AxisType.Auto,) * len(AXES)
+    dcn = dcn_shape(cfg)
+    if all(f == 1 for f in dcn):
+        return jax.make_mesh(sizes, AXES, axis_types=types, devices=devices)
+    return jax.sharding.Mesh(hybrid_devices(cfg, devices), AXES, axis_types=types)
+
+
+def dcn_shape(cfg: Config) -> tuple[int, ...]:
+    """The factor of each mesh axis that spans hosts (sequence and tensor never do)."""
+    return tuple(getattr(cfg.mesh.dcn, a, 1) for a in AXES)
+
+
+def hybrid_devices(cfg: Config, devices):
+    """Devices as an array of the mesh's shape: per host (process, or TPU slice) an ICI
+    mesh of sizes / dcn, and the hosts arranged in the dcn shape around them."""
+    from jax.experimental import mesh_utils
+
+    from ultrajax.config import ConfigError
+
+    sizes, dcn = tuple(getattr(cfg.mesh, a) for a in AXES), dcn_shape(cfg)
+    ici = tuple(s // f for s, f in zip(sizes, dcn, strict=True))
+    slices = {getattr(d, "slice_index", None) for d in devices}
+    by_process = len(slices) <= 1 or None in slices  # GPU / CPU hosts: a process each
+    key = "process_index" if by_process else "slice_index"
+    hosts: dict = {}
+    for d in devices:
+        hosts.setdefault(getattr(d, key), []).append(d)
+    factors = " x ".join(f"{a}={f}" for a, f in zip(AXES, dcn, strict=True) if f > 1)
+    n_dcn = math.prod(dcn)
+    if n_dcn != len(hosts):
+        raise ConfigError(
+            f"mesh.dcn ({factors}) spans {n_dcn} hosts, but the run has {len(hosts)} "
+            f"{'process' if by_process else 'slice'}(es); make the mesh.dcn factors multiply "
+            f"to {len(hosts)}"
+        )
+    per_host = {len(v) for v in hosts.values()}
+    if per_host != {math.prod(ici)}:
+        inner = " x ".join(f"{a}={f}" for a, f in zip(AXES, ici, strict=True) if f > 1) or "1"
+        raise ConfigError(
+            f"inside each host the mesh is {inner} ({math.prod(ici)} devices: the mesh sizes "
+            f"divided by mesh.dcn), but hosts have {sorted(per_host)} devices"
+        )
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=by_process)
+
+
+def describe_hosts(mesh) -> str:
+    """Which axes cross host boundaries, read off the mesh itself: for each axis, the
+    number of processes met walking along it."""
+    procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    n_proc = len(np.unique(procs))
+    span = {}
+    for i, a in enumerate(mesh.axis_names):
+        moved = np.moveaxis(procs, i, -1).reshape(-1, procs.shape[i])
+        span[a] = max(len(np.unique(row)) for row in moved)
+    across = [f"{a}={span[a]}" for a in mesh.axis_names if span[a] > 1]
+    inside = [
+        f"{a}={mesh.shape[a] // span[a]}" for a in mesh.axis_names if mesh.shape[a] // span[a] > 1
+    ]
+    return (
+        f"hosts: {n_proc} process(es) x {mesh.size // n_proc} devices; across hosts (DCN): "
+        f"{' x '.join(across) or 'none'}; inside a host: {' x '.join(inside) or 'none'}"
+    )
 
 
 @dataclass(frozen=True)
