@@ -13,11 +13,15 @@ from collections.abc import Callable
 import jax
 
 from ultrajax import config as config_lib
+from ultrajax import distributed
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own errors: one line, exit 2
         fail(f"{self.prog}: {message}")
+
+    def parse_args(self, args=None, namespace=None):  # options and overrides in any order
+        return self.parse_intermixed_args(args, namespace)
 
 
 def fail(message: str, code: int = 2):
@@ -36,16 +40,25 @@ def parser(prog: str, description: str, *, config_required: bool = True) -> argp
         help="simulate N devices on a CPU host (sets jax_num_cpu_devices)",
     )
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50")
+    distributed.add_arguments(p)
     return p
 
 
-def setup_devices(cpu_devices: int | None) -> None:
-    """Must run before anything asks JAX for devices."""
+def setup_devices(args: argparse.Namespace | int | None) -> None:
+    """Must run before anything asks JAX for devices: simulated CPU devices, then
+    joining a multi-process run (explicit flags on `args`, or SLURM / Open MPI)."""
+    cpu_devices = (
+        getattr(args, "cpu_devices", None) if isinstance(args, argparse.Namespace) else args
+    )
     if cpu_devices is not None:
         if cpu_devices < 1:
             fail("--cpu-devices must be >= 1")
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", cpu_devices)
+    try:
+        distributed.initialize(args if isinstance(args, argparse.Namespace) else None)
+    except config_lib.ConfigError as e:
+        fail(str(e))
 
 
 def load_config(args) -> config_lib.Config:
@@ -64,4 +77,6 @@ def run(main: Callable[[], int | None]) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    if not code:
+        distributed.shutdown()  # with the other processes; a failure exits at once instead
     sys.exit(code or 0)
