@@ -44,12 +44,16 @@ def check_backend(cfg: Config) -> None:
         )
 
 
-def to_global(local: dict, sharding, grad_accum: int) -> dict:
-    """(local_batch, S+1) numpy -> global (grad_accum, micro x dp, S+1) jax arrays."""
-    return {
-        k: jax.make_array_from_process_local_data(sharding, v.reshape(grad_accum, -1, v.shape[-1]))
-        for k, v in local.items()
-    }
+def to_global(batch: dict, sharding, grad_accum: int) -> dict:
+    """The global batch (global_batch, S+1) numpy -> (grad_accum, micro x dp, S+1) jax arrays.
+
+    Every process holds the same global batch (docs/multihost.md: the data stream does
+    not depend on the process count); each of its devices copies only its own slice."""
+    out = {}
+    for k, v in batch.items():
+        v = v.reshape(grad_accum, -1, v.shape[-1])
+        out[k] = jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+    return out
 
 
 def prepare(cfg: Config):
@@ -58,19 +62,15 @@ def prepare(cfg: Config):
     check_backend(cfg)
     mesh = mesh_lib.make_mesh(cfg)
     rules = mesh_lib.rules(cfg)
-    n_proc = jax.process_count()
-    if cfg.global_batch % n_proc:
-        raise ConfigError(
-            f"the global batch ({cfg.global_batch}) must split evenly over {n_proc} processes"
-        )
+    # Every process packs the same global stream and feeds its devices their rows: the
+    # batches are then those of a single process, whatever the process count (exact
+    # equivalence, and a checkpoint resumes on any number of processes).
     data = data_lib.build(
         cfg.data,
         seq_len=cfg.model.seq_len,
-        batch_size=cfg.global_batch // n_proc,
+        batch_size=cfg.global_batch,
         seed=cfg.train.seed,
         vocab_size=cfg.model.vocab_size,
-        shard_index=jax.process_index(),
-        shard_count=n_proc,
     )
     tx, schedule = optim.optimizer(cfg), optim.schedule(cfg)
     shardings = state_shardings(cfg, mesh, rules, tx)
@@ -87,7 +87,7 @@ def prepare(cfg: Config):
 
 def main(argv=None) -> int:
     args = cli.parser("ultrajax.train", "Train a Llama-style model.").parse_args(argv)
-    cli.setup_devices(args.cpu_devices)
+    cli.setup_devices(args)  # simulated devices; joins a multi-process run if started as one
     cfg = cli.load_config(args)
     return train(cfg)
 
@@ -98,11 +98,13 @@ def train(cfg: Config) -> int:
     mesh, rules, data, state, step_fn, eval_fn, batch_sh = prepare(cfg)
     run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump(cfg))
+    if lead:  # one writer per file, also when the run directory is shared by all hosts
+        (run_dir / "config.yaml").write_text(dump(cfg))
 
     m, t = cfg.model, cfg.train
     say(dump(cfg).rstrip())
     say(mesh_lib.describe(mesh, rules))
+    say(mesh_lib.describe_hosts(mesh))
     say(
         f"batch: {cfg.global_batch} samples = {t.micro_batch_size} micro x {t.grad_accum} accum"
         f" x {cfg.dp} dp; {cfg.tokens_per_step:,} tokens per step (x {m.seq_len} seq)"
