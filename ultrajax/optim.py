@@ -7,6 +7,7 @@ scales get no weight decay (decaying them pulls every activation toward zero).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from ultrajax.config import Config
@@ -15,7 +16,8 @@ from ultrajax.model import NORMS
 
 def schedule(cfg: Config) -> optax.Schedule:
     o, steps = cfg.optim, cfg.train.steps
-    warmup = optax.linear_schedule(0.0, o.lr, max(o.warmup_steps, 1))
+    # the first step already moves the weights: lr/warmup, not 0
+    warmup = optax.linear_schedule(o.lr / max(o.warmup_steps, 1), o.lr, max(o.warmup_steps, 1))
     if o.schedule == "constant":
         main = optax.constant_schedule(o.lr)
     elif o.schedule == "cosine":
@@ -56,6 +58,7 @@ def optimizer(cfg: Config) -> optax.GradientTransformation:
             eps=o.eps,
             weight_decay=o.weight_decay,
             mask=decay_mask,
+            mu_dtype=jnp.float32,  # first moment in fp32 even for bf16 parameters
         )
     )
     return optax.chain(*parts)

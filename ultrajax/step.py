@@ -215,7 +215,7 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
             jax.tree.map(lambda p: p.astype(dtype), params), compute_sh
         )
         grads, loss, n_targets = sharded_grads(cparams, batch)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new = {
             "step": state["step"] + 1,
