@@ -109,6 +109,11 @@ class MeshConfig:
 class ParallelConfig:
     zero: int = 0
     sequence_parallel: bool = False
+    # GPU: overlap collectives with compute, bucket them up to these sizes (overlap.py)
+    overlap: bool = True
+    all_reduce_bucket_mib: int = 64
+    all_gather_bucket_mib: int = 64
+    reduce_scatter_bucket_mib: int = 64
 
 
 @dataclass
@@ -117,6 +122,7 @@ class CheckpointConfig:
     every: int = 0
     keep: int = 3
     resume: str = "auto"  # auto | none | a checkpoint path
+    init_from: str | None = None  # a checkpoint to load parameters only from (fine-tuning)
 
 
 @dataclass
@@ -354,6 +360,8 @@ def validate(cfg: Config) -> None:
     for k, v in dataclasses.asdict(cfg.mesh.dcn).items():
         _check(v >= 1, f"mesh.dcn.{k} must be >= 1 (the number of hosts mesh.{k} spans), got {v}")
     _check(cfg.parallel.zero in (0, 1, 2, 3), "parallel.zero must be 0, 1, 2 or 3")
+    for key in ("all_reduce_bucket_mib", "all_gather_bucket_mib", "reduce_scatter_bucket_mib"):
+        _check(getattr(cfg.parallel, key) >= 0, f"parallel.{key} must be >= 0")
     _check(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
     _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0: only at the end)")
     validate_layout(cfg)
