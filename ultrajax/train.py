@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from ultrajax import checkpoint as checkpoint_lib
 from ultrajax import cli, optim
 from ultrajax import data as data_lib
 from ultrajax import mesh as mesh_lib
@@ -56,8 +57,11 @@ def to_global(batch: dict, sharding, grad_accum: int) -> dict:
     return out
 
 
-def prepare(cfg: Config):
-    """Everything before the loop: mesh, data, state, compiled step. Prints the plan."""
+def prepare(cfg: Config, *, fresh: bool = True):
+    """Everything before the loop: mesh, data, state, compiled step. Prints the plan.
+
+    fresh=False (a checkpoint is about to replace the state): the state is returned as
+    ShapeDtypeStructs carrying its shardings, and nothing is initialised for nothing."""
     resolve_mesh(cfg, jax.device_count())
     check_backend(cfg)
     mesh = mesh_lib.make_mesh(cfg)
@@ -77,7 +81,14 @@ def prepare(cfg: Config):
     batch_sh = mesh_lib.batch_sharding(mesh)
     with jax.set_mesh(mesh):
         init = jax.jit(lambda k: init_state(cfg, tx, k), out_shardings=shardings)
-        state = init(jax.random.key(cfg.train.seed))
+        if fresh:
+            state = init(jax.random.key(cfg.train.seed))
+        else:
+            state = jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                jax.eval_shape(init, jax.random.key(cfg.train.seed)),
+                shardings,
+            )
         step_fn = jit_train_step(cfg, mesh, rules, tx, schedule, shardings, batch_sh)
         eval_fn = jax.jit(
             make_eval_step(cfg, mesh, rules), in_shardings=(shardings["params"], batch_sh)
@@ -95,7 +106,8 @@ def main(argv=None) -> int:
 def train(cfg: Config) -> int:
     lead = jax.process_index() == 0
     say = print if lead else (lambda *a, **k: None)
-    mesh, rules, data, state, step_fn, eval_fn, batch_sh = prepare(cfg)
+    resume = checkpoint_lib.resume_source(cfg)  # checked first: a refused resume fails fast
+    mesh, rules, data, state, step_fn, eval_fn, batch_sh = prepare(cfg, fresh=resume is None)
     run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if lead:  # one writer per file, also when the run directory is shared by all hosts
@@ -115,6 +127,12 @@ def train(cfg: Config) -> int:
         f"{_human(metrics_lib.flops_per_token(m))} FLOPs per token; "
         f"data: {len(data.train_docs)} train / {len(data.eval_docs)} eval documents"
     )
+    # resume (state, data position) or init_from (parameters) before the first batch is read
+    ckpt, state, start = checkpoint_lib.start(cfg, state, data, say, resume)
+    if start >= t.steps:
+        ckpt.close()
+        say(f"the checkpoint is at step {start}: train.steps={t.steps} is reached, nothing to do")
+        return 0
 
     with jax.set_mesh(mesh):
         first = to_global(next(data.train), batch_sh, t.grad_accum)
@@ -128,7 +146,7 @@ def train(cfg: Config) -> int:
     peak, peak_source = metrics_lib.host_peak(cfg)
     say(f"peak: {_human(peak)}FLOP/s ({peak_source})")
     fpt, hfpt = metrics_lib.flops_per_token(m), metrics_lib.hardware_flops_per_token(m)
-    writer = metrics_lib.MetricsWriter(run_dir, fresh=True) if lead else None
+    writer = metrics_lib.MetricsWriter(run_dir, fresh=start == 0) if lead else None
 
     def evaluate():
         total, count = 0.0, 0
@@ -139,12 +157,13 @@ def train(cfg: Config) -> int:
 
     history, eval_loss, last = [], None, None
     tokens_per_s_all = []
-    bar = tqdm(total=t.steps, disable=not lead, dynamic_ncols=True, desc="train")
-    t_last, step_last = time.perf_counter(), 0
+    bar = tqdm(total=t.steps, initial=start, disable=not lead, dynamic_ncols=True, desc="train")
+    t_last, step_last = time.perf_counter(), start
     batch = first
     profile = t.profile_steps
-    with jax.set_mesh(mesh):
-        for step in range(t.steps):
+    # Preemption: SIGTERM -> save this step and stop; on the way out, wait for pending saves
+    with jax.set_mesh(mesh), checkpoint_lib.Preemption(ckpt) as preempted:
+        for step in range(start, t.steps):
             if profile and step == profile[0]:
                 jax.profiler.start_trace(str(run_dir / "profile"))
             state, out = compiled(state, batch)
@@ -154,10 +173,14 @@ def train(cfg: Config) -> int:
                 jax.profiler.save_device_memory_profile(str(run_dir / "memory.prof"))
                 say(f"profile of steps {profile[0]}..{profile[1]} written to {run_dir}/profile")
             done = step + 1
-            if done < t.steps:
+            stop = preempted(done)
+            if stop or ckpt.due(done) or done == t.steps:
+                # async; the data state is taken before the next step's batch is pulled
+                ckpt.save(done, state, data.state())
+            if done < t.steps and not stop:
                 batch = to_global(next(data.train), batch_sh, t.grad_accum)
             bar.update(1)
-            is_log = done == 1 or done % t.log_every == 0 or done == t.steps
+            is_log = done == 1 or done % t.log_every == 0 or done == t.steps or stop
             is_eval = eval_batches and (done % t.eval_every == 0 or done == t.steps)
             if not (is_log or is_eval):
                 continue
@@ -196,6 +219,8 @@ def train(cfg: Config) -> int:
                     f" lr {record['lr']:.2e} {tokens_per_s:,.0f} tok/s"
                     f" {step_time * 1e3:.0f} ms/step mfu {record['mfu']:.1%}"
                 )
+            if stop:
+                break
     bar.close()
     if writer:
         writer.close()
@@ -213,6 +238,10 @@ def train(cfg: Config) -> int:
     if eval_loss is not None:
         say(f"  eval loss    {eval_loss:.4f}")
     say(f"  metrics      {run_dir / 'metrics.jsonl'}")
+    ckpt.close()
+    if preempted.requested:
+        say(f"stopped by SIGTERM after step {done}: saved in {ckpt.dir}; run again to resume")
+        return 143  # 128 + SIGTERM: the run did not finish
     return 0
 
 

@@ -1,0 +1,277 @@
+"""Checkpoints: exact resume through SIGTERM, the keep policy, restore onto another layout,
+a save killed mid-write, and mismatched or corrupt checkpoints.
+
+The runs go through `train.train` itself (in this process, 8 simulated devices).
+Runs of one layout compile the same programs, so the module keeps JAX's
+persistent compilation cache in a temporary directory: each layout compiles once.
+"""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax._src import compilation_cache  # private; only to switch the cache on for this module
+
+from ultrajax import checkpoint, config, metrics, optim, train
+from ultrajax import data as data_lib
+from ultrajax import mesh as mesh_lib
+from ultrajax.config import ConfigError
+from ultrajax.step import init_state, state_shardings
+
+pytestmark = pytest.mark.slow
+
+TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+SMALL = [
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "model.d_ff=64",
+    "model.seq_len=32",
+    "train.steps=20",
+    "train.grad_accum=2",
+    "train.log_every=1",
+    "train.eval_batches=0",
+    "optim.warmup_steps=2",
+]
+# the same global batch (8 sequences) under two layouts
+LAYOUT_A = ["mesh.fsdp=4", "mesh.tensor=2", "parallel.zero=3", "train.micro_batch_size=1"]
+LAYOUT_B = ["mesh.data=2", "mesh.tensor=4", "parallel.zero=1", "train.micro_batch_size=2"]
+ONE_DEVICE = ["train.micro_batch_size=4"]
+
+CACHE_KEYS = (
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+    "jax_persistent_cache_min_entry_size_bytes",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_once(tmp_path_factory):
+    old = {k: getattr(jax.config, k) for k in CACHE_KEYS}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax-cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    compilation_cache.reset_cache()
+    yield
+    for k, v in old.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+
+
+def load(run_dir, *extra) -> config.Config:
+    return config.load(TINY, SMALL + [f"train.run_dir={run_dir}", *extra])
+
+
+def losses(run_dir) -> dict[int, float]:
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").open()]
+    steps = [r["step"] for r in records]
+    assert len(steps) == len(set(steps)), f"a step was logged twice: {steps}"
+    return {r["step"]: r["loss"] for r in records}
+
+
+def steps(run_dir) -> list[int]:
+    return checkpoint._steps(Path(run_dir) / "checkpoints")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """20 steps in one run under fsdp=4 x tensor=2, ZeRO-3, saving every 10 steps."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    assert train.train(load(run_dir, *LAYOUT_A, "checkpoint.every=10")) == 0
+    assert steps(run_dir) == [10, 20]
+    return run_dir, losses(run_dir)
+
+
+def test_sigterm_then_resume_gives_identical_losses(reference, tmp_path, monkeypatch):
+    _, expected = reference
+    write = metrics.MetricsWriter.write
+
+    def write_then_sigterm(self, record):
+        write(self, record)
+        if record["step"] == 9:  # arrives during step 10: step 10 is saved, then the run stops
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(metrics.MetricsWriter, "write", write_then_sigterm)
+    ck_dir = tmp_path / "checkpoints"
+    ck_dir.mkdir()
+    (ck_dir / "notes.txt").write_text("not a checkpoint")
+    extra = (*LAYOUT_A, "checkpoint.every=4", "checkpoint.keep=2")
+    assert train.train(load(tmp_path, *extra)) == 143
+    assert sorted(losses(tmp_path)) == list(range(1, 11))
+    assert steps(tmp_path) == [8, 10]  # step 4 went by the keep policy
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is put back
+    monkeypatch.undo()
+
+    assert train.train(load(tmp_path, *extra)) == 0  # checkpoint.resume=auto
+    got = losses(tmp_path)  # metrics.jsonl appended, not truncated
+    assert list(got) == list(range(1, 21))
+    assert got == expected  # exactly: same state, same data position, same programs
+    assert steps(tmp_path) == [16, 20]
+    assert (ck_dir / "notes.txt").read_text() == "not a checkpoint"  # nothing else deleted
+    # a finished run resumed again has nothing to do
+    assert train.train(load(tmp_path, *extra)) == 0
+    assert losses(tmp_path) == got
+
+
+def test_resume_onto_another_layout_continues_the_losses(reference, tmp_path):
+    ref_dir, expected = reference
+    source = ref_dir / "checkpoints" / "10"
+    assert train.train(load(tmp_path, *LAYOUT_B, f"checkpoint.resume={source}")) == 0
+    got = losses(tmp_path)
+    assert list(got) == list(range(11, 21))
+    np.testing.assert_allclose([got[s] for s in got], [expected[s] for s in got], rtol=2e-5, atol=0)
+
+
+def _target(cfg, devices):
+    config.resolve_mesh(cfg, len(devices))
+    mesh = mesh_lib.make_mesh(cfg, devices)
+    tx = optim.optimizer(cfg)
+    shardings = state_shardings(cfg, mesh, mesh_lib.rules(cfg), tx)
+    abstract = jax.eval_shape(lambda k: init_state(cfg, tx, k), jax.random.key(0))
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+
+
+def _data(cfg):
+    return data_lib.build(
+        cfg.data,
+        seq_len=cfg.model.seq_len,
+        batch_size=cfg.global_batch,
+        seed=cfg.train.seed,
+        vocab_size=cfg.model.vocab_size,
+    )
+
+
+def test_restore_on_a_single_device_is_the_same_state(reference, tmp_path):
+    source = reference[0] / "checkpoints" / "10"
+    cfg_a, cfg_1 = load(tmp_path, *LAYOUT_A), load(tmp_path, *ONE_DEVICE)
+    data_a, data_1 = _data(cfg_a), _data(cfg_1)
+    sharded, step_a = checkpoint.restore_train(source, cfg_a, _target(cfg_a, jax.devices()), data_a)
+    single, step_1 = checkpoint.restore_train(
+        source, cfg_1, _target(cfg_1, jax.devices()[:1]), data_1
+    )
+    assert step_a == step_1 == 10 and int(single["step"]) == 10
+    assert single["params"]["layers"]["wq"].sharding.device_set == {jax.devices()[0]}
+    assert len(sharded["params"]["layers"]["wq"].sharding.device_set) == 8
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    batch_a, batch_1 = next(data_a.train), next(data_1.train)  # the same data position
+    for key in batch_a:
+        np.testing.assert_array_equal(batch_a[key], batch_1[key])
+
+
+KILLED_SAVE = """
+import os, signal, sys
+import jax.numpy as jnp
+import orbax.checkpoint._src.path.atomicity as atomicity
+from ultrajax import checkpoint, config
+
+cfg = config.load(None, ["checkpoint.dir=" + sys.argv[1], "checkpoint.keep=5"])
+state = {"step": jnp.int32(1), "params": {"w": jnp.ones((64, 64))}, "opt_state": {}}
+ck = checkpoint.Checkpoints(cfg)
+ck.save(1, state, {"position": 1})
+ck.wait()
+
+async def die(*args, **kwargs):  # everything is written but the final rename: killed now
+    os.kill(os.getpid(), signal.SIGKILL)
+
+atomicity.async_path.rename = die
+ck.save(2, dict(state, step=jnp.int32(2), params={"w": jnp.zeros((64, 64))}), {"position": 2})
+ck.wait()
+"""
+
+
+def test_a_killed_save_never_replaces_the_last_good_checkpoint(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(textwrap.dedent(KILLED_SAVE))
+    ck_dir = tmp_path / "checkpoints"
+    proc = subprocess.run([sys.executable, str(script), str(ck_dir)], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    leftovers = [p.name for p in ck_dir.iterdir() if not p.name.isdigit()]
+    assert leftovers and all(n.startswith("2.orbax-checkpoint-tmp") for n in leftovers)
+    assert checkpoint.locate(ck_dir) == (ck_dir, 1)  # the half-written step 2 does not count
+    assert checkpoint.read_meta(ck_dir)["step"] == 1
+    # a new run saves step 2 for real (Orbax replaces its own unfinished temporary)
+    cfg = config.load(None, [f"checkpoint.dir={ck_dir}"])
+    ck = checkpoint.Checkpoints(cfg)
+    assert ck.steps() == [1]
+    state = {
+        "step": jax.numpy.int32(2),
+        "params": {"w": jax.numpy.zeros((64, 64))},
+        "opt_state": {},
+    }
+    ck.save(2, state, {"position": 2})
+    ck.close()
+    assert checkpoint.locate(ck_dir) == (ck_dir, 2)
+    assert sorted(p.name for p in ck_dir.iterdir()) == ["1", "2"]
+
+
+def test_mismatched_checkpoints_name_what_differs(reference, tmp_path):
+    source = reference[0] / "checkpoints" / "10"
+    cfg = load(tmp_path, *LAYOUT_A, "model.d_model=64", "model.n_layers=3")
+    with pytest.raises(ConfigError) as e:
+        checkpoint.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg))
+    assert "model.d_model=32 in the checkpoint, 64 in the config" in str(e.value)
+    assert "model.n_layers=2 in the checkpoint, 3 in the config" in str(e.value)
+    # an optimizer of another structure (no clipping) is named too
+    cfg = load(tmp_path, *LAYOUT_A, "optim.clip_norm=0")
+    with pytest.raises(ConfigError, match=r"lacks optimizer/opt_state/0/.* \(the optim\.\*"):
+        checkpoint.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg))
+    # parameters only: the config must agree too
+    with pytest.raises(ConfigError, match="model.d_model=32 in the checkpoint, 64"):
+        checkpoint.load_params(source, load(tmp_path, "model.d_model=64").model)
+
+
+def test_corrupt_and_missing_checkpoints_are_clear_errors(reference, tmp_path):
+    good = reference[0] / "checkpoints" / "10"
+    cfg = load(tmp_path, *LAYOUT_A)
+    target = _target(cfg, jax.devices())
+    with pytest.raises(ConfigError, match="does not exist"):
+        checkpoint.restore_train(tmp_path / "nowhere", cfg, target, _data(cfg))
+    bad = tmp_path / "bad" / "10"
+    shutil.copytree(good, bad)
+    for f in (bad / "params").rglob("*"):
+        if f.is_file() and f.parent.name == "d":  # the array data
+            f.write_bytes(b"\0" * f.stat().st_size)
+    with pytest.raises(ConfigError, match=r"checkpoint .*bad/10 cannot be read"):
+        checkpoint.restore_train(bad, cfg, target, _data(cfg))
+    (bad / "config" / "metadata").write_text("{ not json")
+    with pytest.raises(ConfigError, match=r"checkpoint .*bad/10 cannot be read"):
+        checkpoint.read_config(bad)
+    # resume=none never starts over on top of a run's checkpoints (keep would delete them)
+    cfg = load(reference[0], *LAYOUT_A, "checkpoint.resume=none")
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        checkpoint.start(cfg, None, None)
+    # resuming an old step into a directory with newer ones is refused
+    cfg = load(reference[0], *LAYOUT_A, f"checkpoint.resume={good}")
+    with pytest.raises(ConfigError, match="already holds steps after 10"):
+        checkpoint.start(cfg, None, None)
+    assert steps(reference[0]) == [10, 20]
+
+
+def test_init_from_loads_parameters_only(reference, tmp_path):
+    source = reference[0] / "checkpoints" / "20"
+    cfg = load(tmp_path, *LAYOUT_A, f"checkpoint.init_from={source}")
+    target = _target(cfg, jax.devices())
+    fresh = jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype, device=a.sharding), target)
+    ck, state, start = checkpoint.start(cfg, fresh, _data(cfg), say=lambda *a: None)
+    ck.close()
+    assert start == 0 and int(state["step"]) == 0
+    assert int(state["opt_state"][1][0].count) == 0  # the optimizer starts fresh
+    saved = checkpoint.load_params(source, cfg.model)
+    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(saved), strict=True):
+        assert a.sharding == b.sharding or len(a.sharding.device_set) == 8
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # a parameter-only checkpoint cannot be resumed: it has no optimizer state
+    only = checkpoint.write_params(tmp_path / "params-only", saved, cfg)
+    with pytest.raises(ConfigError, match="holds parameters only"):
+        checkpoint.restore_train(only, cfg, target, _data(cfg))
