@@ -98,7 +98,11 @@ while ((${#running[@]} > 0)); do
     echo "launch_local: process $i (pid $finished) exited with status $status; stopping the others" >&2
     stop_all TERM
     echo "---- last lines of $LOG_DIR/process_$i.log ----" >&2
-    tail -n 30 "$LOG_DIR/process_$i.log" >&2
+    if [[ -s $LOG_DIR/process_$i.log ]]; then
+      tail -n 30 "$LOG_DIR/process_$i.log" >&2
+    else
+      echo "(no output: killed before it printed anything?)" >&2
+    fi
     exit "$status"
   fi
 done

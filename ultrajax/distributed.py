@@ -14,8 +14,8 @@ id. Three ways to get them, in this order:
 The known SLURM pitfall: JAX's detection assumes one process per GPU and makes
 each process see only the GPU numbered by its local task id, so with one task
 per node every node would train on its first GPU only. With one task on this
-node we therefore pass all of the node's GPUs explicitly, and check after
-start-up that JAX sees as many devices as the node was given.
+node we therefore pass all of the node's GPUs explicitly, and the train loop
+checks (`check_local_devices`) that JAX sees as many devices as the node was given.
 
 On CPU the processes talk through gloo (`jax_cpu_collectives_implementation`),
 which is how multi-host runs are tested on one machine.
@@ -154,17 +154,21 @@ def initialize(args: argparse.Namespace | None = None, env: Mapping[str, str] | 
             local_device_ids=list(p.local_device_ids) if p.local_device_ids else None,
         )
     except (ValueError, RuntimeError) as e:
-        first = (str(e).strip().splitlines() or [""])[0]
+        first = (str(e).strip().splitlines() or [""])[0].rstrip(".")
+        hint = "" if p.source == "flags" else "; set JAX_COORDINATOR_ADDRESS=HOST:PORT"
         raise ConfigError(
-            f"could not join the {p.num_processes}-process run ({p.source}): {first[:300]}"
+            f"could not join the {p.num_processes}-process run ({p.source}): {first[:300]}{hint}"
         ) from None
-    check_local_devices(p)
     return p
 
 
-def check_local_devices(p: Plan) -> None:
-    """On GPU nodes with one process each: every GPU of the node must be in use."""
-    if not p.expect_local_devices or jax.default_backend() != "gpu":
+def check_local_devices(env: Mapping[str, str] | None = None) -> None:
+    """On GPU nodes with one process each: every GPU of the node must be in use.
+
+    Call it once the backend may start (it asks for devices), not from `initialize`:
+    flags read at backend start (XLA_FLAGS, overlap.py) are set between the two."""
+    p = plan(env=env)
+    if p is None or not p.expect_local_devices or jax.default_backend() != "gpu":
         return
     have = jax.local_device_count()
     if have != p.expect_local_devices:

@@ -16,7 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ultrajax import checkpoint as checkpoint_lib
-from ultrajax import cli, optim
+from ultrajax import cli, distributed, optim
 from ultrajax import data as data_lib
 from ultrajax import mesh as mesh_lib
 from ultrajax import metrics as metrics_lib
@@ -62,6 +62,7 @@ def prepare(cfg: Config, *, fresh: bool = True):
 
     fresh=False (a checkpoint is about to replace the state): the state is returned as
     ShapeDtypeStructs carrying its shardings, and nothing is initialised for nothing."""
+    distributed.check_local_devices()  # SLURM: one process per node uses all its GPUs
     resolve_mesh(cfg, jax.device_count())
     check_backend(cfg)
     mesh = mesh_lib.make_mesh(cfg)
