@@ -14,6 +14,22 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compile_once(tmp_path_factory):
+    """One persistent compilation cache for the session, this process and the CLI runs it
+    starts: the same small programs (init, step) are compiled once, not once per run."""
+    cache = str(tmp_path_factory.mktemp("jax-cache"))
+    settings = {
+        "jax_compilation_cache_dir": cache,
+        "jax_persistent_cache_min_compile_time_secs": 0,
+        "jax_persistent_cache_min_entry_size_bytes": -1,
+    }
+    for key, value in settings.items():
+        jax.config.update(key, value)
+        os.environ[key.upper()] = str(value)
+    yield
+
+
 @pytest.fixture(scope="session")
 def random_params():
     """make(cfg, seed) -> a parameter dict shaped like model.init_params, filled from numpy.

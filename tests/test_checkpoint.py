@@ -2,8 +2,8 @@
 a save killed mid-write, and mismatched or corrupt checkpoints.
 
 The runs go through `train.train` itself (in this process, 8 simulated devices).
-Runs of one layout compile the same programs, so the module keeps JAX's
-persistent compilation cache in a temporary directory: each layout compiles once.
+Runs of one layout compile the same programs; the session's persistent compilation
+cache (tests/conftest.py) compiles each once.
 """
 
 import json
@@ -17,7 +17,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from jax._src import compilation_cache  # private; only to switch the cache on for this module
 
 from ultrajax import checkpoint, config, metrics, optim, train
 from ultrajax import data as data_lib
@@ -45,25 +44,6 @@ SMALL = [
 LAYOUT_A = ["mesh.fsdp=4", "mesh.tensor=2", "parallel.zero=3", "train.micro_batch_size=1"]
 LAYOUT_B = ["mesh.data=2", "mesh.tensor=4", "parallel.zero=1", "train.micro_batch_size=2"]
 ONE_DEVICE = ["train.micro_batch_size=4"]
-
-CACHE_KEYS = (
-    "jax_compilation_cache_dir",
-    "jax_persistent_cache_min_compile_time_secs",
-    "jax_persistent_cache_min_entry_size_bytes",
-)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compile_once(tmp_path_factory):
-    old = {k: getattr(jax.config, k) for k in CACHE_KEYS}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax-cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    compilation_cache.reset_cache()
-    yield
-    for k, v in old.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
 
 
 def load(run_dir, *extra) -> config.Config:
