@@ -37,26 +37,40 @@ def flops_per_token(m: ModelConfig) -> float:
 
 
 def recompute_flops_per_token(m: ModelConfig) -> float:
-    """Forward FLOPs that the remat policy runs a second time in the backward pass."""
-    forward_layers = 2.0 * (matmul_param_count(m) - m.vocab_size * m.d_model)
+    """Forward FLOPs that the remat policy runs a second time in the backward pass.
+
+    What the backward pass recomputes is what it needs and was not saved (checked
+    against the compiled HLO's dots in tests/test_remat.py):
+    - the attention scores QK^T: never saved by any policy (half the attention FLOPs);
+    - the output projection wo: its output feeds the residual stream that the MLP's
+      norm needs, and no policy names that residual, so any remat recomputes it;
+    - q, k, v, PV (attn_out) and the MLP's gate and up (mlp_in): unless kept by name;
+    - never w_down: its output only enters a residual sum, whose backward needs nothing.
+    full keeps no names, selective and offload keep (or offload) all of them.
+    """
+    if m.remat == "none":
+        return 0.0
+    h, hd, a, akv, f = m.d_model, m.hd, m.n_heads, m.n_kv_heads, m.d_ff
     attention = attention_flops_per_token(m)
-    if m.remat == "full":
-        return forward_layers + attention
-    if m.remat == "selective":
-        return attention / 2  # q, k, v and PV are kept; QK^T and softmax are recomputed
-    if isinstance(m.remat, list):
-        kept = set(m.remat)
-        h, hd, a, akv, f = m.d_model, m.hd, m.n_heads, m.n_kv_heads, m.d_ff
-        per_layer = {
-            "query": 2 * h * a * hd,
-            "key": 2 * h * akv * hd,
-            "value": 2 * h * akv * hd,
-            "mlp_in": 4 * h * f,
-        }
-        redo = sum(v for k, v in per_layer.items() if k not in kept) * m.n_layers
-        redo += attention / 2 if "attn_out" not in kept else 0.0  # PV output
-        return redo + attention / 2  # scores are never saved
-    return 0.0
+    kept = (
+        {
+            "full": set(),
+            "selective": {"query", "key", "value", "attn_out", "mlp_in", "mlp_out"},
+            "offload": {"query", "key", "value", "attn_out", "mlp_in", "mlp_out"},
+        }.get(m.remat)
+        if isinstance(m.remat, str)
+        else set(m.remat)
+    )
+    per_layer = {
+        "query": 2 * h * a * hd,
+        "key": 2 * h * akv * hd,
+        "value": 2 * h * akv * hd,
+        "mlp_in": 4 * h * f,
+    }
+    redo = sum(v for k, v in per_layer.items() if k not in kept) * m.n_layers
+    redo += 2 * a * hd * h * m.n_layers  # wo
+    redo += attention / 2 if "attn_out" not in kept else 0.0  # PV
+    return redo + attention / 2  # QK^T
 
 
 def hardware_flops_per_token(m: ModelConfig) -> float:

@@ -1,0 +1,268 @@
+"""analyze: the HLO collective parser, communication against the playbook's formulas,
+FLOPs against the compiled program, and the command line.
+
+Compile-only (nothing runs), on the 8 simulated CPU devices of conftest.py, fp32.
+"""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from ultrajax import analyze, comms, config, metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+FAST = {"xla_backend_optimization_level": 0}  # same buffers and HLO, half the compile time
+# the shapes of tests/test_memory.py's grid, so that one process compiles each once
+BASE = [
+    "model.n_layers=2",
+    "train.micro_batch_size=2",
+    "train.grad_accum=1",
+    "model.seq_len=64",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=192",
+    "model.vocab_size=256",
+    "model.dtype=float32",
+]
+
+
+def make(*overrides):
+    cfg = config.load(TINY, BASE + list(overrides))
+    n = math.prod(cfg.mesh.sizes().values())
+    config.resolve_mesh(cfg, n)
+    return cfg, jax.devices()[:n]
+
+
+# --------------------------------------------------------------------------- the parser
+
+SYNTHETIC = """HloModule jit_step, is_scheduled=true, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%inner_body (p: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %p = (s32[], f32[16]{0}) parameter(0)
+  %x = f32[16]{0} get-tuple-element(%p), index=1
+  %ag = f32[64]{0} all-gather(%x), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}
+  %rs = f32[16]{0} reduce-scatter(%ag), channel_id=2, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
+  ROOT %t = (s32[], f32[16]{0}) tuple(%i, %rs)
+}
+
+%inner_cond (p: (s32[], f32[16])) -> pred[] {
+  %p = (s32[], f32[16]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%outer_body (q: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %q = (s32[], f32[16]{0}) parameter(0)
+  %w = (s32[], f32[16]{0}) while(%q), condition=%inner_cond, body=%inner_body
+  %y = f32[16]{0} get-tuple-element(%w), index=1
+  %ar = (f32[16]{0}, f32[8]{0}, /*index=2*/bf16[4]{0}) all-reduce(%y, %y, %y), channel_id=3, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, to_apply=%add
+  ROOT %t2 = (s32[], f32[16]{0}) tuple(%j, %y)
+}
+
+%outer_cond (q: (s32[], f32[16])) -> pred[] {
+  %q = (s32[], f32[16]{0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (arg: f32[16]) -> f32[16] {
+  %arg = f32[16]{0} parameter(0)
+  %loop = (s32[], f32[16]{0}) while(%init), condition=%outer_cond, body=%outer_body, backend_config={"known_trip_count":{"n":"5"}}
+  %cp = f32[16]{0} collective-permute(%arg), channel_id=4, source_target_pairs={{0,1},{1,0}}
+  %ags = (f32[16]{0}, f32[128]{0}) all-gather-start(%arg), channel_id=5, replica_groups={}, dimensions={0}
+  %agd = f32[128]{0} all-gather-done(%ags)
+  %a2a = f32[16]{0} all-to-all(%arg), channel_id=6, replica_groups=[1,8]<=[8], dimensions={0}
+  ROOT %out = f32[16]{0} add(%arg, %arg)
+}
+"""  # noqa: E501
+
+
+def test_parser_counts_loops_tuples_groups_and_async_forms():
+    found, notes = comms.collectives(SYNTHETIC)
+    by = {c.name: c for c in found}
+    assert set(by) == {"ag", "rs", "ar", "cp", "ags", "a2a"}  # -done is not a second op
+    # the inner loop's trip count comes from its condition (3), the outer from XLA (5)
+    assert by["ag"].count == by["rs"].count == 15 and by["ar"].count == 5
+    assert by["cp"].count == by["ags"].count == by["a2a"].count == 1
+    assert notes == []
+    assert by["ag"].group == 4 and by["rs"].group == 4 and by["ar"].group == 4
+    assert by["ags"].group == 8 and by["a2a"].group == 8
+    assert by["ar"].bytes == 16 * 4 + 8 * 4 + 4 * 2  # a tuple: every element
+    assert by["ags"].bytes == 128 * 4  # the async start's output, not its operand
+    # traffic per execution, ring algorithms
+    assert by["ar"].traffic == pytest.approx(2 * 104 * 3 / 4)
+    assert by["ag"].traffic == pytest.approx(256 * 3 / 4)
+    assert by["rs"].traffic == pytest.approx(64 * 3)  # output 64 B = input 256 B / 4
+    assert by["rs"].payload == 256
+    assert by["cp"].traffic == 64
+    summary = comms.summarize(found)
+    assert summary["all-gather"]["ops"] == 2 and summary["all-gather"]["count"] == 16
+    assert summary["all-reduce"]["traffic"] == pytest.approx(5 * 2 * 104 * 3 / 4)
+
+
+def test_parser_reports_unknown_trip_counts():
+    text = SYNTHETIC.replace(', backend_config={"known_trip_count":{"n":"5"}}', "")
+    found, notes = comms.collectives(text)
+    assert any("trip count unknown" in n for n in notes)
+    assert {c.name: c.count for c in found}["ar"] == 1
+
+
+def test_shape_bytes_and_group_size_forms():
+    assert comms.shape_bytes("(f32[2,3]{1,0}, /*index=1*/bf16[4], pred[8])") == 24 + 8 + 8
+    assert comms.group_size("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == 2
+    assert comms.group_size("replica_groups={}", 8) == 8
+    assert (
+        comms.group_size("replica_groups=mesh['data'=2,'fsdp'=2,'tensor'=2] {'data','fsdp'}", 8)
+        == 4
+    )
+
+
+# --------------------------------------------------------------------------- communication
+
+LAYOUTS = {
+    "DP data=8": ("mesh.data=8",),
+    "ZeRO-1 fsdp=8": ("mesh.fsdp=8", "parallel.zero=1"),
+    "ZeRO-2 fsdp=8": ("mesh.fsdp=8", "parallel.zero=2"),
+    "ZeRO-3 fsdp=8": ("mesh.fsdp=8", "parallel.zero=3"),
+    "TP tensor=2": ("mesh.tensor=2",),
+    "TP tensor=4": ("mesh.tensor=4", "model.n_kv_heads=4"),
+    "TP+SP tensor=2": ("mesh.tensor=2", "parallel.sequence_parallel=true"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_communication_matches_the_playbook(name):
+    """Measured traffic of every collective kind within 10% of the formula (and no
+    collective kind the layout should not use)."""
+    cfg, devices = make(*LAYOUTS[name], "model.remat=none")
+    report = analyze.analyze(cfg, communication=True, devices=devices, compiler_options=FAST)
+    comm = report["communication"]
+    rows = "; ".join(
+        f"{k}: {r['traffic']:.0f} vs {r['expected']:.0f}"
+        for k, r in comm["kinds"].items()
+        if r["traffic"] or r["expected"]
+    )
+    print(f"{name}: ratio {comm['total']['ratio']:.3f} ({rows})")
+    for kind, row in comm["kinds"].items():
+        if row["expected"]:
+            assert 0.9 <= row["traffic"] / row["expected"] <= 1.1, (name, kind, rows)
+        else:  # small scalars (loss, token counts, norms) may travel; nothing sized
+            assert row["traffic"] <= 0.02 * comm["total"]["expected"], (name, kind, rows)
+    assert 0.9 <= comm["total"]["ratio"] <= 1.1, (name, rows)
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+def test_flops_analytic_vs_cost_analysis_single_loop_iteration():
+    """cost_analysis reads each loop body once; with one layer and one micro-batch that
+    is the whole step, so the analytic model FLOPs must be within 5% of it (the rest:
+    softmax, norms, the optimizer)."""
+    cfg, devices = make("model.n_layers=1", "model.remat=none")
+    compiled = analyze.compile_step(cfg, devices, FAST)
+    f = analyze.flops_report(cfg, compiled, compiled.as_text())
+    print(f"model {f['model']:.4g} cost_analysis {f['cost_analysis']:.4g}")
+    assert f["cost_analysis"] == pytest.approx(f["model"], rel=0.05)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("model.remat=none", "train.grad_accum=2", "model.n_layers=3"),
+        ("mesh.tensor=2", "model.remat=none"),
+        ("mesh.fsdp=8", "parallel.zero=3", "model.remat=none"),
+    ],
+)
+def test_flops_analytic_vs_compiled_dots(overrides):
+    """6N + attention (+ recomputation) per device against every dot of the compiled
+    step counted with its loops' trip counts (layers x micro-batches)."""
+    cfg, devices = make(*overrides)
+    compiled = analyze.compile_step(cfg, devices, FAST)
+    f = analyze.flops_report(cfg, compiled, compiled.as_text())
+    print(f"{overrides}: hardware {f['hardware']:.4g} compiled dots {f['hlo_dots']:.4g}")
+    assert f["hlo_dots"] == pytest.approx(f["hardware"], rel=0.05)
+    n = math.prod(cfg.mesh.sizes().values())
+    assert f["model"] == pytest.approx(metrics.flops_per_token(cfg.model) * cfg.tokens_per_step / n)
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "ultrajax.analyze", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def test_cli_analytic_only_is_fast_and_has_a_verdict():
+    r = run_cli("--config", TINY, "--cpu-devices", "1", "--no-compile", "--device-memory", "1GiB")
+    assert r.returncode == 0, r.stderr
+    assert "activations saved for backward" in r.stdout
+    assert "verdict: fits in 1.00 GiB" in r.stdout
+    r = run_cli("--config", TINY, "--cpu-devices", "1", "--no-compile", "--device-memory", "1MB")
+    assert "does NOT fit" in r.stdout
+
+
+def test_cli_json_llama_8b_shape_without_allocating():
+    r = run_cli(
+        "--config", TINY, "--cpu-devices", "8", "--no-compile", "--json",
+        "model.vocab_size=128256", "model.d_model=4096", "model.n_layers=32",
+        "model.n_heads=32", "model.n_kv_heads=8", "model.d_ff=14336", "model.seq_len=8192",
+        "model.dtype=bfloat16", "model.remat=full", "train.micro_batch_size=1",
+        "mesh.fsdp=8", "parallel.zero=3",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["config"]["parameters"] == 8_030_261_248
+    # ZeRO-3 over 8: (4 master + 4 mu + 4 nu) bytes x 8.03B / 8 = 12.0 GB of arguments
+    assert report["predicted"]["arguments"] == pytest.approx(12 * 8.03e9 / 8, rel=0.01)
+    assert set(report["verdict"]["known"]) == set(analyze.KNOWN_ACCELERATORS)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--device-memory", "lots"), "--device-memory: 'lots' is not a size"),
+        (("model.d_modle=3",), "did you mean model.d_model"),
+        (("mesh.fsdp=4",), "--cpu-devices N simulates"),
+        (("--plot", "out.txt"), "should end in .png"),
+        (("model.remat=offload", "--compile"), "model.remat=offload needs host offloading"),
+    ],
+)
+def test_cli_errors_are_one_line_exit_2(args, message):
+    r = run_cli("--config", TINY, "--cpu-devices", "1", *args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert message in r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_cli_compile_plots_and_tables(tmp_path):
+    bars, sweep = tmp_path / "mem.png", tmp_path / "sweep.png"
+    r = run_cli(
+        "--config", TINY, "--cpu-devices", "2", "--compile", *BASE, "mesh.data=2",
+        "--plot", str(bars), "--plot-sweep", str(sweep),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for needle in ("= peak", "XLA memory_analysis", "compiled dots", "all-reduce", "verdict"):
+        assert needle in out, out
+    assert bars.stat().st_size > 10_000 and sweep.stat().st_size > 10_000

@@ -1,0 +1,236 @@
+"""The analytic memory model: exact where it is a closed form (saved activations,
+parameter and optimizer shards), and within 10% of XLA's compiled peak over a grid of
+layouts and shapes (fp32: GUIDE section 5 explains why bf16 figures on CPU mislead).
+"""
+
+import math
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import print_saved_residuals
+
+from ultrajax import analyze, config, memory, optim
+from ultrajax import mesh as mesh_lib
+from ultrajax.model import init_params
+from ultrajax.step import loss_sum, state_shardings
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+FAST = {"xla_backend_optimization_level": 0}  # same buffers, half the compile time
+BASE = [
+    "model.n_layers=2",
+    "train.micro_batch_size=2",
+    "train.grad_accum=1",
+    "model.seq_len=64",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=192",
+    "model.vocab_size=256",
+    "model.dtype=float32",
+]
+
+
+def make(*overrides, base=BASE):
+    cfg = config.load(TINY, base + list(overrides))
+    n = math.prod(cfg.mesh.sizes().values())
+    config.resolve_mesh(cfg, n)
+    return cfg, jax.devices()[:n]
+
+
+# --------------------------------------------------------------------------- exact parts
+
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "bool": 1, "u32": 4, "i64": 8}
+
+
+def stacked_residuals(cfg, capsys) -> int:
+    """Bytes of the per-layer residuals the layer scan saves, from print_saved_residuals."""
+    m = cfg.model
+    params = jax.eval_shape(lambda: init_params(m, jax.random.key(0)))
+    params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.dtype(m.dtype)), params)
+    b, s = cfg.train.micro_batch_size, m.seq_len
+    mb = {
+        k: jax.ShapeDtypeStruct((b, s + 1), jnp.int32)
+        for k in ("tokens", "segment_ids", "positions")
+    }
+    capsys.readouterr()
+    print_saved_residuals(lambda p, x: loss_sum(cfg, p, x)[0], params, mb)
+    total = 0
+    for line in capsys.readouterr().out.splitlines():
+        hit = re.match(r"(\w+)\[([\d,]*)\] (.*)", line.strip())
+        if not hit or "from the argument" in hit.group(3):
+            continue
+        shape = [int(d) for d in hit.group(2).split(",") if d]
+        if shape and shape[0] == m.n_layers and "scan" in hit.group(3):
+            total += math.prod(shape) * DTYPE_BYTES[hit.group(1)]
+    return total
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "remat", ["none", "full", "selective", "[query,value,mlp_in]", "[attn_out]", "[key]"]
+)
+def test_saved_activations_equal_print_saved_residuals(remat, dtype, capsys):
+    # odd sizes so that no two dimensions coincide: L=3, b=2, s=40, h=48, hd=12, f=80
+    over = [
+        "model.n_layers=3", "train.micro_batch_size=2", "model.seq_len=40", "model.d_model=48",
+        "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=80", "model.vocab_size=56",
+        f"model.remat={remat}", f"model.dtype={dtype}",
+    ]  # fmt: skip
+    cfg, _ = make(base=over)
+    want = stacked_residuals(cfg, capsys)
+    got = cfg.model.n_layers * sum(memory.saved_per_layer(cfg).values())
+    assert got == want, (memory.saved_per_layer(cfg), want / cfg.model.n_layers)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        ("mesh.data=8",),
+        ("mesh.fsdp=8", "parallel.zero=1"),
+        ("mesh.fsdp=8", "parallel.zero=2"),
+        ("mesh.fsdp=8", "parallel.zero=3"),
+        ("mesh.tensor=4", "model.n_kv_heads=4"),
+        ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.zero=3"),
+        ("mesh.fsdp=4", "parallel.zero=1", "model.param_dtype=bfloat16"),
+    ],
+)
+def test_state_bytes_per_device_follow_the_shardings(overrides):
+    """Master weights and Adam moments per device: the estimate against the shard shapes
+    of the train state's real shardings (step.state_shardings)."""
+    cfg, devices = make(*overrides)
+    mesh = mesh_lib.make_mesh(cfg, devices)
+    tx = optim.optimizer(cfg)
+    shardings = state_shardings(cfg, mesh, mesh_lib.rules(cfg), tx)
+    shapes = jax.eval_shape(
+        lambda: {"params": init_params(cfg.model, jax.random.key(0)), "opt": None}
+    )["params"]
+    opt_shapes = jax.eval_shape(tx.init, shapes)
+
+    def per_device(tree, sh):
+        return sum(
+            math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+            for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(sh), strict=True)
+        )
+
+    params = per_device(shapes, shardings["params"])
+    opt = per_device(opt_shapes, shardings["opt_state"])
+    e = memory.estimate(cfg)
+    assert e.rows[f"parameters (master, {cfg.model.param_dtype})"] == params
+    assert abs(e.rows["optimizer state (Adam mu, nu)"] - opt) <= 16  # + the step counts
+
+
+def test_zero_stages_follow_the_playbook_bytes():
+    """GUIDE section 6 with Ψ parameters, N_d = 8, bf16 compute and fp32 master/Adam:
+    ZeRO-1 shards master + Adam (12Ψ/N), ZeRO-2 also the fp32 accumulators, ZeRO-3
+    everything; the bf16 copy and bf16 gradients stay whole below ZeRO-3."""
+    rows = {}
+    for zero in (0, 1, 2, 3):
+        cfg, _ = make(
+            "mesh.fsdp=8", f"parallel.zero={zero}", "model.dtype=bfloat16", "train.grad_accum=2"
+        )
+        rows[zero] = memory.estimate(cfg).rows
+    psi = memory.param_elements(make()[0])
+    state = lambda r: r["parameters (master, float32)"] + r["optimizer state (Adam mu, nu)"]  # noqa: E731
+    assert state(rows[0]) == 12 * psi
+    for zero in (1, 2, 3):
+        assert state(rows[zero]) == pytest.approx(12 * psi / 8, rel=1e-9)
+    assert rows[1]["gradient accumulators (fp32)"] == 4 * psi
+    assert rows[2]["gradient accumulators (fp32)"] == pytest.approx(4 * psi / 8)
+    for zero in (0, 1, 2):
+        assert rows[zero]["gradients (bfloat16)"] == 2 * psi
+    assert rows[3]["gradients (bfloat16)"] == pytest.approx(2 * psi / 8)
+    assert rows[3]["compute copy (bfloat16)"] == pytest.approx(2 * psi / 8)
+
+
+def test_recomputation_and_sequence_parallelism_shrink_activations():
+    saved = {}
+    for remat in ("none", "selective", "full"):
+        cfg, _ = make(f"model.remat={remat}", "model.seq_len=256")
+        saved[remat] = memory.estimate(cfg).rows["activations saved for backward"]
+    assert saved["none"] > 3 * saved["selective"] > 3 * saved["full"]
+    tp = memory.estimate(make("mesh.tensor=2")[0]).activations["norms"]
+    sp = memory.estimate(make("mesh.tensor=2", "parallel.sequence_parallel=true")[0])
+    assert sp.activations["norms"] < tp
+
+
+def test_bytes_parsing_and_verdicts():
+    assert memory.parse_bytes("80GB") == 80 * 10**9
+    assert memory.parse_bytes("80GiB") == memory.parse_bytes("80g") == 80 * 2**30
+    assert memory.parse_bytes("1234") == 1234
+    for bad in ("", "GB", "-3GB", "3 parsecs"):
+        with pytest.raises(ValueError):
+            memory.parse_bytes(bad)
+    assert analyze.verdict(10, 20, "x")["fits"] is True
+    assert analyze.verdict(30, 20, "x")["fits"] is False
+    assert analyze.verdict(10, None, "cpu")["fits"] is None
+    lines = memory.summary_lines(make()[0], measured_peak=10 * 2**20)
+    assert "predicted" in lines[0] and "measured" in lines[1]
+
+
+# --------------------------------------------------------------------------- against XLA
+
+GRID = [
+    ("model.remat=none",),
+    ("model.remat=full",),
+    ("model.remat=selective",),
+    ("model.remat=none", "model.seq_len=128"),
+    ("model.remat=selective", "model.n_layers=4"),
+    ("model.remat=full", "train.micro_batch_size=4"),
+    ("model.remat=none", "model.d_model=128", "model.n_heads=8", "model.n_kv_heads=4"),
+    ("model.remat=[query,key,value]",),
+    ("model.remat=none", "model.vocab_size=2048"),  # the LM head's phase is the peak
+    ("model.remat=none", "model.seq_len=16", "model.d_ff=1024"),  # weights dominate
+    ("mesh.data=8", "model.remat=none"),
+    ("mesh.data=8", "model.remat=full"),
+    ("mesh.fsdp=8", "parallel.zero=1", "model.remat=none"),
+    ("mesh.fsdp=8", "parallel.zero=2", "model.remat=none"),
+    ("mesh.fsdp=8", "parallel.zero=3", "model.remat=none"),
+    ("mesh.fsdp=8", "parallel.zero=3", "model.remat=full"),
+    ("mesh.fsdp=8", "parallel.zero=3", "model.remat=selective"),
+    ("mesh.tensor=2", "model.remat=none"),
+    ("mesh.tensor=4", "model.n_kv_heads=4", "model.remat=none"),
+    ("mesh.tensor=2", "parallel.sequence_parallel=true", "model.remat=none"),
+    ("mesh.tensor=2", "parallel.sequence_parallel=true", "model.remat=full"),
+    ("mesh.tensor=2", "model.remat=selective", "model.d_ff=512"),
+    ("mesh.fsdp=4", "parallel.zero=2", "train.grad_accum=2", "model.remat=none"),
+    (
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "parallel.zero=3",
+        "parallel.sequence_parallel=true",
+        "model.remat=none",
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.slow
+def test_estimate_within_10_percent_of_compiled_peak_over_a_grid():
+    def one(overrides):
+        cfg, devices = make(*overrides)
+        compiled = analyze.compiled_memory(analyze.compile_step(cfg, devices, FAST))
+        return overrides, memory.estimate(cfg), compiled
+
+    with ThreadPoolExecutor(2) as pool:  # XLA compiles outside the GIL
+        results = list(pool.map(one, GRID))
+    ratios = []
+    print(f"\n{'config':<90} {'predicted':>10} {'compiled':>10}  ratio")
+    for overrides, est, compiled in results:
+        ratio = est.peak / compiled["peak"]
+        ratios.append(ratio)
+        print(
+            f"{' '.join(overrides):<90} {est.peak / 2**20:9.3f}M {compiled['peak'] / 2**20:9.3f}M"
+            f"  {ratio:.3f} ({est.peak_phase})"
+        )
+    worst = max(ratios, key=lambda r: abs(np.log(r)))
+    print(f"worst predicted/compiled peak ratio over {len(GRID)} configs: {worst:.3f}")
+    assert len(GRID) >= 20
+    bad = [(o, r) for (o, _, _), r in zip(results, ratios, strict=True) if not 0.9 <= r <= 1.1]
+    assert not bad, bad

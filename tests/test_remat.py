@@ -1,0 +1,123 @@
+"""Activation recomputation (model.remat): the same gradients under every policy, less
+compiled memory the more is recomputed, and exactly the predicted extra FLOPs."""
+
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ultrajax import analyze, comms, config, memory, metrics, train
+from ultrajax.config import ConfigError
+from ultrajax.model import remat_policy
+from ultrajax.step import loss_sum
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+FAST = {"xla_backend_optimization_level": 0}
+# attention-dominated: the s² scores outweigh the MLP (s = 256 > 6·d_ff·c / ((4 + c)·a))
+SHAPE = [
+    "model.n_layers=2", "train.micro_batch_size=1", "train.grad_accum=1", "model.seq_len=256",
+    "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
+    "model.vocab_size=256", "model.dtype=float32",
+]  # fmt: skip
+POLICIES = ["none", "full", "selective", "[query,key,value]", "[attn_out,mlp_in]", "[]"]
+
+
+def make(*overrides):
+    cfg = config.load(TINY, SHAPE + list(overrides))
+    config.resolve_mesh(cfg, 1)
+    return cfg
+
+
+def test_gradients_identical_across_policies(random_params):
+    cfg = make("model.seq_len=32", "model.n_layers=3")
+    params = random_params(cfg.model)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(1, cfg.model.vocab_size, (2, 33)), jnp.int32)
+    batch = {
+        "tokens": tokens,
+        "segment_ids": jnp.asarray(np.repeat([[1] * 20 + [2] * 13], 2, 0), jnp.int32),
+        "positions": jnp.asarray(np.repeat([list(range(20)) + list(range(13))], 2, 0)),
+    }
+    grads = {}
+    for remat in POLICIES:
+        cfg.model.remat = config.load(TINY, [f"model.remat={remat}"]).model.remat
+        fn = jax.jit(jax.value_and_grad(lambda p, c=cfg: loss_sum(c, p, batch)[0]))
+        grads[remat] = fn(params)
+    ref_loss, ref = grads["none"]
+    for remat, (loss, g) in grads.items():
+        assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6), remat
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=remat)
+
+
+@pytest.fixture(scope="module")
+def compiled_policies():
+    out = {}
+    for remat in ("none", "selective", "full"):
+        cfg = make(f"model.remat={remat}")
+        out[remat] = (cfg, analyze.compile_step(cfg, jax.devices()[:1], FAST))
+    return out
+
+
+def test_compiled_temp_memory_ordered_none_selective_full(compiled_policies):
+    temp = {k: analyze.compiled_memory(c)["temp"] for k, (_, c) in compiled_policies.items()}
+    print({k: f"{v / 2**20:.2f} MiB" for k, v in temp.items()})
+    assert temp["none"] > temp["selective"] > temp["full"]
+    # and the estimate orders them the same way, each within 10%
+    for remat, (cfg, c) in compiled_policies.items():
+        peak = analyze.compiled_memory(c)["peak"]
+        assert memory.estimate(cfg).peak == pytest.approx(peak, rel=0.10), remat
+
+
+def test_hfu_exceeds_mfu_by_exactly_the_recomputed_flops(compiled_policies):
+    """HFU - MFU counts the recomputed forward work: against the compiled step's dots
+    (each counted with its loop's trip count), policy by policy."""
+    model_dots = None
+    for remat, (cfg, c) in compiled_policies.items():
+        dots, _ = comms.matmul_flops(c.as_text())
+        tokens = cfg.tokens_per_step
+        mfu = metrics.flops_per_token(cfg.model) * tokens
+        hfu = metrics.hardware_flops_per_token(cfg.model) * tokens
+        assert hfu - mfu == pytest.approx(metrics.recompute_flops_per_token(cfg.model) * tokens)
+        assert dots == pytest.approx(hfu, rel=1e-6), remat
+        if remat == "none":
+            model_dots = dots
+            assert hfu == mfu
+    assert model_dots is not None
+
+
+@pytest.mark.parametrize("remat", ["[query,key,value]", "[attn_out,mlp_in]", "[]"])
+def test_recompute_flops_of_named_policies(remat):
+    """Lists of names: the recomputation model against the compiled dots (2 layers x 2
+    micro-batches, so the layer scan and the micro-batch scan both count)."""
+    cfg = make(f"model.remat={remat}", "train.grad_accum=2", "model.seq_len=64")
+    dots, _ = comms.matmul_flops(analyze.compile_step(cfg, jax.devices()[:1], FAST).as_text())
+    assert dots == pytest.approx(
+        metrics.hardware_flops_per_token(cfg.model) * cfg.tokens_per_step, rel=1e-6
+    )
+
+
+def test_full_equals_an_empty_list_of_names():
+    full, empty = make("model.remat=full"), make("model.remat=[]")
+    assert metrics.recompute_flops_per_token(full.model) == metrics.recompute_flops_per_token(
+        empty.model
+    )
+    assert memory.saved_per_layer(full) == memory.saved_per_layer(empty)
+
+
+def test_offload_is_a_clear_error_on_cpu_and_analysed_without_compiling():
+    cfg = make("model.remat=offload")
+    assert remat_policy("offload") is not None
+    with pytest.raises(ConfigError, match="offload needs host offloading"):
+        train.check_backend(cfg)
+    est = memory.estimate(cfg)
+    d = memory.dims(cfg)
+    assert est.host == cfg.model.n_layers * d.c * (2 * d.Q + 2 * d.K + 2 * d.F)
+    assert est.activations["norms"] == cfg.model.n_layers * d.c * d.X  # only block inputs
+    with pytest.raises(ConfigError, match="offload"):
+        analyze.analyze(cfg, compile=True, devices=jax.devices()[:1])
+    assert math.isfinite(analyze.analyze(cfg, devices=jax.devices()[:1])["predicted"]["peak"])

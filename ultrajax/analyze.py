@@ -1,0 +1,590 @@
+"""`python -m ultrajax.analyze --config FILE [section.key=value ...] [options]`
+
+Will this fit, and what does it cost? Memory per device (analytic, and with
+--compile XLA's own figures beside it), FLOPs per step, and the communication of
+one step read from the compiled HLO beside the playbook's formulas.
+
+What is compiled is the real train step (`step.jit_train_step`, the program
+train.py runs) lowered on abstract inputs: `jax.eval_shape` for the state and
+`ShapeDtypeStruct`s carrying the state and batch shardings. Nothing is
+allocated and nothing runs, so an 8B recipe is analysed on a laptop
+(`--cpu-devices N` simulates the mesh's N devices).
+
+Options:
+  --compile              compile and show XLA's memory_analysis / cost_analysis
+                         (implied on a mesh of more than one device, for the
+                         communication report; --no-compile skips it)
+  --json                 one JSON object on stdout instead of the tables
+  --device-memory SIZE   per-device memory for the verdict (80GB, 80GiB, bytes);
+                         default: the device's own where known
+  --plot FILE.png        predicted vs compiled memory, stacked bars
+  --plot-sweep FILE.png  activation memory against sequence length per remat policy
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from ultrajax import cli, comms, memory, metrics, optim
+from ultrajax import mesh as mesh_lib
+from ultrajax.config import Config, ConfigError, resolve_mesh
+from ultrajax.memory import fmt_bytes
+from ultrajax.model import param_count
+
+KNOWN_ACCELERATORS = ("H100", "H200", "A100-SXM4-80GB")
+
+
+# --------------------------------------------------------------------------- compiling
+
+
+def _compile_config(cfg: Config) -> tuple[Config, list[str]]:
+    """The config to compile on this backend, and notes on what had to change."""
+    notes = []
+    backend = jax.default_backend()
+    if cfg.model.attention == "cudnn" and backend != "gpu":
+        cfg = copy.deepcopy(cfg)
+        cfg.model.attention = "xla"
+        notes.append(
+            "attention=cudnn needs a GPU: compiled with attention=xla, whose s² scores the "
+            "flash kernel never stores (the predicted figures are for xla too; the verdict "
+            "uses cudnn's)"
+        )
+    if cfg.model.remat == "offload" and backend != "gpu":
+        raise ConfigError(
+            f"model.remat=offload needs host offloading, which the {backend} backend lacks; "
+            "analyse it without --compile, or use full or selective"
+        )
+    return cfg, notes
+
+
+def abstract_inputs(cfg: Config, mesh, rules, tx):
+    """(state, batch) as ShapeDtypeStructs with the train step's shardings."""
+    from ultrajax.step import init_state, state_shardings
+
+    shardings = state_shardings(cfg, mesh, rules, tx)
+    shapes = jax.eval_shape(functools.partial(init_state, cfg, tx), jax.random.key(0))
+    state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings
+    )
+    t = cfg.train
+    batch_sh = mesh_lib.batch_sharding(mesh)
+    shape = (t.grad_accum, t.micro_batch_size * cfg.dp, cfg.model.seq_len + 1)
+    batch = {
+        k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sh)
+        for k in ("tokens", "segment_ids", "positions")
+    }
+    return state, batch, shardings, batch_sh
+
+
+def lower_step(cfg: Config, devices=None):
+    """The train step (step.jit_train_step) lowered on abstract inputs over `devices`."""
+    from ultrajax.step import jit_train_step
+
+    devices = list(jax.devices() if devices is None else devices)
+    mesh = mesh_lib.make_mesh(cfg, devices)
+    rules = mesh_lib.rules(cfg)
+    tx, schedule = optim.optimizer(cfg), optim.schedule(cfg)
+    state, batch, shardings, batch_sh = abstract_inputs(cfg, mesh, rules, tx)
+    with jax.set_mesh(mesh):
+        step = jit_train_step(cfg, mesh, rules, tx, schedule, shardings, batch_sh)
+        return step.lower(state, batch)
+
+
+_COMPILED: dict = {}  # (config, devices, options) -> compiled step; compiling costs seconds
+
+
+def compile_step(cfg: Config, devices=None, compiler_options: dict | None = None):
+    """Lower and compile the train step; `compiler_options` go to XLA (tests use
+    {"xla_backend_optimization_level": 0}: the same buffers, half the compile time).
+    The same config on the same devices is compiled once per process."""
+    from ultrajax.config import dump
+
+    devices = list(jax.devices() if devices is None else devices)
+    key = (dump(cfg), tuple(d.id for d in devices), tuple(sorted((compiler_options or {}).items())))
+    if key not in _COMPILED:
+        if len(_COMPILED) >= 64:
+            _COMPILED.pop(next(iter(_COMPILED)))
+        _COMPILED[key] = lower_step(cfg, devices).compile(compiler_options)
+    return _COMPILED[key]
+
+
+def compiled_memory(compiled) -> dict:
+    """XLA's memory_analysis, and the peak we read from it.
+
+    The peak is argument + output - alias + temp: the donated state's outputs alias
+    its arguments, and on the CPU backend peak_memory_in_bytes leaves the temporaries
+    out (GUIDE section 5), so we add them ourselves on every backend."""
+    ma = compiled.memory_analysis()
+    out = {
+        "argument": int(ma.argument_size_in_bytes),
+        "output": int(ma.output_size_in_bytes),
+        "alias": int(ma.alias_size_in_bytes),
+        "temp": int(ma.temp_size_in_bytes),
+        "host_temp": int(getattr(ma, "host_temp_size_in_bytes", 0) or 0),
+    }
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
+def flops_report(cfg: Config, compiled=None, hlo_text: str | None = None) -> dict:
+    """FLOPs of one step per device: the model's (6N + attention), the hardware's
+    (+ recomputation), the compiled dots counted with their loops' trip counts, and
+    XLA's cost_analysis (which reads a loop body once)."""
+    m = cfg.model
+    n = math_prod(cfg.mesh.sizes().values())
+    tokens = cfg.tokens_per_step
+    out = {
+        "model": metrics.flops_per_token(m) * tokens / n,
+        "hardware": metrics.hardware_flops_per_token(m) * tokens / n,
+        "recompute": metrics.recompute_flops_per_token(m) * tokens / n,
+    }
+    if compiled is not None:
+        try:
+            cost = compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, list) else cost
+            out["cost_analysis"] = float(cost["flops"]) if cost and "flops" in cost else None
+        except Exception:  # backends without a cost model
+            out["cost_analysis"] = None
+    if hlo_text is not None:
+        out["hlo_dots"], out["hlo_dots_once"] = comms.matmul_flops(hlo_text)
+        out["ratio"] = out["hardware"] / out["hlo_dots"] if out["hlo_dots"] else None
+    return out
+
+
+def math_prod(values) -> int:
+    p = 1
+    for v in values:
+        p *= v
+    return p
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def verdict(peak: float, device_memory: int | None, source: str) -> dict:
+    if device_memory:
+        return {
+            "fits": peak <= device_memory,
+            "device_memory": device_memory,
+            "source": source,
+            "fraction": peak / device_memory,
+        }
+    return {
+        "fits": None,
+        "device_memory": None,
+        "source": source,
+        "known": {name: peak <= memory.DEVICE_MEMORY[name] for name in KNOWN_ACCELERATORS},
+    }
+
+
+def analyze(
+    cfg: Config,
+    *,
+    compile: bool = False,
+    communication: bool | None = None,
+    devices=None,
+    compiler_options: dict | None = None,
+    device_memory: int | None = None,
+) -> dict:
+    """Everything analyze prints, as a JSON-ready dict."""
+    devices = list(jax.devices() if devices is None else devices)
+    resolve_mesh(cfg, len(devices))
+    original = cfg
+    ccfg, notes = _compile_config(cfg) if compile or communication else (cfg, [])
+    analysed = ccfg  # predictions for what is compiled; the verdict for the config as given
+    est = memory.estimate(analysed)
+    report = {
+        "config": {
+            "devices": len(devices),
+            "backend": jax.default_backend(),
+            "mesh": dict(cfg.mesh.sizes()),
+            "zero": cfg.parallel.zero,
+            "sequence_parallel": cfg.parallel.sequence_parallel,
+            "remat": cfg.model.remat,
+            "dtype": cfg.model.dtype,
+            "param_dtype": cfg.model.param_dtype,
+            "attention": cfg.model.attention,
+            "parameters": param_count(cfg.model),
+            "micro_batch_size": cfg.train.micro_batch_size,
+            "grad_accum": cfg.train.grad_accum,
+            "seq_len": cfg.model.seq_len,
+            "tokens_per_step": cfg.tokens_per_step,
+        },
+        "notes": notes,
+        "predicted": est.to_dict(),
+    }
+    peak_for_verdict = est.peak
+    if original is not analysed:
+        peak_for_verdict = memory.estimate(original).peak
+        report["predicted_as_configured"] = memory.estimate(original).to_dict()
+    if device_memory is None:
+        device_memory, source = memory.device_memory(devices[0])
+    else:
+        source = "--device-memory"
+    report["verdict"] = verdict(peak_for_verdict, device_memory, source)
+
+    compiled = text = None
+    if compile or communication:
+        compiled = compile_step(analysed, devices, compiler_options)
+        report["compiled"] = compiled_memory(compiled)
+        text = compiled.as_text()
+        c = report["compiled"]
+        report["ratios"] = {
+            "arguments": est.arguments / c["argument"] if c["argument"] else None,
+            "temp": est.temp / c["temp"] if c["temp"] else None,
+            "peak": est.peak / c["peak"] if c["peak"] else None,
+        }
+    report["flops"] = flops_report(analysed, compiled, text)
+    if communication and text is not None:
+        report["communication"] = comms.report(analysed, text)
+    return report
+
+
+def _row(label, predicted=None, compiled=None, indent=2) -> str:
+    ratio = f"{predicted / compiled:6.2f}" if predicted and compiled else ""
+    p = fmt_bytes(predicted) if predicted is not None else ""
+    c = fmt_bytes(compiled) if compiled is not None else ""
+    return f"{' ' * indent}{label:<44}{p:>12}{c:>12}  {ratio}"
+
+
+def format_report(r: dict) -> str:
+    cf, p = r["config"], r["predicted"]
+    mesh = " x ".join(f"{k}={v}" for k, v in cf["mesh"].items() if v > 1) or "one device"
+    lines = [
+        f"layout: {mesh} ({cf['devices']} device(s), {cf['backend']}); ZeRO-{cf['zero']}"
+        f"{', SP' if cf['sequence_parallel'] else ''}; remat {cf['remat']}; "
+        f"{cf['dtype']} compute, {cf['param_dtype']} master; attention {cf['attention']}",
+        f"model: {cf['parameters']:,} parameters; per device {cf['micro_batch_size']} x "
+        f"{cf['seq_len']} tokens per micro-batch, {cf['grad_accum']} micro-batches; "
+        f"{cf['tokens_per_step']:,} tokens per step",
+    ]
+    lines += [f"note: {n}" for n in r["notes"]]
+    c = r.get("compiled")
+    lines.append("")
+    lines.append(f"{'memory per device':<46}{'predicted':>12}{'compiled':>12}  ratio")
+    rows = p["rows"]
+    for name in (k for k in rows if k.startswith(("parameters", "optimizer", "batch"))):
+        lines.append(_row(name, rows[name], indent=4))
+    lines.append(_row("= arguments", p["arguments"], c and c["argument"]))
+    for name in ("compute copy", "gradients (", "gradient accumulators"):
+        for k, v in rows.items():
+            if k.startswith(name) and v:
+                lines.append(_row(k, v, indent=4))
+    lines.append(
+        _row("activations saved for backward", rows["activations saved for backward"], indent=4)
+    )
+    for part, v in p["activations"].items():
+        if part.startswith("logits"):
+            continue
+        label = "norms and block inputs" if part == "norms" else part
+        lines.append(_row(label, v, indent=6))
+    lines.append(
+        _row(
+            "logits and loss (working set)",
+            p["activations"]["logits and loss (working set)"],
+            indent=4,
+        )
+    )
+    lines.append(
+        _row(
+            "one layer's backward (working set)",
+            rows["one layer's backward (working set)"],
+            indent=4,
+        )
+    )
+    for phase, v in p["phases"].items():
+        mark = "  <- peak" if phase == p["peak_phase"] else ""
+        lines.append(f"      phase: {phase:<36}{fmt_bytes(v):>12}{mark}")
+    lines.append(_row(f"= temporaries ({p['peak_phase']})", p["temp"], c and c["temp"]))
+    lines.append(
+        _row("outputs not aliased to arguments", p["outputs"], c and c["output"] - c["alias"])
+    )
+    lines.append(_row("= peak", p["peak"], c and c["peak"]))
+    if p["host"]:
+        lines.append(_row("pinned host memory (offloaded activations)", p["host"]))
+    if c:
+        lines.append(
+            f"  XLA memory_analysis: argument {fmt_bytes(c['argument'])}, output "
+            f"{fmt_bytes(c['output'])}, alias {fmt_bytes(c['alias'])}, temp {fmt_bytes(c['temp'])}"
+            "; compiled peak = argument + output - alias + temp"
+        )
+    if "predicted_as_configured" in r:
+        lines.append(
+            f"  as configured (attention {cf['attention']}): predicted peak "
+            f"{fmt_bytes(r['predicted_as_configured']['peak'])}"
+        )
+    v = r["verdict"]
+    lines.append("")
+    if v["fits"] is None:
+        known = ", ".join(
+            f"{name} {fmt_bytes(memory.DEVICE_MEMORY[name])}: {'fits' if ok else 'does not fit'}"
+            for name, ok in v["known"].items()
+        )
+        lines.append(
+            f"verdict: {v['source']} (pass --device-memory); predicted peak per device against "
+            f"{known}"
+        )
+    else:
+        word = "fits" if v["fits"] else "does NOT fit"
+        lines.append(
+            f"verdict: {word} in {fmt_bytes(v['device_memory'])} per device ({v['source']}): "
+            f"predicted peak {v['fraction']:.0%} of it"
+        )
+
+    f = r["flops"]
+    lines.append("")
+    lines.append("FLOPs per step per device")
+    lines.append(f"  model (6N + 12·L·h·s per token)        {f['model']:.4g}")
+    lines.append(
+        f"  hardware (+ recomputation)             {f['hardware']:.4g}"
+        f"  (recomputed {f['recompute']:.4g})"
+    )
+    if "hlo_dots" in f:
+        ratio = f" (hardware / compiled {f['ratio']:.3f})" if f.get("ratio") else ""
+        lines.append(f"  compiled dots x loop trip counts       {f['hlo_dots']:.4g}{ratio}")
+    if f.get("cost_analysis") is not None:
+        lines.append(
+            f"  XLA cost_analysis                      {f['cost_analysis']:.4g}  (reads each loop "
+            f"body once: compare {f['hlo_dots_once']:.4g} dots counted once)"
+        )
+
+    comm = r.get("communication")
+    if comm and (comm["total"]["traffic"] or comm["total"]["expected"]):
+        lines.append("")
+        lines.append(
+            f"communication per step per device  {'ops':>5} {'runs':>6} {'payload':>11} "
+            f"{'traffic':>11} {'formula':>11}  ratio"
+        )
+        for kind, row in comm["kinds"].items():
+            if not row["ops"] and not row["expected"]:
+                continue
+            ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else "-"
+            lines.append(
+                f"  {kind:<32}{row['ops']:>5} {row['count']:>6} {fmt_bytes(row['payload']):>11} "
+                f"{fmt_bytes(row['traffic']):>11} {fmt_bytes(row['expected']):>11}  {ratio}"
+            )
+        t = comm["total"]
+        ratio = f"{t['ratio']:.3f}" if t["ratio"] is not None else "-"
+        lines.append(
+            f"  {'total':<32}{'':>5} {'':>6} {'':>11} {fmt_bytes(t['traffic']):>11} "
+            f"{fmt_bytes(t['expected']):>11}  {ratio}"
+        )
+        for term in comm["terms"]:
+            lines.append(
+                f"  formula: {term['kind']} {term['what']}: {term['formula']} = "
+                f"{fmt_bytes(term['traffic'])}"
+            )
+        lines.append(
+            "  (traffic: what one device sends, ring algorithms; runs: executions per step, "
+            "loop bodies times their trip counts)"
+        )
+        lines += [f"  note: {n}" for n in comm["notes"]]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+    return plt
+
+
+def plot_breakdown(r: dict, path: str) -> None:
+    """Stacked bars: the predicted breakdown beside XLA's compiled figures."""
+    plt = _pyplot()
+    p, rows = r["predicted"], r["predicted"]["rows"]
+    unit, uname = (memory.GiB, "GiB") if p["peak"] > memory.GiB else (2**20, "MiB")
+    phase = p["peak_phase"]
+    acts = {k: v for k, v in p["activations"].items() if not k.startswith("logits")}
+    predicted = [
+        ("master weights", rows[next(k for k in rows if k.startswith("parameters"))]),
+        ("Adam moments", rows["optimizer state (Adam mu, nu)"]),
+        (
+            "batch + outputs",
+            rows[next(k for k in rows if k.startswith("batch"))] + p["outputs"] + 8,
+        ),
+    ]
+    if phase == "optimizer update":
+        predicted.append(("optimizer temporaries", p["phases"][phase]))
+    else:
+        predicted += [
+            ("compute copy", rows[next(k for k in rows if k.startswith("compute copy"))]),
+            ("gradients", rows[next(k for k in rows if k.startswith("gradients ("))]),
+            ("fp32 accumulators", rows["gradient accumulators (fp32)"]),
+        ]
+        predicted += [(f"saved: {k}", v) for k, v in acts.items()]
+        work = p["phases"][phase] - sum(v for _, v in predicted[3:])
+        predicted.append((f"working set ({phase})", work))
+    fig, ax = plt.subplots(figsize=(9, 6))
+    colors = plt.get_cmap("tab20").colors
+    bottom = 0.0
+    for i, (label, v) in enumerate(predicted):
+        if v <= 0:
+            continue
+        ax.bar(0, v / unit, bottom=bottom, color=colors[i % 20], label=label, width=0.6)
+        bottom += v / unit
+    c = r.get("compiled")
+    if c:
+        parts = [
+            ("XLA: arguments", c["argument"], "#555555"),
+            ("XLA: outputs not aliased", c["output"] - c["alias"], "#999999"),
+            ("XLA: temporaries", c["temp"], "#cccccc"),
+        ]
+        bottom = 0.0
+        for label, v, col in parts:
+            ax.bar(1, v / unit, bottom=bottom, color=col, label=label, width=0.6, hatch="//")
+            bottom += v / unit
+        ax.text(1, bottom, f"{c['peak'] / unit:.2f} {uname}", ha="center", va="bottom")
+    ax.text(0, p["peak"] / unit, f"{p['peak'] / unit:.2f} {uname}", ha="center", va="bottom")
+    ax.set_xticks([0, 1] if c else [0])
+    ax.set_xticklabels(["predicted"] + (["compiled (XLA)"] if c else []))
+    ax.set_xlim(-0.6, 2.9)
+    ax.set_ylabel(f"{uname} per device")
+    cf = r["config"]
+    ax.set_title(
+        f"Memory per device: {cf['parameters'] / 1e6:.1f}M params, ZeRO-{cf['zero']}, "
+        f"remat {cf['remat']}, mbs {cf['micro_batch_size']} x seq {cf['seq_len']}"
+    )
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def sweep(cfg: Config, seq_lens=None, policies=("none", "selective", "full")) -> dict:
+    """Predicted activation memory (saved + working sets) and peak per seq_len and policy."""
+    if seq_lens is None:
+        top = max(cfg.model.seq_len * 4, 1024)
+        seq_lens = [2**k for k in range(7, 20) if 2**k <= top]
+    out = {"seq_len": list(seq_lens), "policies": {}}
+    for pol in policies:
+        acts, peaks = [], []
+        for s in seq_lens:
+            c = copy.deepcopy(cfg)
+            c.model.seq_len, c.model.remat = s, pol
+            e = memory.estimate(c)
+            saved = sum(v for k, v in e.activations.items() if not k.startswith("logits"))
+            acts.append(saved + e.rows["one layer's backward (working set)"])
+            peaks.append(e.peak)
+        out["policies"][pol] = {"activations": acts, "peak": peaks}
+    e = memory.estimate(cfg)
+    out["model_states"] = e.arguments - e.rows[next(k for k in e.rows if k.startswith("batch"))]
+    return out
+
+
+def plot_sweep(cfg: Config, path: str, device_memory: int | None = None) -> dict:
+    plt = _pyplot()
+    data = sweep(cfg)
+    fig, ax = plt.subplots(figsize=(9, 6))
+    styles = {"none": "-o", "selective": "-s", "full": "-^"}
+    for pol, d in data["policies"].items():
+        ax.plot(
+            data["seq_len"],
+            [a / memory.GiB for a in d["activations"]],
+            styles.get(pol, "-"),
+            label=f"activations, remat={pol}",
+        )
+        ax.plot(
+            data["seq_len"],
+            [p / memory.GiB for p in d["peak"]],
+            styles.get(pol, "-")[0] + ":",
+            alpha=0.6,
+            label=f"peak per device, remat={pol}",
+        )
+    ax.axhline(
+        data["model_states"] / memory.GiB, color="k", ls="--", label="weights + Adam (master)"
+    )
+    if device_memory:
+        ax.axhline(device_memory / memory.GiB, color="r", ls="-.", label="device memory")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("GiB per device (log)")
+    m = cfg.model
+    ax.set_title(
+        f"Activation memory vs sequence length: {param_count(m) / 1e6:.1f}M params, "
+        f"micro-batch {cfg.train.micro_batch_size}, {m.dtype}"
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return data
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv=None) -> int:
+    p = cli.parser("ultrajax.analyze", "Memory, FLOPs and communication of one train step.")
+    p.add_argument("--compile", action="store_true", help="compile and compare with XLA")
+    p.add_argument("--no-compile", action="store_true", help="analytic figures only")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--device-memory", default=None, metavar="SIZE", help="e.g. 80GB, 80GiB")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="memory breakdown bars")
+    p.add_argument("--plot-sweep", default=None, metavar="FILE.png", help="memory vs seq_len")
+    args = p.parse_args(argv)
+    device_memory = None
+    if args.device_memory is not None:
+        try:
+            device_memory = memory.parse_bytes(args.device_memory)
+        except ValueError:
+            raise ConfigError(
+                f"--device-memory: {args.device_memory!r} is not a size; use e.g. 80GB, 80GiB "
+                "or a number of bytes"
+            ) from None
+    for flag in ("plot", "plot_sweep"):
+        path = getattr(args, flag)
+        if path is not None and not path.lower().endswith((".png", ".pdf", ".svg")):
+            raise ConfigError(f"--{flag.replace('_', '-')}: {path!r} should end in .png")
+    cli.setup_devices(args)
+    cfg = cli.load_config(args)
+    n = jax.device_count()
+    try:
+        resolve_mesh(cfg, n)
+    except ConfigError as e:
+        hint = "" if args.cpu_devices else "; on a CPU host, --cpu-devices N simulates N devices"
+        raise ConfigError(f"{e}{hint}") from None
+    multi = math_prod(cfg.mesh.sizes().values()) > 1
+    do_compile = (args.compile or multi) and not args.no_compile
+    report = analyze(cfg, compile=do_compile, communication=do_compile, device_memory=device_memory)
+    if args.plot:
+        plot_breakdown(report, args.plot)
+        report["plot"] = args.plot
+    if args.plot_sweep:
+        report["sweep"] = plot_sweep(cfg, args.plot_sweep, report["verdict"]["device_memory"])
+        report["plot_sweep"] = args.plot_sweep
+    if args.json:
+        json.dump(report, sys.stdout, indent=1, default=_jsonable)
+        print()
+    else:
+        print(format_report(report))
+        for key in ("plot", "plot_sweep"):
+            if key in report:
+                print(f"wrote {report[key]}")
+    return 0
+
+
+def _jsonable(x):
+    if dataclasses.is_dataclass(x):
+        return dataclasses.asdict(x)
+    return float(x)
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,454 @@
+"""One step's communication: what the compiled HLO does, beside what the playbook predicts.
+
+Measured: every collective in `compiled.as_text()` (all-reduce, all-gather,
+reduce-scatter, collective-permute, all-to-all and their async `-start` forms),
+counted as many times as it runs. A collective inside a while loop (the layer
+scan, the micro-batch scan) runs once per iteration, so each computation's
+multiplicity is the product of the trip counts of the loops that call it, read
+from XLA's `known_trip_count` (or the loop condition's constant bound). Bytes
+are per device: XLA's SPMD program is the same on every device.
+
+Two figures per collective, for a group of n devices and a buffer of B bytes:
+  payload: the full logical buffer (all-reduce B, all-gather its output B,
+    reduce-scatter its input B, all-to-all B, collective-permute B);
+  traffic: what one device sends with a ring algorithm: all-reduce 2B(n-1)/n,
+    all-gather and reduce-scatter B(n-1)/n, all-to-all B(n-1)/n, permute B.
+The playbook's formulas (GUIDE section 6) are traffic, so the ratio compares
+traffic with traffic.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ultrajax.config import Config
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+DTYPE_BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3": 1,
+    "f8e5m2fnuz": 1,
+    "f8e4m3fnuz": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
+_CALLEE = re.compile(
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
+
+
+def _split_shape(rest: str) -> tuple[str, str]:
+    """'(f32[2], f32[3]) all-reduce(...)' -> ('(f32[2], f32[3])', 'all-reduce(...)')."""
+    rest = rest.strip()
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1 :].strip()
+    shape, _, tail = rest.partition(" ")
+    return shape, tail.strip()
+
+
+def _top_level(shape: str) -> list[str]:
+    """Elements of a tuple shape at depth one ('(a, (b, c))' -> ['a', '(b, c)'])."""
+    shape = re.sub(r"/\*.*?\*/", "", shape).strip()
+    if not shape.startswith("("):
+        return [shape]
+    inner, parts, depth, cur = shape[1:-1], [], 0, ""
+    for ch in inner:
+        if ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+            continue
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        cur += ch
+    if cur.strip():
+        parts.append(cur.strip())
+    return parts
+
+
+def shape_bytes(shape: str) -> float:
+    """Bytes of an HLO shape string, tuples summed; layouts `{1,0}` ignored."""
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype not in DTYPE_BYTES:
+            continue
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * DTYPE_BYTES[dtype]
+    return total
+
+
+def group_size(attrs: str, n_devices: int) -> int:
+    """Devices in one replica group of a collective, from any of XLA's printed forms."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:  # mesh['axis_0'=8,'axis_1'=1] {'axis_0'}: product of the named axes
+        sizes = {k: int(v) for k, v in re.findall(r"'?([\w]+)'?=(\d+)", m.group(1))}
+        names = re.findall(r"'?([\w]+)'?", m.group(2))
+        return math.prod(sizes.get(n, 1) for n in names) if names else n_devices
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)
+    if m:  # iota form [groups, size]<=[...]
+        return int(m.group(1).split(",")[-1])
+    m = re.search(r"replica_groups=\{(\{[^}]*\})", attrs)
+    if m:
+        return len(re.findall(r"\d+", m.group(1)))
+    return n_devices  # replica_groups={} or absent: every device
+
+
+@dataclass
+class Collective:
+    kind: str
+    name: str
+    computation: str
+    group: int
+    bytes: float  # the result's bytes (for async starts: the output part)
+    count: int = 1  # times it runs per step (product of enclosing trip counts)
+
+    @property
+    def payload(self) -> float:
+        return self.bytes * self.group if self.kind == "reduce-scatter" else self.bytes
+
+    @property
+    def traffic(self) -> float:
+        """Bytes one device sends per execution (ring algorithms)."""
+        n, b = self.group, self.bytes
+        if n <= 1 and self.kind != "collective-permute":
+            return 0.0
+        if self.kind == "all-reduce":
+            return 2.0 * b * (n - 1) / n
+        if self.kind == "reduce-scatter":
+            return b * (n - 1)
+        if self.kind == "collective-permute":
+            return b
+        return b * (n - 1) / n  # all-gather, all-to-all
+
+
+@dataclass
+class HloModule:
+    computations: dict[str, list[tuple[str, str, str]]] = field(default_factory=dict)
+    entry: str | None = None
+    n_devices: int = 1
+
+
+def parse_module(text: str) -> HloModule:
+    """Computations -> [(instruction name, shape, opcode + operands + attributes)]."""
+    mod = HloModule()
+    m = re.search(r"num_partitions=(\d+)", text)
+    mod.n_devices = int(m.group(1)) if m else 1
+    current = None
+    for line in text.splitlines():
+        h = _HEADER.match(line)
+        if h:
+            current = h.group(1)
+            mod.computations[current] = []
+            if line.startswith("ENTRY"):
+                mod.entry = current
+            continue
+        if current is None:
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        i = _INSTR.match(line)
+        if i:
+            shape, rest = _split_shape(i.group(2))
+            mod.computations[current].append((i.group(1), shape, rest))
+    return mod
+
+
+def _trip_count(rest: str, mod: HloModule, condition: str | None) -> int | None:
+    m = _TRIP.search(rest)
+    if m:
+        return int(m.group(1))
+    # fall back on the loop condition: compare(counter, constant(N)), direction=LT
+    consts = {}
+    for name, _shape, op in mod.computations.get(condition, []):
+        c = re.match(r"constant\((-?\d+)\)", op)
+        if c:
+            consts[name] = int(c.group(1))
+    for _name, _shape, op in mod.computations.get(condition, []):
+        if op.startswith("compare(") and "direction=LT" in op:
+            for operand in re.findall(r"%([\w.\-]+)", op.split(")")[0]):
+                if operand in consts:
+                    return consts[operand]
+    return None
+
+
+def multiplicities(mod: HloModule) -> tuple[dict[str, int], list[str]]:
+    """How many times each computation runs per call of the entry; notes on unknown loops."""
+    edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    notes = []
+    for comp, instrs in mod.computations.items():
+        for name, _shape, rest in instrs:
+            callees = dict((k, v) for k, v in _CALLEE.findall(rest))
+            factor = 1
+            if rest.startswith("while("):
+                trip = _trip_count(rest, mod, callees.get("condition"))
+                if trip is None:
+                    notes.append(f"{name}: trip count unknown, counted once")
+                    trip = 1
+                factor = trip
+            for key, callee in callees.items():
+                # the condition runs trip + 1 times; collectives never live there
+                edges[comp].append((callee, factor if key in ("body", "condition") else 1))
+            b = _BRANCHES.search(rest)
+            if b:
+                for callee in re.findall(r"%?([\w.\-]+)", b.group(1)):
+                    edges[comp].append((callee, 1))
+    # computations form a DAG: accumulate in topological order from the entry
+    indeg: dict[str, int] = defaultdict(int)
+    for comp in mod.computations:
+        for callee, _ in edges.get(comp, []):
+            indeg[callee] += 1
+    mult: dict[str, int] = defaultdict(int)
+    roots = [mod.entry] if mod.entry else [c for c in mod.computations if indeg[c] == 0]
+    for r in roots:
+        mult[r] = 1
+    queue = [c for c in mod.computations if indeg[c] == 0]
+    while queue:
+        comp = queue.pop()
+        for callee, factor in edges.get(comp, []):
+            mult[callee] += mult[comp] * factor
+            indeg[callee] -= 1
+            if indeg[callee] == 0:
+                queue.append(callee)
+    return dict(mult), notes
+
+
+def collectives(text: str) -> tuple[list[Collective], list[str]]:
+    """Every collective of a compiled HLO module with its per-step execution count."""
+    mod = parse_module(text)
+    mult, notes = multiplicities(mod)
+    found = []
+    for comp, instrs in mod.computations.items():
+        for name, shape, rest in instrs:
+            op = rest.split("(", 1)[0]
+            kind = op[: -len("-start")] if op.endswith("-start") else op
+            if kind not in KINDS:
+                continue
+            parts = _top_level(shape)
+            if op.endswith("-start") and kind in ("all-gather", "collective-permute"):
+                # async forms return (operands, outputs[, contexts]): keep the outputs
+                parts = parts[1:2] if len(parts) >= 2 else parts
+            nbytes = sum(shape_bytes(p) for p in parts)
+            found.append(
+                Collective(
+                    kind=kind,
+                    name=name,
+                    computation=comp,
+                    group=group_size(rest, mod.n_devices),
+                    bytes=nbytes,
+                    count=mult.get(comp, 0),
+                )
+            )
+    return found, notes
+
+
+def summarize(found: list[Collective]) -> dict[str, dict]:
+    """kind -> {ops (in the HLO), count (executions per step), payload, traffic} per device."""
+    out = {k: {"ops": 0, "count": 0, "payload": 0.0, "traffic": 0.0} for k in KINDS}
+    for c in found:
+        row = out[c.kind]
+        row["ops"] += 1
+        row["count"] += c.count
+        row["payload"] += c.payload * c.count
+        row["traffic"] += c.traffic * c.count
+    return out
+
+
+# --------------------------------------------------------------------------- the playbook
+
+
+@dataclass
+class Term:
+    kind: str
+    what: str
+    formula: str
+    traffic: float  # bytes one device sends per step
+
+
+def _ring(nbytes: float, n: int, factor: float = 1.0) -> float:
+    return factor * nbytes * (n - 1) / n if n > 1 else 0.0
+
+
+def expected(cfg: Config) -> list[Term]:
+    """The playbook's per-step communication for this layout (GUIDE section 6), per device.
+
+    Ψ here is the parameter count of one tensor-parallel shard (the DP/ZeRO collectives
+    move that much); gradients are reduced in fp32 (the step's accumulators), weights
+    gathered in the compute dtype. Gradient accumulation over m micro-batches: DP and
+    ZeRO-1 reduce once per step (accumulation inside one jitted step is our no_sync),
+    ZeRO-2 reduce-scatters every micro-batch (a sharded accumulator cannot hold
+    unreduced gradients), ZeRO-3 also gathers the weights twice per micro-batch.
+    """
+    from ultrajax import memory  # local: memory imports nothing from here
+
+    mesh, m, t = cfg.mesh, cfg.model, cfg.train
+    dp_d, fs, tp = mesh.data, mesh.fsdp, mesh.tensor
+    accum = t.grad_accum
+    c = memory.dtype_bytes(m.dtype)
+    psi = memory.param_elements(cfg, kind="compute", ignore=("fsdp",))
+    grads = 4.0 * psi
+    weights = c * psi
+    zero = cfg.parallel.zero if fs > 1 else 0
+    terms = []
+    dp = dp_d * fs
+    if zero == 0 and dp > 1:
+        terms.append(
+            Term(
+                "all-reduce",
+                "gradients over data x fsdp",
+                "2Ψ(N-1)/N",
+                _ring(grads, dp, 2.0),
+            )
+        )
+    if zero >= 1:
+        rs_times = accum if zero >= 2 else 1
+        terms.append(
+            Term(
+                "reduce-scatter",
+                f"gradients over fsdp (ZeRO-{zero})"
+                + (", every micro-batch" if rs_times > 1 else ""),
+                f"{rs_times}·Ψ(N-1)/N" if rs_times > 1 else "Ψ(N-1)/N",
+                rs_times * _ring(grads, fs),
+            )
+        )
+        if dp_d > 1:
+            terms.append(
+                Term(
+                    "all-reduce",
+                    "gradient shards over data",
+                    "2(Ψ/N_fsdp)(N_data-1)/N_data",
+                    _ring(grads / fs, dp_d, 2.0),
+                )
+            )
+        gathers = 2 * accum if zero == 3 else 1
+        terms.append(
+            Term(
+                "all-gather",
+                "parameters over fsdp"
+                + (" (forward and backward, every micro-batch)" if zero == 3 else " (updated)"),
+                f"{gathers}·Ψ(N-1)/N" if gathers > 1 else "Ψ(N-1)/N",
+                gathers * _ring(weights, fs),
+            )
+        )
+    if tp > 1:
+        act = c * t.micro_batch_size * m.seq_len * m.d_model  # b·s·h of one micro-batch
+        per_block = 6 if m.remat == "full" else 4  # full remat repeats the forward's two
+        n_ops = (per_block * m.n_layers + 2) * accum  # + embedding forward, LM head backward
+        what = f"activations b·s·h, {per_block} per block + embedding and LM head, per micro-batch"
+        if cfg.parallel.sequence_parallel:
+            for kind in ("all-gather", "reduce-scatter"):
+                terms.append(
+                    Term(kind, what + " (SP)", f"{n_ops}·bsh(t-1)/t", n_ops * _ring(act, tp))
+                )
+        else:
+            terms.append(
+                Term("all-reduce", what, f"{n_ops}·2bsh(t-1)/t", n_ops * _ring(act, tp, 2.0))
+            )
+    return terms
+
+
+def expected_by_kind(terms: list[Term]) -> dict[str, float]:
+    out = {k: 0.0 for k in KINDS}
+    for term in terms:
+        out[term.kind] += term.traffic
+    return out
+
+
+def report(cfg: Config, hlo_text: str) -> dict:
+    """Measured (from the HLO) beside expected (the formulas), per kind, JSON-ready."""
+    found, notes = collectives(hlo_text)
+    measured = summarize(found)
+    terms = expected(cfg)
+    want = expected_by_kind(terms)
+    rows = {}
+    for k in KINDS:
+        got = measured[k]["traffic"]
+        rows[k] = dict(measured[k], expected=want[k], ratio=(got / want[k]) if want[k] else None)
+    total_got = sum(r["traffic"] for r in measured.values())
+    total_want = sum(want.values())
+    return {
+        "kinds": rows,
+        "total": {
+            "traffic": total_got,
+            "expected": total_want,
+            "ratio": total_got / total_want if total_want else None,
+        },
+        "terms": [vars(t) for t in terms],
+        "notes": notes,
+        "largest": [
+            {
+                "kind": c.kind,
+                "name": c.name,
+                "group": c.group,
+                "bytes": c.bytes,
+                "count": c.count,
+                "traffic": c.traffic * c.count,
+            }
+            for c in sorted(found, key=lambda c: -c.traffic * c.count)[:8]
+        ],
+    }
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+def _dims(shape: str) -> list[int]:
+    m = _ARRAY.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def matmul_flops(text: str) -> tuple[float, float]:
+    """(FLOPs of every dot per step, the same counting each dot once) in a compiled module.
+
+    A dot's FLOPs are 2 x (output elements) x (contracted size). The first figure
+    multiplies each by the trip counts of its enclosing loops; the second is what
+    XLA's cost analysis does (it reads a loop body once), for comparison.
+    """
+    mod = parse_module(text)
+    mult, _ = multiplicities(mod)
+    total = once = 0.0
+    for comp, instrs in mod.computations.items():
+        shapes = {name: shape for name, shape, _ in instrs}
+        for _name, shape, rest in instrs:
+            if not rest.startswith("dot("):
+                continue
+            operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+            lhs = _dims(shapes.get(operands[0], "")) if operands else []
+            m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+            contracted = math.prod(lhs[int(i)] for i in m.group(1).split(",") if i) if m else 1
+            flops = 2.0 * math.prod(_dims(shape)) * contracted
+            once += flops
+            total += flops * mult.get(comp, 0)
+    return total, once

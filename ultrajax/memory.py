@@ -1,0 +1,487 @@
+"""Where a train step's memory goes, per device, predicted from the config alone.
+
+Nothing here traces the model or touches a device: the figures are closed forms in
+the shapes (docs/memory.md derives each one), divided the way the mesh rules shard
+them. `python -m ultrajax.analyze` prints them beside XLA's compiled figures.
+
+A step's peak is what lives for the whole step (the arguments: master weights,
+Adam moments, the batch) plus the largest of its phases' temporaries:
+  - layer backward: the activations saved for backward (all layers), the gradient
+    buffers, fp32 accumulators (grad_accum > 1), the compute-dtype copy of the
+    weights where it is a separate array, and the working set of one layer's
+    backward pass (its slice of the saved activations, recomputed ones, their
+    gradients, the layer's weights and weight gradients);
+  - head backward: the same saved activations, the gradient buffers, and the
+    logits' working set (exp(logits), their gradient and its transposed copy);
+  - optimizer update: the fp32 gradients and the update's temporaries.
+
+The saved activations are exact (tested against `print_saved_residuals`); the
+working sets are counted in copies of an activation, coefficients measured on
+XLA:CPU in fp32 (the `WORK` table), since they depend on the compiler's fusion and
+schedule. Bytes per element: compute dtype `c` (model.dtype), fp32 where the model
+computes in fp32 (norm statistics, softmax, logits).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+
+from ultrajax.config import Config, ModelConfig
+
+GiB = 2**30
+
+# One layer's backward working set, in copies of (per device):
+#   S  b·a·s² fp32 attention scores     F  b·s·d_ff MLP hidden
+#   X  b·s·h inside a TP region         R  b·s·h of the residual stream (/tp with SP)
+#   K  b·s·kv·hd keys                   Wm h·d_ff one MLP matrix
+#   Wa h·hd·(a + kv) attention weights  Z  the whole layer's weights, ZeRO-3 only
+# Fitted by least squares over ~45 compiled shapes and layouts (fp32, XLA:CPU: one
+# device, DP, ZeRO-3, TP, TP+SP); docs/memory.md. All but S count compute-dtype bytes.
+WORK = {
+    "none": {"S": 2.0, "F": 5.2, "X": 2.0, "R": 8.3, "K": 1.9, "Wm": 2.7, "Wa": 2.8, "Z": 0.0},
+    "full": {"S": 2.0, "F": 8.0, "X": 3.5, "R": 10.0, "K": 3.1, "Wm": 2.0, "Wa": 1.9, "Z": 0.3},
+    "selective": {"S": 2.4, "F": 4.3, "X": 2.8, "R": 5.4, "K": 0.0, "Wm": 5.6, "Wa": 0.0, "Z": 0.3},
+}
+ATTN_S = 3.75  # fitted: scores, probabilities, their gradient, a transposed copy (fp32)
+HEAD_WORK_V = 2.0  # exp(logits) and d logits: fp32 b·s·v each
+HEAD_WORK_X = 3.0  # final norm input, output and their gradient: b·s·h
+OPT_WORK = 1.0  # fp32 parameter-sized temporaries of the AdamW update beyond the gradients
+
+# Total device memory (nvidia-smi's MiB) of the accelerators we know by name.
+DEVICE_MEMORY = {
+    "H200": 143771 * 2**20,
+    "H100": 81559 * 2**20,
+    "A100-SXM4-80GB": 81920 * 2**20,
+    "A100-SXM4-40GB": 40960 * 2**20,
+    "A100 80GB": 81920 * 2**20,
+    "A100": 40960 * 2**20,
+}
+
+
+def dtype_bytes(name: str) -> int:
+    return jnp.dtype(name).itemsize
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' (10^9), '80GiB' / '80G' (2^30), '85899345920': bytes, or ValueError."""
+    units = {
+        "": 1,
+        "b": 1,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "k": 2**10,
+        "m": 2**20,
+        "g": 2**30,
+        "t": 2**40,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+    }
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num) :]
+    if unit not in units or not num:
+        raise ValueError(text)
+    value = float(num) * units[unit]
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(text)
+    return int(value)
+
+
+def device_memory(device) -> tuple[int | None, str]:
+    """(bytes of one device's memory, where the figure comes from), None where unknown."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # CPU backends may raise
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"{device.device_kind}: memory_stats bytes_limit"
+    kind = getattr(device, "device_kind", "")
+    for name, size in DEVICE_MEMORY.items():
+        if name in kind:
+            return size, f"{kind} (nvidia-smi total)"
+    return None, f"{kind or device.platform}: no device memory to compare against"
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _ways(cfg: Config, entry, ignore=()) -> int:
+    """How many ways a rules-table entry splits a dimension on this mesh."""
+    sizes = cfg.mesh.sizes() if hasattr(cfg.mesh, "sizes") else vars(cfg.mesh)
+    return math.prod(sizes[a] for a in _axes(entry) if a not in ignore)
+
+
+def _rules(cfg: Config):
+    from ultrajax import mesh as mesh_lib
+
+    return mesh_lib.rules(cfg)
+
+
+_SHAPE_FIELDS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "d_ff",
+    "head_dim",
+    "tie_embeddings",
+    "param_dtype",
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _param_leaves(key: tuple) -> tuple[tuple[str, tuple[int, ...], tuple[str, ...]], ...]:
+    """(path, shape, logical names) of every parameter; traced abstractly, nothing allocated."""
+    from ultrajax.model import init_params, logical_axes
+
+    m = ModelConfig(**dict(zip(_SHAPE_FIELDS, key, strict=True)))
+    shapes = jax.eval_shape(lambda: init_params(m, jax.random.key(0)))
+    names = logical_axes(m)
+    flat_s = jax.tree_util.tree_leaves_with_path(shapes)
+    flat_n = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))
+    return tuple(
+        (jax.tree_util.keystr(p), tuple(s.shape), tuple(n))
+        for (p, s), n in zip(flat_s, flat_n, strict=True)
+    )
+
+
+def _leaves(m: ModelConfig):
+    return _param_leaves(tuple(getattr(m, f) for f in _SHAPE_FIELDS))
+
+
+def shard_elements(cfg: Config, shape, names, kind: str, ignore=()) -> int:
+    """Elements of one device's shard of a parameter under the rules' `kind` column."""
+    table = getattr(_rules(cfg), kind)
+    return math.prod(
+        -(-dim // _ways(cfg, table.get(n), ignore)) for dim, n in zip(shape, names, strict=True)
+    )
+
+
+def param_elements(cfg: Config, kind: str = "stored", ignore=(), where=None) -> int:
+    """Parameters held per device under the rules' `kind` column (stored | compute).
+
+    `ignore` leaves mesh axes out (`("fsdp",)`: the size once gathered over fsdp);
+    `where(path)` selects leaves."""
+    return sum(
+        shard_elements(cfg, shape, names, kind, ignore)
+        for path, shape, names in _leaves(cfg.model)
+        if where is None or where(path)
+    )
+
+
+def layer_weight_elements(cfg: Config, ignore=("fsdp",)) -> dict[str, int]:
+    """One layer's compute weights per device (as used: gathered over fsdp)."""
+    out = {"attn": 0, "mlp": 0, "norm": 0}
+    for path, shape, names in _leaves(cfg.model):
+        if not path.startswith("['layers']"):
+            continue
+        n = shard_elements(cfg, shape[1:], names[1:], "compute", ignore)
+        key = "mlp" if "'w_" in path else "norm" if "norm" in path else "attn"
+        out[key] += n
+    return out
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Per-device activation sizes (elements) of one micro-batch."""
+
+    b: int  # micro-batch rows on this device
+    s: int  # sequence inside attention and MLP (the TP regions)
+    s_res: int  # sequence of the residual stream and norms (s / tensor with SP)
+    h: int
+    a: int  # query heads on this device
+    kv: int
+    hd: int
+    f: int  # d_ff on this device
+    v: int  # vocabulary on this device
+    L: int
+    c: int  # bytes per element of the compute dtype
+
+    @property
+    def X(self) -> int:  # residual stream inside a TP region
+        return self.b * self.s * self.h
+
+    @property
+    def X_res(self) -> int:
+        return self.b * self.s_res * self.h
+
+    @property
+    def N(self) -> int:
+        return self.b * self.s
+
+    @property
+    def N_res(self) -> int:
+        return self.b * self.s_res
+
+    @property
+    def Q(self) -> int:
+        return self.b * self.s * self.a * self.hd
+
+    @property
+    def K(self) -> int:
+        return self.b * self.s * self.kv * self.hd
+
+    @property
+    def S(self) -> int:
+        return self.b * self.a * self.s * self.s
+
+    @property
+    def F(self) -> int:
+        return self.b * self.s * self.f
+
+    @property
+    def V(self) -> int:
+        return self.b * self.s * self.v
+
+
+def dims(cfg: Config) -> Dims:
+    m, mesh = cfg.model, cfg.mesh
+    tp = mesh.tensor
+    s = m.seq_len // mesh.sequence
+    return Dims(
+        b=cfg.train.micro_batch_size,
+        s=s,
+        s_res=s // tp if cfg.parallel.sequence_parallel else s,
+        h=m.d_model,
+        a=m.n_heads // tp,
+        kv=m.n_kv_heads // tp,
+        hd=m.hd,
+        f=m.d_ff // tp,
+        v=m.vocab_size // tp,
+        L=m.n_layers,
+        c=dtype_bytes(m.dtype),
+    )
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def _policy(m: ModelConfig) -> str:
+    return m.remat if isinstance(m.remat, str) else "list"
+
+
+def saved_per_layer(cfg: Config) -> dict[str, float]:
+    """Bytes one layer keeps for the backward pass, by part, per device.
+
+    Derived from print_saved_residuals (tests/test_memory.py checks it exactly):
+      no recompute:
+        norms (x2): input and normalised output in fp32 (8·X), the matmul input
+          in the compute dtype (c·X), two fp32 statistics per token (8·b·s) and
+          the scale broadcast to (1, 1, h) in fp32;
+        attention: rotated q and k, v, and the attention output (c·(2Q + 2K)),
+          softmax probabilities in fp32 and cast for the PV matmul ((4 + c)·S),
+          max and sum of the softmax per head and token (8·a·b·s);
+        MLP: gate, up, sigmoid(gate), silu(gate), their product and a
+          broadcast of it (6·c·F).
+      full: the block input (c·X).
+      selective: the block input, q, k, v, attention output, gate and up.
+      a list of names: the block input and the named tensors.
+    The block input is counted under norms.
+    """
+    d = dims(cfg)
+    m = cfg.model
+    c = d.c
+    flash = m.attention == "cudnn"  # the kernel keeps log-sum-exp, never the scores
+    block_input = c * d.X_res
+    pol = _policy(m)
+    if pol == "none":
+        norms = 2 * (8 * d.X_res + c * d.X + 8 * d.N_res + 4 * d.h)  # + the broadcast scale
+        if flash:
+            attention = c * (2 * d.Q + 2 * d.K) + 4 * d.a * d.N
+        else:
+            attention = c * (2 * d.Q + 2 * d.K) + (4 + c) * d.S + 8 * d.a * d.N
+        return {"attention": attention, "mlp": 6 * c * d.F, "norms": norms}
+    if pol in ("full", "offload"):
+        return {"attention": 0.0, "mlp": 0.0, "norms": block_input}
+    names = (
+        {"query", "key", "value", "attn_out", "mlp_in", "mlp_out"}
+        if pol == "selective"
+        else set(m.remat)
+    )
+    attention = c * (
+        d.Q * ("query" in names)
+        + d.K * ("key" in names)
+        + d.K * ("value" in names)
+        + d.Q * ("attn_out" in names)
+    )
+    mlp = 2 * c * d.F * ("mlp_in" in names)
+    return {"attention": attention, "mlp": mlp, "norms": block_input}
+
+
+def offloaded_per_layer(cfg: Config) -> float:
+    """remat=offload: bytes per layer moved to pinned host memory instead of kept."""
+    if cfg.model.remat != "offload":
+        return 0.0
+    d = dims(cfg)
+    return d.c * (2 * d.Q + 2 * d.K + 2 * d.F)
+
+
+def invariant_activations(cfg: Config) -> float:
+    """Saved once, not per layer, without recomputation: the attention mask (1 byte per
+    score) and the rotary cos/sin tables (fp32, b·s·hd/2 each)."""
+    d = dims(cfg)
+    if _policy(cfg.model) != "none":
+        return float(d.b * d.s * d.s)  # the causal/segment mask, recomputed per layer
+    mask = 0 if cfg.model.attention == "cudnn" else d.S
+    return float(mask + 2 * 4 * d.N * d.hd // 2)
+
+
+def layer_work(cfg: Config) -> float:
+    """One layer's backward working set (bytes per device), from the WORK table.
+
+    Two moments compete: the MLP's backward (its hidden-size temporaries, with the
+    layer's attention scores already sliced out or recomputed: the `S` coefficient),
+    and the attention's backward (scores, probabilities, their gradients and a
+    transposed copy: ATTN_S copies of the scores). The larger is the working set.
+    """
+    d = dims(cfg)
+    pol = _policy(cfg.model)
+    coef = WORK.get(pol, WORK["full"] if pol == "offload" else WORK["selective"])
+    lw = layer_weight_elements(cfg)
+    zero3 = cfg.parallel.zero >= 3 and cfg.mesh.fsdp > 1
+    flash = cfg.model.attention == "cudnn"
+    common = d.c * (
+        coef["X"] * (d.X - d.X_res)
+        + coef["R"] * d.X_res
+        + coef["K"] * d.K
+        + coef["Wm"] * lw["mlp"] / 3
+        + coef["Wa"] * lw["attn"] / 2
+        + coef["Z"] * (lw["mlp"] + lw["attn"]) * zero3
+        + lw["norm"]
+    )
+    mlp = (0.0 if flash else coef["S"] * 4 * d.S) + d.c * coef["F"] * d.F
+    attention = 0.0 if flash else ATTN_S * 4 * d.S
+    return common + max(mlp, attention)
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+@dataclass
+class Estimate:
+    """Bytes per device. `rows` are the table analyze prints; `phases` the temporaries
+    each phase of the step needs on top of the arguments."""
+
+    rows: dict[str, float] = field(default_factory=dict)
+    activations: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
+    arguments: float = 0.0
+    outputs: float = 0.0  # outputs not aliased with donated arguments (the metrics)
+    host: float = 0.0  # remat=offload: bytes in pinned host memory
+
+    @property
+    def temp(self) -> float:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+    @property
+    def peak(self) -> float:
+        return self.arguments + self.outputs + self.temp
+
+    def to_dict(self) -> dict:
+        return {
+            "rows": self.rows,
+            "activations": self.activations,
+            "phases": self.phases,
+            "arguments": self.arguments,
+            "outputs": self.outputs,
+            "temp": self.temp,
+            "peak": self.peak,
+            "peak_phase": self.peak_phase,
+            "host": self.host,
+        }
+
+
+def estimate(cfg: Config) -> Estimate:
+    """The analytic memory of one train step per device (see the module docstring)."""
+    m, t, zero = cfg.model, cfg.train, cfg.parallel.zero
+    fsdp = cfg.mesh.fsdp
+    d = dims(cfg)
+    pb = dtype_bytes(m.param_dtype)
+    c = d.c
+    stored = param_elements(cfg, "stored")
+    compute = param_elements(cfg, "compute")  # ZeRO-3: sharded over fsdp
+    head_elems = param_elements(cfg, "compute", where=lambda p: "lm_head" in p)
+    batch = 3 * 4 * t.grad_accum * d.b * (m.seq_len + 1)  # tokens, segment ids, positions
+
+    e = Estimate()
+    e.rows["parameters (master, " + m.param_dtype + ")"] = pb * stored
+    e.rows["optimizer state (Adam mu, nu)"] = (4 + pb) * stored  # mu is fp32 (optim.py)
+    e.rows["batch (int32 tokens, segments, positions)"] = batch
+    e.arguments = (2 * pb + 4) * stored + batch + 8  # + step counter and Adam's count
+    e.outputs = 4 * 4  # loss, grad_norm, lr, n_targets
+
+    # the compute-dtype copy: a separate array when the dtype differs, or when ZeRO-1/2
+    # all-gather the (sharded) masters into a whole copy
+    copy = c * compute if (c != pb or (zero in (1, 2) and fsdp > 1)) else 0.0
+    grads = c * compute  # gradients of the compute copy (ZeRO-3: reduce-scattered per layer)
+    acc_elems = stored if (zero >= 2 and fsdp > 1) else compute
+    accum = 4.0 * acc_elems if t.grad_accum > 1 else 0.0
+    e.rows["compute copy (" + m.dtype + ")"] = copy
+    e.rows["gradients (" + m.dtype + ")"] = grads
+    e.rows["gradient accumulators (fp32)"] = accum
+
+    per_layer = saved_per_layer(cfg)
+    for part, nbytes in per_layer.items():
+        e.activations[part] = d.L * nbytes
+    e.activations["masks and rotary tables"] = invariant_activations(cfg)
+    saved = sum(e.activations.values())
+    e.host = d.L * offloaded_per_layer(cfg)
+    head_work = HEAD_WORK_V * 4 * d.V + HEAD_WORK_X * c * d.X
+    e.activations["logits and loss (working set)"] = head_work
+    work = layer_work(cfg)
+    e.rows["one layer's backward (working set)"] = work
+    e.rows["activations saved for backward"] = saved
+
+    kept = copy + grads + accum
+    e.phases["layer backward"] = saved + kept + work
+    e.phases["head backward"] = saved + kept - c * head_elems + head_work
+    grads_f32 = 4.0 * stored  # after the reduction: the optimizer's input
+    e.phases["optimizer update"] = grads_f32 + OPT_WORK * 4 * stored
+    return e
+
+
+def summary_lines(cfg: Config, measured_peak: int | None = None) -> list[str]:
+    """Lines for train.py's summary: the predicted per-device breakdown beside the
+    backend's measured peak (device.memory_stats on GPU), where there is one."""
+    e = estimate(cfg)
+    parts = ", ".join(
+        f"{name.split(' (')[0]} {fmt_bytes(v)}"
+        for name, v in e.rows.items()
+        if v and "ZeRO" not in name
+    )
+    lines = [f"  predicted    {fmt_bytes(e.peak)} per device at the {e.peak_phase} ({parts})"]
+    if measured_peak:
+        lines.append(
+            f"  measured     {fmt_bytes(measured_peak)} peak (predicted / measured "
+            f"{e.peak / measured_peak:.2f})"
+        )
+    return lines
