@@ -18,6 +18,7 @@ from tqdm import tqdm
 from ultrajax import checkpoint as checkpoint_lib
 from ultrajax import cli, distributed, optim
 from ultrajax import data as data_lib
+from ultrajax import memory as memory_lib
 from ultrajax import mesh as mesh_lib
 from ultrajax import metrics as metrics_lib
 from ultrajax.config import Config, ConfigError, dump, resolve_mesh
@@ -233,6 +234,8 @@ def train(cfg: Config) -> int:
     say(f"  tokens/s     {tps:,.0f} (median of logged intervals)")
     say(f"  MFU / HFU    {tps * fpt / peak:.1%} / {tps * hfpt / peak:.1%}  (peak: {peak_source})")
     say(f"  peak memory  {mem / 2**30:.2f} GiB" if mem else "  peak memory  not reported (CPU)")
+    for line in memory_lib.summary_lines(cfg, mem):  # predicted breakdown (ultrajax.memory)
+        say(line)
     if history:
         first_loss = history[0]["loss"]
         say(f"  train loss   {first_loss:.4f} at step {history[0]['step']} -> {last['loss']:.4f}")
