@@ -140,11 +140,32 @@ LAYOUTS = {
     "TP tensor=2": ("mesh.tensor=2",),
     "TP tensor=4": ("mesh.tensor=4", "model.n_kv_heads=4"),
     "TP+SP tensor=2": ("mesh.tensor=2", "parallel.sequence_parallel=true"),
+    "DP x ZeRO-3 x TP+SP 2x2x2": (
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "parallel.zero=3",
+        "parallel.sequence_parallel=true",
+    ),  # fmt: skip
 }
 
 
+ZERO3_GATHERS_REST_ONCE = pytest.mark.xfail(
+    strict=True,
+    reason="step.py gathers the embedding, final norm and LM head once per micro-batch and "
+    "keeps them for the backward pass (only layer weights are gathered again): all-gather "
+    "traffic is 2·Ψ_layers + Ψ_rest, 0.87 of the playbook's 2Ψ on this tiny shape",
+)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=ZERO3_GATHERS_REST_ONCE) if n == "ZeRO-3 fsdp=8" else n
+        for n in LAYOUTS
+    ],
+)
 def test_communication_matches_the_playbook(name):
     """Measured traffic of every collective kind within 10% of the formula (and no
     collective kind the layout should not use)."""
@@ -170,9 +191,12 @@ def test_communication_matches_the_playbook(name):
 
 def test_flops_analytic_vs_cost_analysis_single_loop_iteration():
     """cost_analysis reads each loop body once; with one layer and one micro-batch that
-    is the whole step, so the analytic model FLOPs must be within 5% of it (the rest:
-    softmax, norms, the optimizer)."""
-    cfg, devices = make("model.n_layers=1", "model.remat=none")
+    is the whole step, so the analytic model FLOPs must be within 5% of it. The rest is
+    softmax, norms, RoPE and the optimizer, O(h) per token against the matmuls' O(h²):
+    6.8% at d_model=64, 4.6% at 128, 3.5% at 256 (this test)."""
+    cfg, devices = make(
+        "model.n_layers=1", "model.remat=none", "model.d_model=256", "model.d_ff=768"
+    )
     compiled = analyze.compile_step(cfg, devices, FAST)
     f = analyze.flops_report(cfg, compiled, compiled.as_text())
     print(f"model {f['model']:.4g} cost_analysis {f['cost_analysis']:.4g}")
@@ -242,7 +266,7 @@ def test_cli_json_llama_8b_shape_without_allocating():
     [
         (("--device-memory", "lots"), "--device-memory: 'lots' is not a size"),
         (("model.d_modle=3",), "did you mean model.d_model"),
-        (("mesh.fsdp=4",), "--cpu-devices N simulates"),
+        (("mesh.fsdp=4",), "--cpu-devices 4 simulates"),
         (("--plot", "out.txt"), "should end in .png"),
         (("model.remat=offload", "--compile"), "model.remat=offload needs host offloading"),
     ],

@@ -56,6 +56,12 @@ def _compile_config(cfg: Config) -> tuple[Config, list[str]]:
             "flash kernel never stores (the predicted figures are for xla too; the verdict "
             "uses cudnn's)"
         )
+    if cfg.model.dtype != "float32" and backend == "cpu":
+        notes.append(
+            f"{cfg.model.dtype} on XLA:CPU: matmuls and collectives run in float32 there, so "
+            "compiled temporaries and communication exceed a GPU's (GUIDE section 5); the "
+            "model is validated in float32 on CPU"
+        )
     if cfg.model.remat == "offload" and backend != "gpu":
         raise ConfigError(
             f"model.remat=offload needs host offloading, which the {backend} backend lacks; "
@@ -247,11 +253,11 @@ def analyze(
     return report
 
 
-def _row(label, predicted=None, compiled=None, indent=2) -> str:
-    ratio = f"{predicted / compiled:6.2f}" if predicted and compiled else ""
+def _row(label, predicted=None, compiled=None, indent=2, ratio=True) -> str:
+    r = f"{predicted / compiled:6.2f}" if ratio and predicted and compiled else ""
     p = fmt_bytes(predicted) if predicted is not None else ""
     c = fmt_bytes(compiled) if compiled is not None else ""
-    return f"{' ' * indent}{label:<44}{p:>12}{c:>12}  {ratio}"
+    return f"{' ' * indent}{label:<{46 - indent}}{p:>12}{c:>12}  {r}".rstrip()
 
 
 def format_report(r: dict) -> str:
@@ -273,7 +279,7 @@ def format_report(r: dict) -> str:
     for name in (k for k in rows if k.startswith(("parameters", "optimizer", "batch"))):
         lines.append(_row(name, rows[name], indent=4))
     lines.append(_row("= arguments", p["arguments"], c and c["argument"]))
-    for name in ("compute copy", "gradients (", "gradient accumulators"):
+    for name in ("compute copy", "gradients (", "gradient accumulators", "ZeRO-3"):
         for k, v in rows.items():
             if k.startswith(name) and v:
                 lines.append(_row(k, v, indent=4))
@@ -304,7 +310,7 @@ def format_report(r: dict) -> str:
         lines.append(f"      phase: {phase:<36}{fmt_bytes(v):>12}{mark}")
     lines.append(_row(f"= temporaries ({p['peak_phase']})", p["temp"], c and c["temp"]))
     lines.append(
-        _row("outputs not aliased to arguments", p["outputs"], c and c["output"] - c["alias"])
+        _row("outputs not aliased", p["outputs"], c and c["output"] - c["alias"], ratio=False)
     )
     lines.append(_row("= peak", p["peak"], c and c["peak"]))
     if p["host"]:
@@ -425,6 +431,7 @@ def plot_breakdown(r: dict, path: str) -> None:
             ("compute copy", rows[next(k for k in rows if k.startswith("compute copy"))]),
             ("gradients", rows[next(k for k in rows if k.startswith("gradients ("))]),
             ("fp32 accumulators", rows["gradient accumulators (fp32)"]),
+            ("ZeRO-3 whole embedding gradient", rows.get("ZeRO-3 whole embedding gradient", 0)),
         ]
         predicted += [(f"saved: {k}", v) for k, v in acts.items()]
         work = p["phases"][phase] - sum(v for _, v in predicted[3:])
@@ -448,8 +455,16 @@ def plot_breakdown(r: dict, path: str) -> None:
         for label, v, col in parts:
             ax.bar(1, v / unit, bottom=bottom, color=col, label=label, width=0.6, hatch="//")
             bottom += v / unit
-        ax.text(1, bottom, f"{c['peak'] / unit:.2f} {uname}", ha="center", va="bottom")
+        ax.text(
+            1,
+            bottom,
+            f"{c['peak'] / unit:.2f} {uname}\npredicted / compiled {p['peak'] / c['peak']:.3f}",
+            ha="center",
+            va="bottom",
+        )
     ax.text(0, p["peak"] / unit, f"{p['peak'] / unit:.2f} {uname}", ha="center", va="bottom")
+    top = max(p["peak"], c["peak"] if c else 0) / unit
+    ax.set_ylim(0, top * 1.15)
     ax.set_xticks([0, 1] if c else [0])
     ax.set_xticklabels(["predicted"] + (["compiled (XLA)"] if c else []))
     ax.set_xlim(-0.6, 2.9)
@@ -490,19 +505,21 @@ def plot_sweep(cfg: Config, path: str, device_memory: int | None = None) -> dict
     plt = _pyplot()
     data = sweep(cfg)
     fig, ax = plt.subplots(figsize=(9, 6))
-    styles = {"none": "-o", "selective": "-s", "full": "-^"}
-    for pol, d in data["policies"].items():
+    markers = {"none": "o", "selective": "s", "full": "^"}
+    for i, (pol, d) in enumerate(data["policies"].items()):
+        color = plt.get_cmap("tab10").colors[i]
         ax.plot(
             data["seq_len"],
             [a / memory.GiB for a in d["activations"]],
-            styles.get(pol, "-"),
+            color=color,
+            marker=markers.get(pol, "."),
             label=f"activations, remat={pol}",
         )
         ax.plot(
             data["seq_len"],
             [p / memory.GiB for p in d["peak"]],
-            styles.get(pol, "-")[0] + ":",
-            alpha=0.6,
+            color=color,
+            ls=":",
             label=f"peak per device, remat={pol}",
         )
     ax.axhline(
@@ -510,14 +527,20 @@ def plot_sweep(cfg: Config, path: str, device_memory: int | None = None) -> dict
     )
     if device_memory:
         ax.axhline(device_memory / memory.GiB, color="r", ls="-.", label="device memory")
+    else:
+        h100 = memory.DEVICE_MEMORY["H100"]
+        ax.axhline(h100 / memory.GiB, color="r", ls="-.", label="H100 memory (80 GB)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("GiB per device (log)")
     m = cfg.model
+    mesh = " x ".join(f"{k}={v}" for k, v in cfg.mesh.sizes().items() if v > 1) or "1 device"
     ax.set_title(
-        f"Activation memory vs sequence length: {param_count(m) / 1e6:.1f}M params, "
-        f"micro-batch {cfg.train.micro_batch_size}, {m.dtype}"
+        f"Memory per device vs sequence length: {param_count(m) / 1e6:.1f}M params, "
+        f"micro-batch {cfg.train.micro_batch_size}, {m.dtype}\n{mesh}, ZeRO-{cfg.parallel.zero}"
+        f"{' + SP' if cfg.parallel.sequence_parallel else ''}, attention {m.attention} "
+        "(predicted)"
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
@@ -558,7 +581,9 @@ def main(argv=None) -> int:
     try:
         resolve_mesh(cfg, n)
     except ConfigError as e:
-        hint = "" if args.cpu_devices else "; on a CPU host, --cpu-devices N simulates N devices"
+        sizes = cfg.mesh.sizes().values()
+        want = math_prod(sizes) if -1 not in sizes else "N"
+        hint = f" (on a CPU host, --cpu-devices {want} simulates that many devices)"
         raise ConfigError(f"{e}{hint}") from None
     multi = math_prod(cfg.mesh.sizes().values()) > 1
     do_compile = (args.compile or multi) and not args.no_compile

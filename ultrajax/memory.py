@@ -361,7 +361,9 @@ def layer_work(cfg: Config) -> float:
     """
     d = dims(cfg)
     pol = _policy(cfg.model)
-    coef = WORK.get(pol, WORK["full"] if pol == "offload" else WORK["selective"])
+    if pol == "list":  # recomputing the MLP's inputs works like full, keeping them selective
+        pol = "selective" if "mlp_in" in cfg.model.remat else "full"
+    coef = WORK["full" if pol == "offload" else pol]
     lw = layer_weight_elements(cfg)
     zero3 = cfg.parallel.zero >= 3 and cfg.mesh.fsdp > 1
     flash = cfg.model.attention == "cudnn"
@@ -461,9 +463,30 @@ def estimate(cfg: Config) -> Estimate:
     e.rows["one layer's backward (working set)"] = work
     e.rows["activations saved for backward"] = saved
 
-    kept = copy + grads + accum
+    # ZeRO-3: the embedding's gradient is a whole (gathered-size) buffer through the
+    # backward pass, reduce-scattered at its end; the LM head is gathered once per
+    # micro-batch and its whole copy lives until the head's backward is done
+    embed_full = head_full = 0.0
+    if zero >= 3 and fsdp > 1:
+
+        def extra(name):
+            def where(p):
+                return p == f"['{name}']"
+
+            full = param_elements(cfg, "compute", ignore=("fsdp",), where=where)
+            return c * (full - param_elements(cfg, "compute", where=where))
+
+        embed_full, head_full = extra("embed"), extra("lm_head")
+    e.rows["ZeRO-3 whole embedding gradient"] = embed_full
+    kept = copy + grads + accum + embed_full
     e.phases["layer backward"] = saved + kept + work
-    e.phases["head backward"] = saved + kept - c * head_elems + head_work
+    if m.attention != "cudnn":
+        # XLA hoists the mask's broadcasts out of the layer loop: two fp32 and one bool
+        # array of scores' size; under remat the layer's scores and probabilities are live
+        # again on top of them during the forward pass
+        hoisted = (2 * 4 + 1) * d.S + (2 * 4 * d.S if _policy(m) != "none" else 0)
+        e.phases["layer forward"] = saved + kept + hoisted
+    e.phases["head backward"] = saved + kept - c * head_elems + head_work + head_full
     grads_f32 = 4.0 * stored  # after the reduction: the optimizer's input
     e.phases["optimizer update"] = grads_f32 + OPT_WORK * 4 * stored
     return e
@@ -473,15 +496,16 @@ def summary_lines(cfg: Config, measured_peak: int | None = None) -> list[str]:
     """Lines for train.py's summary: the predicted per-device breakdown beside the
     backend's measured peak (device.memory_stats on GPU), where there is one."""
     e = estimate(cfg)
-    parts = ", ".join(
-        f"{name.split(' (')[0]} {fmt_bytes(v)}"
-        for name, v in e.rows.items()
-        if v and "ZeRO" not in name
-    )
-    lines = [f"  predicted    {fmt_bytes(e.peak)} per device at the {e.peak_phase} ({parts})"]
+    r = e.rows
+    weights = e.arguments - r["batch (int32 tokens, segments, positions)"]
+    grads = sum(v for k, v in r.items() if k.startswith(("compute copy", "gradient", "ZeRO")))
+    saved = r["activations saved for backward"]
+    work = e.temp - saved - grads if e.peak_phase != "optimizer update" else e.temp
+    lines = [
+        f"  predicted    {fmt_bytes(e.peak)} per device at the {e.peak_phase}: weights + Adam "
+        f"{fmt_bytes(weights)}, gradients and copies {fmt_bytes(grads)}, saved activations "
+        f"{fmt_bytes(saved)}, working set {fmt_bytes(work)} (python -m ultrajax.analyze)"
+    ]
     if measured_peak:
-        lines.append(
-            f"  measured     {fmt_bytes(measured_peak)} peak (predicted / measured "
-            f"{e.peak / measured_peak:.2f})"
-        )
+        lines.append(f"  predicted / measured peak  {e.peak / measured_peak:.2f}")
     return lines
