@@ -16,7 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ultrajax import checkpoint as checkpoint_lib
-from ultrajax import cli, distributed, optim
+from ultrajax import cli, distributed, optim, overlap
 from ultrajax import data as data_lib
 from ultrajax import memory as memory_lib
 from ultrajax import mesh as mesh_lib
@@ -102,6 +102,7 @@ def main(argv=None) -> int:
     args = cli.parser("ultrajax.train", "Train a Llama-style model.").parse_args(argv)
     cli.setup_devices(args)  # simulated devices; joins a multi-process run if started as one
     cfg = cli.load_config(args)
+    overlap.apply(cfg.parallel)  # before the backend starts
     return train(cfg)
 
 
