@@ -23,7 +23,6 @@ SHAPE = [
     "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
     "model.vocab_size=256", "model.dtype=float32",
 ]  # fmt: skip
-POLICIES = ["none", "full", "selective", "[query,key,value]", "[attn_out,mlp_in]", "[]"]
 
 
 def make(*overrides):
@@ -33,7 +32,7 @@ def make(*overrides):
 
 
 def test_gradients_identical_across_policies(random_params):
-    cfg = make("model.seq_len=32", "model.n_layers=3")
+    cfg = make("model.seq_len=32", "model.n_layers=2")
     params = random_params(cfg.model)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(1, cfg.model.vocab_size, (2, 33)), jnp.int32)
@@ -43,7 +42,7 @@ def test_gradients_identical_across_policies(random_params):
         "positions": jnp.asarray(np.repeat([list(range(20)) + list(range(13))], 2, 0)),
     }
     grads = {}
-    for remat in POLICIES:
+    for remat in ("none", "full", "selective", "[query,key,value]"):
         cfg.model.remat = config.load(TINY, [f"model.remat={remat}"]).model.remat
         fn = jax.jit(jax.value_and_grad(lambda p, c=cfg: loss_sum(c, p, batch)[0]))
         grads[remat] = fn(params)
