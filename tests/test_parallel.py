@@ -57,7 +57,11 @@ def make_cfg(layout: dict) -> config.Config:
         f"train.grad_accum={ACCUM}",
         "train.steps=10",
         "optim.warmup_steps=1",
-        "optim.lr=1e-2",
+        # Adam divides by sqrt(v) + eps: a gradient element near eps turns fp32 summation
+        # noise (layouts sum in different orders) into a visible update difference. eps
+        # above that noise floor keeps the comparison about the layout, not about Adam.
+        "optim.lr=1e-3",
+        "optim.eps=1e-6",
     ] + [f"{k}={str(v).lower()}" for k, v in layout.items()]
     cfg = config.load(None, overrides)
     config.resolve_mesh(cfg, dp * sizes.get("tensor", 1))
@@ -121,7 +125,8 @@ def test_layout_matches_single_device(name):
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-6)
     np.testing.assert_allclose(norm, ref_norm, rtol=2e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
-        np.testing.assert_allclose(a, b, atol=5e-6, rtol=1e-5)
+        # 3 Adam steps at lr 1e-3: allow 1% of one step for fp32 summation order
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     assert ref_loss[-1] < ref_loss[0]  # the reference actually trains
 
 
@@ -227,7 +232,10 @@ def test_sequence_parallel_uses_gather_scatter_pairs(name):
     # is rematerialised for its weights and XLA may gather the sequence again there.
     assert scatters == ACCUM * 2 * (2 * LAYERS + 1)
     assert gathers == scatters if cfg.parallel.zero < 3 else gathers >= scatters
-    assert _count(found, "all-reduce", full // 2) == 0  # no activation all-reduce left
+    # no activation all-reduce left (the once-per-step gradient all-reduce over `data`
+    # in the combined layout is not one: activations are reduced every micro-batch)
+    per_micro = [c for c in found if c.kind == "all-reduce" and c.count >= ACCUM]
+    assert not [c for c in per_micro if c.bytes >= full // 2], per_micro
 
 
 @pytest.mark.parametrize("name", ["tp2", "tp4-sp"])
