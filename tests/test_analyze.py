@@ -150,21 +150,10 @@ LAYOUTS = {
 }
 
 
-ZERO3_GATHERS_REST_ONCE = pytest.mark.xfail(
-    strict=True,
-    reason="step.py gathers the embedding, final norm and LM head once per micro-batch and "
-    "keeps them for the backward pass (only layer weights are gathered again): all-gather "
-    "traffic is 2·Ψ_layers + Ψ_rest, 0.87 of the playbook's 2Ψ on this tiny shape",
-)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(n, marks=ZERO3_GATHERS_REST_ONCE) if n == "ZeRO-3 fsdp=8" else n
-        for n in LAYOUTS
-    ],
+    list(LAYOUTS),
 )
 def test_communication_matches_the_playbook(name):
     """Measured traffic of every collective kind within 10% of the formula (and no

@@ -309,7 +309,8 @@ def expected(cfg: Config) -> list[Term]:
     gathered in the compute dtype. Gradient accumulation over m micro-batches: DP and
     ZeRO-1 reduce once per step (accumulation inside one jitted step is our no_sync),
     ZeRO-2 reduce-scatters every micro-batch (a sharded accumulator cannot hold
-    unreduced gradients), ZeRO-3 also gathers the weights twice per micro-batch.
+    unreduced gradients), ZeRO-3 also gathers the layer weights twice per micro-batch
+    (the embedding and LM head once per step: see the ZeRO-3 terms below).
     """
     from ultrajax import memory  # local: memory imports nothing from here
 
@@ -352,16 +353,37 @@ def expected(cfg: Config) -> list[Term]:
                     _ring(grads / fs, dp_d, 2.0),
                 )
             )
-        gathers = 2 * accum if zero == 3 else 1
-        terms.append(
-            Term(
-                "all-gather",
-                "parameters over fsdp"
-                + (" (forward and backward, every micro-batch)" if zero == 3 else " (updated)"),
-                f"{gathers}·Ψ(N-1)/N" if gathers > 1 else "Ψ(N-1)/N",
-                gathers * _ring(weights, fs),
+        if zero == 3:
+            # Layer weights are gathered inside the layer scan, forward and again in the
+            # (recomputing) backward, every micro-batch. The embedding, final norm and LM
+            # head are gathered outside it: the gather is loop-invariant, so XLA hoists it
+            # out of the micro-batch loop and the backward reuses it (the embedding's
+            # backward needs no weights at all): once per step. The playbook's 2Ψ counts
+            # every weight twice.
+            psi_layers = memory.param_elements(
+                cfg, kind="compute", ignore=("fsdp",), where=lambda p: p.startswith("['layers']")
             )
-        )
+            rest = psi - psi_layers
+            terms.append(
+                Term(
+                    "all-gather",
+                    "layer weights over fsdp (forward and backward, every micro-batch)",
+                    f"{2 * accum}·Ψ_layers(N-1)/N",
+                    2 * accum * _ring(c * psi_layers, fs),
+                )
+            )
+            terms.append(
+                Term(
+                    "all-gather",
+                    "embedding, final norm, LM head over fsdp (once per step)",
+                    "Ψ_rest(N-1)/N",
+                    _ring(c * rest, fs),
+                )
+            )
+        else:
+            terms.append(
+                Term("all-gather", "parameters over fsdp (updated)", "Ψ(N-1)/N", _ring(weights, fs))
+            )
     if tp > 1:
         act = c * t.micro_batch_size * m.seq_len * m.d_model  # b·s·h of one micro-batch
         per_block = 6 if m.remat == "full" else 4  # full remat repeats the forward's two
