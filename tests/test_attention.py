@@ -139,3 +139,18 @@ def test_dispatch_routes_and_rejects_unknown():
     )
     with pytest.raises(ValueError, match="model.attention"):
         attention.attend(q, k, v, implementation="flash9000")
+
+
+def test_mask_with_query_offset_is_the_tail_of_the_causal_mask():
+    """Decoding against a KV cache: queries at offset 3 of 5 keys see keys 0..3 and 0..4."""
+    m = np.asarray(attention.mask(None, 2, 5, q_offset=3))[0, 0]
+    np.testing.assert_array_equal(m, np.tril(np.ones((5, 5), bool))[3:])
+
+
+def test_attention_with_offset_equals_the_last_rows_of_full_attention():
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in [(1, 6, 4, 8)] * 3)
+    k, v = k[:, :, :2], v[:, :, :2]  # GQA: 2 kv heads
+    full = attention.attend(q, k, v)
+    tail = attention.attend(q[:, 4:], k, v, q_offset=4)
+    np.testing.assert_allclose(tail, full[:, 4:], rtol=1e-6, atol=1e-6)

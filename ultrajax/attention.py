@@ -15,24 +15,27 @@ import jax.numpy as jnp
 NEG_INF = -1e30  # finite, so a fully masked row (padding) gives zeros, not NaN
 
 
-def mask(segment_ids: jax.Array | None, length: int) -> jax.Array:
-    """Boolean (batch|1, 1, q, k) mask: causal, and within one segment."""
-    idx = jnp.arange(length)
-    causal = idx[:, None] >= idx[None, :]
+def mask(segment_ids: jax.Array | None, length: int, kv_length=None, q_offset=0) -> jax.Array:
+    """Boolean (batch|1, 1, q, k) mask: causal, and within one segment.
+
+    Query i sits at index i + q_offset of the keys (decoding against a KV cache:
+    the cache slots after the current position are masked as future tokens)."""
+    kv_length = length if kv_length is None else kv_length
+    causal = (jnp.arange(length)[:, None] + q_offset) >= jnp.arange(kv_length)[None, :]
     if segment_ids is None:
         return causal[None, None]
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     return (causal[None] & same)[:, None]
 
 
-def xla_attention(q, k, v, segment_ids=None):
+def xla_attention(q, k, v, segment_ids=None, q_offset=0):
     """Plain einsum attention: scores and softmax in fp32, grouped-query by reshaping."""
     b, t, h, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, h // kv, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (d**-0.5)
-    m = mask(segment_ids, t)[:, :, None]  # (b, 1, 1, t, s) against (b, k, g, t, s)
+    m = mask(segment_ids, t, k.shape[1], q_offset)[:, :, None]  # (b, 1, 1, t, s)
     scores = jnp.where(m, scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(m, probs, 0.0).astype(v.dtype)
@@ -51,8 +54,10 @@ def cudnn_attention(q, k, v, segment_ids=None):
 IMPLEMENTATIONS = {"xla": xla_attention, "cudnn": cudnn_attention}
 
 
-def attend(q, k, v, segment_ids=None, *, implementation: str = "xla"):
-    """Dispatch to the configured implementation (config: model.attention)."""
+def attend(q, k, v, segment_ids=None, *, implementation: str = "xla", q_offset=0):
+    """Dispatch to the configured implementation (config: model.attention).
+
+    `q_offset` places the queries after earlier keys (KV-cache decoding; xla only)."""
     try:
         fn = IMPLEMENTATIONS[implementation]
     except KeyError:
@@ -60,4 +65,6 @@ def attend(q, k, v, segment_ids=None, *, implementation: str = "xla"):
             f"model.attention: unknown implementation {implementation!r}; "
             f"use one of {', '.join(IMPLEMENTATIONS)}"
         ) from None
+    if implementation == "xla":
+        return fn(q, k, v, segment_ids, q_offset)
     return fn(q, k, v, segment_ids)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from ultrajax.attention import NEG_INF, attend
+from ultrajax.attention import attend
 from ultrajax.config import ModelConfig
 from ultrajax.parallel.tensor import TensorParallel
 
@@ -45,12 +45,24 @@ def rope(x, positions, theta):
     return out.astype(x.dtype)
 
 
-def block(p, x, positions, segment_ids, *, cfg: ModelConfig, tp: TensorParallel | None = None):
+def block(
+    p,
+    x,
+    positions,
+    segment_ids,
+    *,
+    cfg: ModelConfig,
+    tp: TensorParallel | None = None,
+    cache=None,
+):
     """One decoder layer: x (batch, length, embed) -> same. `p` holds one layer's weights.
 
     Under tensor parallelism `p` holds this rank's heads and d_ff slice, and x is
     the residual stream (1/tp of the sequence with sequence parallelism); `enter`
     and `exit` are the only places where ranks talk (parallel/tensor.py).
+    With `cache=(k_cache, v_cache, start)` (generation) the chunk's keys and values
+    are written into the cache at `start` and its queries attend to everything cached
+    so far; the layer then returns (x, (k_cache, v_cache)).
     """
     enter = tp.enter if tp is not None else (lambda y: y)
     exit_ = tp.exit if tp is not None else (lambda y: y)
@@ -59,14 +71,22 @@ def block(p, x, positions, segment_ids, *, cfg: ModelConfig, tp: TensorParallel 
     k = checkpoint_name(jnp.einsum("btd,dkh->btkh", h, p["wk"]), "key")
     v = checkpoint_name(jnp.einsum("btd,dkh->btkh", h, p["wv"]), "value")
     q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
-    o = checkpoint_name(attend(q, k, v, segment_ids, implementation=cfg.attention), "attn_out")
+    if cache is None:
+        o = attend(q, k, v, segment_ids, implementation=cfg.attention)
+    else:
+        k_cache, v_cache, start = cache
+        k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, 1)
+        v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, 1)
+        o = attend(q, k, v, implementation="xla", q_offset=start)
+    o = checkpoint_name(o, "attn_out")
     x = x + exit_(jnp.einsum("btnh,nhd->btd", o, p["wo"]))  # row-parallel: partial sums
 
     h = enter(rms_norm(x, p["mlp_norm"], cfg.norm_eps))
     gate = checkpoint_name(jnp.einsum("btd,df->btf", h, p["w_gate"]), "mlp_in")
     up = checkpoint_name(jnp.einsum("btd,df->btf", h, p["w_up"]), "mlp_in")
     out = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"])
-    return x + exit_(checkpoint_name(out, "mlp_out"))
+    x = x + exit_(checkpoint_name(out, "mlp_out"))
+    return x if cache is None else (x, (k, v))
 
 
 def remat_policy(remat):
@@ -246,41 +266,6 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> dict:
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def _cached_attention(q, k, v, q_pos):
-    """`xla_attention` against a cache: q (b, t, h, d) at positions q_pos (b, t); k, v
-    (b, S, kv, d) hold positions 0..S-1. A query at position p sees slots s <= p, so
-    the slots not yet written (all later than p) never count."""
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (d**-0.5)
-    visible = q_pos[:, None, None, :, None] >= jnp.arange(k.shape[1])  # (b, 1, 1, t, S)
-    scores = jnp.where(visible, scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, d)
-
-
-def decode_block(p, x, positions, cache_k, cache_v, start, *, cfg: ModelConfig):
-    """`block` for generation: the same weights, norms, rotary and MLP; the chunk's keys
-    and values are written into this layer's cache at `start`, and its queries attend
-    to everything cached so far. Returns (x, cache_k, cache_v)."""
-    h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
-    q = rope(jnp.einsum("btd,dnh->btnh", h, p["wq"]), positions, cfg.rope_theta)
-    k = rope(jnp.einsum("btd,dkh->btkh", h, p["wk"]), positions, cfg.rope_theta)
-    v = jnp.einsum("btd,dkh->btkh", h, p["wv"])
-    cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), start, 1)
-    cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), start, 1)
-    o = _cached_attention(q, cache_k, cache_v, positions)
-    x = x + jnp.einsum("btnh,nhd->btd", o, p["wo"])
-    h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-    gate = jnp.einsum("btd,df->btf", h, p["w_gate"])
-    up = jnp.einsum("btd,df->btf", h, p["w_up"])
-    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"])
-    return x, cache_k, cache_v
-
-
 def forward_with_cache(cfg: ModelConfig, params, tokens, cache: dict, start):
     """fp32 logits of `tokens` (batch, t) placed at positions start..start+t-1, and the
     cache with their keys and values written (prefill: the prompt at start=0; then one
@@ -293,8 +278,7 @@ def forward_with_cache(cfg: ModelConfig, params, tokens, cache: dict, start):
     def layer(x, inputs):
         p, ck, cv = inputs
         p = jax.tree.map(lambda w: w.astype(dtype), p)
-        x, ck, cv = decode_block(p, x, positions, ck, cv, start, cfg=cfg)
-        return x, (ck, cv)
+        return block(p, x, positions, None, cfg=cfg, cache=(ck, cv, start))
 
     x, (k, v) = jax.lax.scan(layer, x, (params["layers"], cache["k"], cache["v"]))
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
