@@ -46,14 +46,6 @@ SIZES = {
 DEFAULTS = {"cpu": ("tiny", "small"), "gpu": ("125m", "350m", "1b")}
 
 
-def _human(n: float) -> str:
-    for unit in ("", "K", "M", "B", "T"):
-        if abs(n) < 1000:
-            return f"{n:.3g}{unit}"
-        n /= 1000
-    return f"{n:.3g}P"
-
-
 def size_overrides(name: str, platform: str, user: list[str]) -> list[str]:
     spec = dict(SIZES[name])
     train = {"micro_batch_size": spec.pop("micro_batch_size")}
@@ -125,12 +117,14 @@ def bench(name: str, cfg, steps: int, warmup: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
+    from ultrajax.metrics import human
+
     head = "| model | params | batch (mbs x seq, layout) | tokens/step | step ms | tokens/s | peak FLOP/s | MFU | HFU | compile s |"  # noqa: E501
     lines = [head, "|" + "---|" * 10]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {_human(r['params'])} | {r['layout']} | {r['tokens_per_step']:,} |"
-            f" {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {_human(r['peak'])} |"
+            f"| {r['model']} | {human(r['params'], 3)} | {r['layout']} | {r['tokens_per_step']:,} |"
+            f" {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {human(r['peak'], 3)} |"
             f" {r['mfu']:.1%} | {r['hfu']:.1%} |"
             f" {r['compile_s']:.1f} |"
         )

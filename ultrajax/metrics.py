@@ -26,6 +26,15 @@ PEAKS = {
 }
 
 
+def human(n: float, digits: int = 4) -> str:
+    """1234567 -> '1.235M': counts and rates in tables and logs."""
+    for unit in ("", "K", "M", "B", "T"):
+        if abs(n) < 1000:
+            return f"{n:.{digits}g}{unit}"
+        n /= 1000
+    return f"{n:.{digits}g}P"
+
+
 def attention_flops_per_token(m: ModelConfig) -> float:
     """Forward QK^T and PV: 2 matmuls x 2 FLOPs x s x (heads x head_dim), per layer."""
     return 4.0 * m.n_layers * m.n_heads * m.hd * m.seq_len

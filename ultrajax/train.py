@@ -26,14 +26,6 @@ from ultrajax.model import param_count
 from ultrajax.step import init_state, jit_train_step, make_eval_step, state_shardings
 
 
-def _human(n: float) -> str:
-    for unit in ("", "K", "M", "B", "T"):
-        if abs(n) < 1000:
-            return f"{n:.4g}{unit}"
-        n /= 1000
-    return f"{n:.4g}P"
-
-
 def check_backend(cfg: Config) -> None:
     """Options that need hardware this process does not have."""
     backend = jax.default_backend()
@@ -126,8 +118,8 @@ def train(cfg: Config) -> int:
     )
     n_params = param_count(m)
     say(
-        f"model: {_human(n_params)} parameters ({n_params:,}); "
-        f"{_human(metrics_lib.flops_per_token(m))} FLOPs per token; "
+        f"model: {metrics_lib.human(n_params)} parameters ({n_params:,}); "
+        f"{metrics_lib.human(metrics_lib.flops_per_token(m))} FLOPs per token; "
         f"data: {len(data.train_docs)} train / {len(data.eval_docs)} eval documents"
     )
     # resume (state, data position) or init_from (parameters) before the first batch is read
@@ -147,7 +139,7 @@ def train(cfg: Config) -> int:
         ]
 
     peak, peak_source = metrics_lib.host_peak(cfg)
-    say(f"peak: {_human(peak)}FLOP/s ({peak_source})")
+    say(f"peak: {metrics_lib.human(peak)}FLOP/s ({peak_source})")
     fpt, hfpt = metrics_lib.flops_per_token(m), metrics_lib.hardware_flops_per_token(m)
     writer = metrics_lib.MetricsWriter(run_dir, fresh=start == 0) if lead else None
 
