@@ -18,9 +18,11 @@ import jax.numpy as jnp
 from ultrajax.config import Config, ModelConfig
 from ultrajax.model import matmul_param_count
 
-# Dense (no sparsity) peak FLOP/s per device, from the vendors' data sheets.
+# Dense (no sparsity) peak FLOP/s per device, from the vendors' data sheets; the first
+# name found in the device kind wins, so more specific names come first.
 PEAKS = {
     "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12},  # fp32 as TF32
+    "H100 PCIe": {"bfloat16": 756e12, "float16": 756e12, "float32": 378e12},  # before "H100"
     "H100": {"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12},  # SXM
     "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
 }
