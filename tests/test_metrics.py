@@ -1,5 +1,6 @@
 """Device peaks for MFU, and the FLOPs-per-token formula (GUIDE section 6)."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -28,7 +29,7 @@ def test_unknown_device_has_no_peak():
 
 
 def test_flops_per_token_is_6n_plus_12lhs():
-    m = config.load("configs/tiny.yaml").model
+    m = config.load(Path(__file__).parents[1] / "configs" / "tiny.yaml").model
     expected = 6 * matmul_param_count(m) + 12 * m.n_layers * m.n_heads * m.hd * m.seq_len
     assert metrics.flops_per_token(m) == expected
     assert metrics.hardware_flops_per_token(m) == expected  # remat none: nothing recomputed
