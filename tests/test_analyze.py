@@ -8,29 +8,12 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import pytest
+from analysis_shapes import BASE, FAST, ROOT, TINY
 
 from ultrajax import analyze, comms, config, metrics
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = str(ROOT / "configs" / "tiny.yaml")
-FAST = {"xla_backend_optimization_level": 0}  # same buffers and HLO, half the compile time
-# the shapes of tests/test_memory.py's grid, so that one process compiles each once
-BASE = [
-    "model.n_layers=2",
-    "train.micro_batch_size=2",
-    "train.grad_accum=1",
-    "model.seq_len=64",
-    "model.d_model=64",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.d_ff=192",
-    "model.vocab_size=256",
-    "model.dtype=float32",
-]
 
 
 def make(*overrides):

@@ -6,34 +6,18 @@ layouts and shapes (fp32: GUIDE section 5 explains why bf16 figures on CPU misle
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from analysis_shapes import BASE, FAST, TINY
 from jax.ad_checkpoint import print_saved_residuals
 
 from ultrajax import analyze, config, memory, optim
 from ultrajax import mesh as mesh_lib
 from ultrajax.model import init_params
 from ultrajax.step import loss_sum, state_shardings
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = str(ROOT / "configs" / "tiny.yaml")
-FAST = {"xla_backend_optimization_level": 0}  # same buffers, half the compile time
-BASE = [
-    "model.n_layers=2",
-    "train.micro_batch_size=2",
-    "train.grad_accum=1",
-    "model.seq_len=64",
-    "model.d_model=64",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.d_ff=192",
-    "model.vocab_size=256",
-    "model.dtype=float32",
-]
 
 
 def make(*overrides, base=BASE):
