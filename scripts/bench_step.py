@@ -61,18 +61,11 @@ def size_overrides(name: str, platform: str, user: list[str]) -> list[str]:
 
 
 def random_batch(cfg, batch_sh, rng):
-    """(grad_accum, global micro-batch, seq_len + 1) random tokens, one document a row."""
-    import jax
-    import numpy as np
+    """A Batch of random tokens, one document a row, on the devices."""
+    from ultrajax import batch
 
-    shape = (cfg.train.grad_accum, cfg.train.micro_batch_size * cfg.dp, cfg.model.seq_len + 1)
-    tokens = rng.integers(0, cfg.model.vocab_size, size=shape, dtype=np.int32)
-    batch = {
-        "tokens": tokens,
-        "segment_ids": np.ones(shape, np.int32),
-        "positions": np.broadcast_to(np.arange(shape[-1], dtype=np.int32), shape).copy(),
-    }
-    return {k: jax.device_put(v, batch_sh) for k, v in batch.items()}
+    packed = batch.random_packed(cfg.global_batch, cfg.model.seq_len, cfg.model.vocab_size, rng)
+    return batch.place(batch.make(packed, cfg.data.cross_doc_mask, cfg.train.grad_accum), batch_sh)
 
 
 def bench(name: str, cfg, steps: int, warmup: int) -> dict:
@@ -111,22 +104,28 @@ def bench(name: str, cfg, steps: int, warmup: int) -> dict:
         "hfu": tokens_per_s * metrics.hardware_flops_per_token(cfg.model) / peak,
         "peak": peak,
         "compile_s": compile_s,
+        "memory": metrics.peak_memory_bytes(),  # GPU: the process's peak so far
         "layout": f"{cfg.train.micro_batch_size}x{cfg.model.seq_len}, dp={cfg.dp},"
         f" {cfg.model.dtype}, remat={cfg.model.remat}",
     }
 
 
+def _gib(nbytes) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**30:.1f} GiB"
+
+
 def table(rows: list[dict]) -> str:
     from ultrajax.metrics import human
 
-    head = "| model | params | batch (mbs x seq, layout) | tokens/step | step ms | tokens/s | peak FLOP/s | MFU | HFU | compile s |"  # noqa: E501
-    lines = [head, "|" + "---|" * 10]
+    head = "| model | params | batch (mbs x seq, layout) | tokens/step | step ms | tokens/s | peak FLOP/s | MFU | HFU | compile s | peak memory |"  # noqa: E501
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         lines.append(
             f"| {r['model']} | {human(r['params'], 3)} | {r['layout']} | {r['tokens_per_step']:,} |"
             f" {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {human(r['peak'], 3)} |"
             f" {r['mfu']:.1%} | {r['hfu']:.1%} |"
             f" {r['compile_s']:.1f} |"
+            f" {_gib(r['memory'])} |"
         )
     return "\n".join(lines)
 
@@ -142,13 +141,17 @@ def main(argv=None) -> int:
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
 
-    from ultrajax import cli
+    from ultrajax import cli, overlap
+    from ultrajax.config import ConfigError, load
 
+    try:  # the GPU overlap flags of parallel.*, as train.py sets them: before the backend
+        overlap.apply(load(None, [o for o in args.overrides if o.startswith("parallel.")]).parallel)
+    except ConfigError as e:
+        cli.fail(str(e))
     cli.setup_devices(args.cpu_devices)  # before anything asks JAX for devices
     import jax
 
     from ultrajax import metrics
-    from ultrajax.config import ConfigError, load
 
     platform = jax.default_backend()
     names = args.sizes.split(",") if args.sizes else DEFAULTS.get(platform, DEFAULTS["gpu"])

@@ -16,8 +16,10 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from ultrajax import analyze, config, memory, optim
 from ultrajax import mesh as mesh_lib
+from ultrajax.batch import Batch
+from ultrajax.loss import loss_sum
 from ultrajax.model import init_params
-from ultrajax.step import loss_sum, state_shardings
+from ultrajax.step import state_shardings
 
 
 def make(*overrides, base=BASE):
@@ -38,10 +40,7 @@ def stacked_residuals(cfg, capsys) -> int:
     params = jax.eval_shape(lambda: init_params(m, jax.random.key(0)))
     params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.dtype(m.dtype)), params)
     b, s = cfg.train.micro_batch_size, m.seq_len
-    mb = {
-        k: jax.ShapeDtypeStruct((b, s + 1), jnp.int32)
-        for k in ("tokens", "segment_ids", "positions")
-    }
+    mb = Batch(*(jax.ShapeDtypeStruct((b, s), jnp.int32) for _ in Batch._fields))
     capsys.readouterr()
     print_saved_residuals(lambda p, x: loss_sum(cfg, p, x)[0], params, mb)
     total = 0
@@ -113,7 +112,9 @@ def test_state_bytes_per_device_follow_the_shardings(overrides):
 def test_zero_stages_follow_the_playbook_bytes():
     """GUIDE section 6 with Ψ parameters, N_d = 8, bf16 compute and fp32 master/Adam:
     ZeRO-1 shards master + Adam (12Ψ/N), ZeRO-2 also the fp32 accumulators, ZeRO-3
-    everything; the bf16 copy and bf16 gradients stay whole below ZeRO-3."""
+    everything; the bf16 copy stays whole below ZeRO-3. Gradients leave each layer's
+    backward reduced in fp32, so from ZeRO-1 only their shards are kept (the running
+    sum before the last micro-batch stays whole below ZeRO-2)."""
     rows = {}
     for zero in (0, 1, 2, 3):
         cfg, _ = make(
@@ -127,9 +128,13 @@ def test_zero_stages_follow_the_playbook_bytes():
         assert state(rows[zero]) == pytest.approx(12 * psi / 8, rel=1e-9)
     assert rows[1]["gradient accumulators (fp32)"] == 4 * psi
     assert rows[2]["gradient accumulators (fp32)"] == pytest.approx(4 * psi / 8)
-    for zero in (0, 1, 2):
-        assert rows[zero]["gradients (bfloat16)"] == 2 * psi
-    assert rows[3]["gradients (bfloat16)"] == pytest.approx(2 * psi / 8)
+    assert rows[0]["gradients (fp32, reduced)"] == 4 * psi
+    for zero in (1, 2, 3):
+        assert rows[zero]["gradients (fp32, reduced)"] == pytest.approx(4 * psi / 8)
+        assert rows[zero]["whole embedding gradient (fp32)"] > 0
+    assert rows[0]["whole embedding gradient (fp32)"] == 0
+    for zero in (1, 2):
+        assert rows[zero]["compute copy (bfloat16)"] == 2 * psi
     assert rows[3]["compute copy (bfloat16)"] == pytest.approx(2 * psi / 8)
 
 

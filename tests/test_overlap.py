@@ -26,3 +26,10 @@ def test_negative_bucket_is_a_config_error():
         assert "parallel.reduce_scatter_bucket_mib" in str(e)
     else:
         raise AssertionError("accepted a negative bucket size")
+
+
+def test_collective_pipelining_follows_config():
+    on = overlap.xla_flags(config.load(None, ["parallel.pipeline_collectives=true"]).parallel)
+    off = overlap.xla_flags(config.load(None).parallel)
+    for flag in overlap.PIPELINED:
+        assert f"{flag}=true" in on and f"{flag}=false" in off

@@ -1,31 +1,37 @@
-"""Parallel layouts on 8 simulated CPU devices, proven two ways (GUIDE section 4):
+"""Parallel layouts on 8 simulated CPU devices, in both ways of placing collectives
+(`parallel.collectives: explicit | gspmd`), proven two ways (GUIDE section 4):
 
 1. equivalence: the same model, data and seed on one device and under the layout
    give the same losses, gradient norms and parameters over 3 steps (fp32);
 2. the compiled step holds the collectives the technique promises, and not the
-   ones it avoids, and the state's per-device bytes follow the ZeRO formulas.
+   ones it avoids, where the playbook puts them (inside the backward layer loop,
+   once per optimizer step), and the state's per-device bytes follow ZeRO.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import numpy as np
 import pytest
 
+from ultrajax import batch as batch_lib
 from ultrajax import comms, config, optim
 from ultrajax import mesh as mesh_lib
 from ultrajax import step as step_lib
 
 SEQ, ACCUM, ROWS = 48, 2, 8  # ROWS: samples per micro-batch, over all data-parallel ranks
 D, LAYERS, VOCAB = 64, 2, 256
+MODES = ("explicit", "gspmd")
 
 LAYOUTS = {
     "data8": {"mesh.data": 8},
     "fsdp8-zero1": {"mesh.fsdp": 8, "parallel.zero": 1},
     "fsdp8-zero2": {"mesh.fsdp": 8, "parallel.zero": 2},
     "fsdp8-zero3": {"mesh.fsdp": 8, "parallel.zero": 3},
+    "hsdp-data2-fsdp4-zero3": {"mesh.data": 2, "mesh.fsdp": 4, "parallel.zero": 3},
     "tp2": {"mesh.tensor": 2},
     "tp2-sp": {"mesh.tensor": 2, "parallel.sequence_parallel": True},
     "tp4": {"mesh.tensor": 4},
@@ -40,7 +46,7 @@ LAYOUTS = {
 }
 
 
-def make_cfg(layout: dict) -> config.Config:
+def make_cfg(layout: dict, *extra: str) -> config.Config:
     sizes = {k.split(".")[1]: v for k, v in layout.items() if k.startswith("mesh.")}
     dp = sizes.get("data", 1) * sizes.get("fsdp", 1)
     overrides = [
@@ -63,12 +69,12 @@ def make_cfg(layout: dict) -> config.Config:
         "optim.lr=1e-3",
         "optim.eps=1e-6",
     ] + [f"{k}={str(v).lower()}" for k, v in layout.items()]
-    cfg = config.load(None, overrides)
+    cfg = config.load(None, overrides + list(extra))
     config.resolve_mesh(cfg, dp * sizes.get("tensor", 1))
     return cfg
 
 
-def batches(n: int = 3) -> list[dict]:
+def batches(n: int = 3) -> list[batch_lib.Batch]:
     """Fresh random packed batches with two documents per row and some padding."""
     rng = np.random.default_rng(1234)
     out = []
@@ -79,33 +85,43 @@ def batches(n: int = 3) -> list[dict]:
         seg = np.where(idx < cut, 1, 2).astype(np.int32)
         seg[..., -3:] = 0  # padding at the end of every row
         pos = np.where(idx < cut, idx, idx - cut).astype(np.int32)
-        out.append({"tokens": tokens, "segment_ids": seg, "positions": pos})
+        packed = {"tokens": tokens, "segment_ids": seg, "positions": pos}
+        out.append(batch_lib.make(packed, cross_doc_mask=True))
     return out
 
 
-@functools.cache
-def run(name: str | None):
-    """3 steps under a layout: (losses, grad norms, params, compiled HLO text, state)."""
-    cfg = make_cfg(LAYOUTS[name] if name else {})
+def setup(cfg):
+    """(mesh, rules, optimizer, schedule, state shardings, batch sharding) of a config."""
     n = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
     mesh = mesh_lib.make_mesh(cfg, jax.devices()[:n])
     rules = mesh_lib.rules(cfg)
     tx, schedule = optim.optimizer(cfg), optim.schedule(cfg)
     shardings = step_lib.state_shardings(cfg, mesh, rules, tx)
-    batch_sh = mesh_lib.batch_sharding(mesh)
+    return mesh, rules, tx, schedule, shardings, batch_lib.sharding(mesh)
+
+
+@functools.cache
+def run(name: str | None, mode: str = "explicit", *extra: str):
+    """3 steps under a layout: (losses, grad norms, params, compiled HLO text, state
+    bytes, config, lowered step)."""
+    layout = dict(LAYOUTS[name] if name else {}, **{"parallel.collectives": mode})
+    cfg = make_cfg(layout, *extra)
+    mesh, rules, tx, schedule, shardings, batch_sh = setup(cfg)
     with jax.set_mesh(mesh):
         init = jax.jit(lambda k: step_lib.init_state(cfg, tx, k), out_shardings=shardings)
         state = init(jax.random.key(0))
         state_bytes = per_device_bytes(state)
         fn = step_lib.jit_train_step(cfg, mesh, rules, tx, schedule, shardings, batch_sh)
-        data = [{k: jax.device_put(v, batch_sh) for k, v in b.items()} for b in batches()]
-        compiled = fn.lower(state, data[0]).compile()
+        data = [batch_lib.place(b, batch_sh) for b in batches()]
+        lowered = fn.lower(state, data[0])
+        compiled = lowered.compile()
         losses, norms = [], []
         for b in data:
             state, m = compiled(state, b)
             losses.append(float(m["loss"]))
             norms.append(float(m["grad_norm"]))
-    return losses, norms, jax.device_get(state["params"]), compiled.as_text(), state_bytes, cfg
+    params = jax.device_get(state["params"])
+    return losses, norms, params, compiled.as_text(), state_bytes, cfg, lowered
 
 
 def per_device_bytes(tree) -> int:
@@ -117,17 +133,28 @@ def per_device_bytes(tree) -> int:
     return total
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_device(name):
-    ref_loss, ref_norm, ref_params, *_ = run(None)
-    loss, norm, params, *_ = run(name)
+def assert_same_training(got, ref):
+    loss, norm, params = got[:3]
+    ref_loss, ref_norm, ref_params = ref[:3]
     assert all(np.isfinite(loss)) and all(np.isfinite(norm))
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-6)
     np.testing.assert_allclose(norm, ref_norm, rtol=2e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
         # 3 Adam steps at lr 1e-3: allow 1% of one step for fp32 summation order
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
-    assert ref_loss[-1] < ref_loss[0]  # the reference actually trains
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_device(name, mode):
+    ref = run(None)
+    assert_same_training(run(name, mode), ref)
+    assert ref[0][-1] < ref[0][0]  # the reference actually trains
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_modes_agree(name):
+    assert_same_training(run(name, "gspmd"), run(name, "explicit"))
 
 
 def n_params(cfg) -> int:
@@ -141,17 +168,18 @@ def n_params(cfg) -> int:
 )
 def test_state_bytes_follow_zero_formulas(name, shards):
     """fp32 master weights (4 bytes) + Adam mu and nu (8 bytes) = 12 Ψ, / N_d with ZeRO."""
-    *_, state_bytes, cfg = run(name)
+    state_bytes, cfg = run(name)[4:6]
     psi = n_params(cfg)
     expected = 12 * psi / shards
     scalars = 16  # step counter and Adam's step count
     assert abs(state_bytes - expected) <= scalars, (state_bytes, expected)
 
 
-def collectives(name):
-    hlo, cfg = run(name)[3], run(name)[5]
-    found, _ = comms.collectives(hlo)
-    return found, cfg
+def collectives(name, mode="explicit"):
+    r = run(name, mode)
+    found, notes = comms.collectives(r[3])
+    assert not notes, notes  # every loop's trip count is known
+    return found, r[5]
 
 
 def _bytes(found, kind, min_bytes=0):
@@ -165,24 +193,81 @@ def _count(found, kind, min_bytes=0):
 SMALL = 1024  # loss terms, token counts, norm reductions: below this size
 
 
-def test_data_parallel_reduces_gradients_once_per_step():
-    found, cfg = collectives("data8")
+def layer_bytes(cfg) -> int:
+    """fp32 bytes of one layer's weights (all but the embedding, LM head, final norm)."""
+    return 4 * (n_params(cfg) - (VOCAB * D * 2 + D)) // LAYERS
+
+
+def layer_loops(text: str) -> dict[str, int]:
+    """Layer-loop bodies of a compiled step -> their number of dots. A backward body
+    computes input and weight gradients: about twice the dots of a forward body."""
+    mod = comms.parse_module(text)
+    mult, _ = comms.multiplicities(mod)
+
+    @functools.cache
+    def dots(comp: str) -> int:  # its own and those of the fusions it calls
+        n = 0
+        for _, _, rest in mod.computations.get(comp, []):
+            n += rest.startswith("dot(")
+            n += sum(dots(c) for c in re.findall(r"\bcalls=%?([\w.\-]+)", rest))
+        return n
+
+    loops = {}
+    for comp in mod.computations:
+        body = any(
+            f"body=%{comp}" in r or f"body={comp}," in r
+            for c in mod.computations.values()
+            for _, _, r in c
+        )
+        if body and dots(comp) and mult.get(comp, 0) in (LAYERS, ACCUM * LAYERS):
+            loops[comp] = dots(comp)
+    assert loops, "no layer loop found"
+    return loops
+
+
+def in_backward_loop(name, mode, found, kind):
+    """The collectives of `kind` that run inside a backward layer loop's body."""
+    loops = layer_loops(run(name, mode)[3])
+    forward = min(loops.values())
+    backward = {c for c, dots in loops.items() if dots >= 1.5 * forward}
+    return [c for c in found if c.kind == kind and c.computation in backward]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_data_parallel_reduces_gradients_once_per_step(mode):
+    """grad_accum=2 and one gradient all-reduce of 4Ψ bytes per step (no_sync): each
+    layer's gradients reduced inside the backward layer loop, on the last micro-batch."""
+    found, cfg = collectives("data8", mode)
     grads = 4 * n_params(cfg)
     assert _bytes(found, "all-reduce", SMALL) == pytest.approx(grads, rel=0.01)
     assert _count(found, "all-gather") == 0 and _count(found, "reduce-scatter") == 0
-    # every large all-reduce runs once per step, not once per micro-batch
-    assert all(c.count == 1 for c in found if c.kind == "all-reduce" and c.bytes >= SMALL)
+    in_loop = in_backward_loop("data8", mode, found, "all-reduce")
+    assert sum(c.bytes for c in in_loop) == pytest.approx(layer_bytes(cfg), rel=1e-6)
+    assert all(c.count == LAYERS for c in in_loop), in_loop  # not ACCUM x LAYERS
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_zero_1_2_reduce_scatter_gradients_and_gather_parameters(stage):
-    found, cfg = collectives(f"fsdp8-zero{stage}")
+@pytest.mark.parametrize("mode", MODES)
+def test_zero_1_reduce_scatters_once_per_step_inside_the_backward_loop(mode):
+    found, cfg = collectives("fsdp8-zero1", mode)
     psi = n_params(cfg)
-    per_step = 1 if stage == 1 else ACCUM  # ZeRO-2 scatters every micro-batch
-    # reduce-scatter results are 1/8 of the fp32 gradients
-    assert _bytes(found, "reduce-scatter") == pytest.approx(per_step * 4 * psi / 8, rel=0.01)
-    assert _bytes(found, "all-gather") == pytest.approx(4 * psi, rel=0.01)  # fp32 compute copy
+    # reduce-scatter results are 1/8 of the fp32 gradients, once per step
+    assert _bytes(found, "reduce-scatter") == pytest.approx(4 * psi / 8, rel=0.01)
+    assert _bytes(found, "all-gather") == pytest.approx(4 * psi, rel=0.01)  # fp32 model here
     assert _bytes(found, "all-reduce", SMALL) == 0  # no full-size gradient all-reduce
+    in_loop = in_backward_loop("fsdp8-zero1", mode, found, "reduce-scatter")
+    assert sum(c.bytes for c in in_loop) == pytest.approx(layer_bytes(cfg) / 8, rel=1e-6)
+    assert all(c.count == LAYERS for c in in_loop), in_loop
+
+
+def test_zero_2_reduce_scatters_every_micro_batch_inside_the_backward_loop():
+    found, cfg = collectives("fsdp8-zero2")
+    psi = n_params(cfg)
+    assert _bytes(found, "reduce-scatter") == pytest.approx(ACCUM * 4 * psi / 8, rel=0.01)
+    assert _bytes(found, "all-gather") == pytest.approx(4 * psi, rel=0.01)
+    assert _bytes(found, "all-reduce", SMALL) == 0
+    in_loop = in_backward_loop("fsdp8-zero2", "explicit", found, "reduce-scatter")
+    assert sum(c.bytes for c in in_loop) == pytest.approx(layer_bytes(cfg) / 8, rel=1e-6)
+    assert all(c.count == ACCUM * LAYERS for c in in_loop), in_loop
 
 
 def test_zero_3_gathers_each_layer_twice_and_scatters_gradients():
@@ -199,9 +284,24 @@ def test_zero_3_gathers_each_layer_twice_and_scatters_gradients():
     forward, backward = sorted(per_layer.values(), reverse=True)
     assert forward == pytest.approx(ACCUM * 4 * layers, rel=1e-6)
     assert ACCUM * 4 * (layers - norms) <= backward <= ACCUM * 4 * layers
-    # every gradient is reduce-scattered, every micro-batch, and never all-reduced
+    # every gradient is reduce-scattered, every micro-batch, and never all-reduced; the
+    # layers' inside the backward loop, beside that loop's gathers
     assert _bytes(found, "reduce-scatter") == pytest.approx(ACCUM * 4 * psi / 8, rel=1e-6)
     assert _bytes(found, "all-reduce", SMALL) == 0
+    in_loop = in_backward_loop("fsdp8-zero3", "explicit", found, "reduce-scatter")
+    assert {c.computation for c in in_loop} <= set(per_layer)
+    assert sum(c.bytes for c in in_loop) == pytest.approx(4 * layers / LAYERS / 8, rel=1e-6)
+
+
+def test_hsdp_reduces_over_data_once_per_step():
+    """ZeRO-3 over fsdp=4 inside, replicas over data=2: the fsdp reduce-scatter runs
+    every micro-batch, the all-reduce of the shards over `data` only on the last."""
+    found, cfg = collectives("hsdp-data2-fsdp4-zero3")
+    psi = n_params(cfg)
+    assert _bytes(found, "reduce-scatter") == pytest.approx(ACCUM * 4 * psi / 4, rel=1e-6)
+    assert _bytes(found, "all-reduce", SMALL) == pytest.approx(4 * psi / 4, rel=0.01)
+    in_loop = in_backward_loop("hsdp-data2-fsdp4-zero3", "explicit", found, "all-reduce")
+    assert in_loop and all(c.count == LAYERS for c in in_loop), in_loop
 
 
 def _activation_bytes(cfg) -> int:
@@ -232,10 +332,10 @@ def test_sequence_parallel_uses_gather_scatter_pairs(name):
     # is rematerialised for its weights and XLA may gather the sequence again there.
     assert scatters == ACCUM * 2 * (2 * LAYERS + 1)
     assert gathers == scatters if cfg.parallel.zero < 3 else gathers >= scatters
-    # no activation all-reduce left (the once-per-step gradient all-reduce over `data`
-    # in the combined layout is not one: activations are reduced every micro-batch)
-    per_micro = [c for c in found if c.kind == "all-reduce" and c.count >= ACCUM]
-    assert not [c for c in per_micro if c.bytes >= full // 2], per_micro
+    # no activation all-reduce left: none of an activation's size (the combined layout's
+    # gradient all-reduces over `data`, one per layer, have the size of weight shards)
+    activation = [c for c in found if c.kind == "all-reduce" and c.bytes in (full, shard)]
+    assert not activation, activation
 
 
 @pytest.mark.parametrize("name", ["tp2", "tp4-sp"])
@@ -246,3 +346,85 @@ def test_vocabulary_parallel_loss_never_gathers_logits(name):
         c for c in found if c.kind in ("all-gather", "all-reduce") and c.bytes >= logits // 2
     ]
     assert not too_big, too_big
+
+
+# --------------------------------------------------------------------------- dtypes
+
+BF16 = ("model.dtype=bfloat16",)
+
+
+def partitioned(name, mode, *extra):
+    """Collectives of the step as XLA's partitioner wrote them (the dtypes a GPU runs)."""
+    text = comms.partitioned_text(run(name, mode, *extra)[6])
+    assert text is not None
+    found, _ = comms.collectives(text)
+    return found
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["fsdp8-zero1", "fsdp8-zero3"])
+def test_bf16_weights_gather_in_bf16_and_gradients_reduce_in_fp32(name, mode):
+    found = partitioned(name, mode, *BF16)
+    floats = ("bf16", "f32")  # (the partitioner also moves token ids, in s32)
+    gathers = [c for c in found if c.kind == "all-gather" and c.bytes >= SMALL]
+    gathers = [c for c in gathers if c.dtype in floats]
+    reductions = [c for c in found if c.kind in ("reduce-scatter", "all-reduce")]
+    big = [c for c in reductions if c.bytes >= SMALL]
+    assert gathers and all(c.dtype == "bf16" for c in gathers), gathers
+    assert big and all(c.dtype == "f32" for c in big), big
+    loss = run(name, mode, *BF16)[0]
+    assert all(np.isfinite(loss))
+    np.testing.assert_allclose(loss, run(None)[0], rtol=2e-2)  # bf16 against fp32
+
+
+def test_grad_reduce_dtype_bfloat16_reduces_in_bf16():
+    extra = (*BF16, "parallel.grad_reduce_dtype=bfloat16")
+    found = partitioned("data8", "explicit", *extra)
+    big = [c for c in found if c.kind == "all-reduce" and c.bytes >= SMALL]
+    assert big and all(c.dtype == "bf16" for c in big), big
+    found32 = partitioned("data8", "explicit", *BF16)
+    big32 = [c for c in found32 if c.kind == "all-reduce" and c.bytes >= SMALL]
+    assert sum(c.bytes for c in big) == pytest.approx(sum(c.bytes for c in big32) / 2)
+    np.testing.assert_allclose(run("data8", "explicit", *extra)[0], run(None)[0], rtol=2e-2)
+
+
+# --------------------------------------------------------------------------- vma
+
+
+def test_the_step_checks_varying_axes():
+    """A gradient left unreduced over a data axis is JAX's error, not a wrong number: the
+    step's shard_map runs with check_vma, and its sinks say which reductions are owed."""
+    from jax.sharding import PartitionSpec as P
+
+    from ultrajax.weights import Reduce, Weight, dense
+
+    cfg = make_cfg(LAYOUTS["data8"])
+    mesh, rules = setup(cfg)[:2]
+    plan = step_lib.Plan(cfg, mesh, rules)
+    x = np.ones((8, 4, 4), np.float32)
+    w = np.ones((4, 4), np.float32)
+
+    def local_grad(x, w):  # differentiated where w already varies: nothing reduces it
+        return jax.grad(lambda w: (x @ w).sum())(jax.lax.pcast(w, "data", to="varying"))
+
+    @jax.custom_vjp
+    def forgetful(w):  # a backward rule that drops its reduction over `data`
+        return jax.lax.pcast(w, "data", to="varying")
+
+    forgetful.defvjp(lambda w: (forgetful(w), None), lambda _, g: (g,))
+
+    def dropped(x, w):
+        return jax.grad(lambda w: (x @ forgetful(w)).sum())(w)
+
+    def sinked(x, w):  # the weights' own rule: finish reduces what the sink does not vary on
+        sink = jax.numpy.zeros_like(w)
+        loss = lambda s: dense(x, Weight.make(w, s, None, Reduce()), "btd,df->btf").sum()  # noqa: E731
+        return jax.grad(loss)(sink)
+
+    with jax.set_mesh(mesh):
+        for fn in (local_grad, dropped):
+            bad = plan.shard_map(fn, in_specs=(P("data"), P()), out_specs=P())
+            with pytest.raises(ValueError, match="manual axis|vary"):
+                jax.jit(bad)(x, w)
+        good = plan.shard_map(sinked, in_specs=(P("data"), P()), out_specs=P())
+        np.testing.assert_allclose(jax.jit(good)(x, w), np.full((4, 4), 32.0))

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from ultrajax import analyze, comms, config, memory, metrics, train
+from ultrajax import batch as batch_lib
 from ultrajax.config import ConfigError
+from ultrajax.loss import loss_sum
 from ultrajax.model import remat_policy
-from ultrajax.step import loss_sum
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -36,11 +37,12 @@ def test_gradients_identical_across_policies(random_params):
     params = random_params(cfg.model)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(1, cfg.model.vocab_size, (2, 33)), jnp.int32)
-    batch = {
+    packed = {
         "tokens": tokens,
-        "segment_ids": jnp.asarray(np.repeat([[1] * 20 + [2] * 13], 2, 0), jnp.int32),
-        "positions": jnp.asarray(np.repeat([list(range(20)) + list(range(13))], 2, 0)),
+        "segment_ids": np.repeat([[1] * 20 + [2] * 13], 2, 0),
+        "positions": np.repeat([list(range(20)) + list(range(13))], 2, 0),
     }
+    batch = jax.tree.map(jnp.asarray, batch_lib.make(packed, cross_doc_mask=True))
     grads = {}
     for remat in ("none", "full", "selective", "[query,key,value]"):
         cfg.model.remat = config.load(TINY, [f"model.remat={remat}"]).model.remat

@@ -9,10 +9,12 @@ import numpy as np
 import optax
 import pytest
 
+from ultrajax import batch as batch_lib
 from ultrajax import optim
+from ultrajax.batch import target_mask
 from ultrajax.config import Config, ModelConfig, load
 from ultrajax.model import NORMS, forward
-from ultrajax.step import make_eval_step, make_train_step, target_mask
+from ultrajax.step import make_eval_step, make_train_step
 
 MODEL = ModelConfig(
     vocab_size=128,
@@ -81,7 +83,8 @@ def _run_step(cfg, params, batch):
     tx = capture_grads()
     step = jax.jit(make_train_step(cfg, tx, optax.constant_schedule(0.5)))
     state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
-    new, metrics = step(state, jax.tree.map(jnp.asarray, batch))
+    b = batch_lib.make(batch, cfg.data.cross_doc_mask)
+    new, metrics = step(state, jax.tree.map(jnp.asarray, b))
     return jax.device_get(new), jax.device_get(metrics)
 
 
@@ -184,9 +187,8 @@ def test_step_reports_schedule_and_counts_steps(setup):
 
 
 def test_eval_step_sums_nll_and_counts_targets(setup):
-    s, n = jax.jit(make_eval_step(_cfg(4)))(
-        setup["params"], jax.tree.map(jnp.asarray, setup["batch"])
-    )
+    b = batch_lib.make(setup["batch"], cross_doc_mask=True)
+    s, n = jax.jit(make_eval_step(_cfg(4)))(setup["params"], jax.tree.map(jnp.asarray, b))
     nll, mask = setup["nll"], setup["mask"]
     assert int(n) == mask.sum()
     np.testing.assert_allclose(float(s), (nll * mask).sum(), rtol=1e-5)
@@ -210,7 +212,8 @@ def test_bf16_compute_accumulates_fp32_gradients():
     def run(key):
         from ultrajax.step import init_state
 
-        return step(init_state(cfg, tx, key), jax.tree.map(jnp.asarray, _batch()))
+        b = batch_lib.make(_batch(), cross_doc_mask=True)
+        return step(init_state(cfg, tx, key), jax.tree.map(jnp.asarray, b))
 
     new, metrics = jax.eval_shape(run, jax.random.key(0))  # types only: nothing compiled
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(new["opt_state"]["g"]))

@@ -30,8 +30,8 @@ import json
 import sys
 
 import jax
-import jax.numpy as jnp
 
+from ultrajax import batch as batch_lib
 from ultrajax import cli, comms, memory, metrics, optim
 from ultrajax import mesh as mesh_lib
 from ultrajax.config import Config, ConfigError, resolve_mesh
@@ -62,6 +62,10 @@ def _compile_config(cfg: Config) -> tuple[Config, list[str]]:
             "compiled temporaries and communication exceed a GPU's (GUIDE section 5); the "
             "model is validated in float32 on CPU"
         )
+    from ultrajax.step import unsupported
+
+    if unsupported(cfg, backend):
+        raise ConfigError(unsupported(cfg, backend))
     if cfg.model.remat == "offload" and backend != "gpu":
         raise ConfigError(
             f"model.remat=offload needs host offloading, which the {backend} backend lacks; "
@@ -80,12 +84,10 @@ def abstract_inputs(cfg: Config, mesh, rules, tx):
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings
     )
     t = cfg.train
-    batch_sh = mesh_lib.batch_sharding(mesh)
-    shape = (t.grad_accum, t.micro_batch_size * cfg.dp, cfg.model.seq_len + 1)
-    batch = {
-        k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sh)
-        for k in ("tokens", "segment_ids", "positions")
-    }
+    batch_sh = batch_lib.sharding(mesh)
+    batch = batch_lib.abstract(
+        t.grad_accum, t.micro_batch_size * cfg.dp, cfg.model.seq_len, batch_sh
+    )
     return state, batch, shardings, batch_sh
 
 
@@ -198,8 +200,12 @@ def analyze(
     devices=None,
     compiler_options: dict | None = None,
     device_memory: int | None = None,
+    both_modes: bool = False,
 ) -> dict:
-    """Everything analyze prints, as a JSON-ready dict."""
+    """Everything analyze prints, as a JSON-ready dict.
+
+    both_modes: also compile the step with the other `parallel.collectives` and report
+    its communication beside this one's (`communication_modes`)."""
     devices = list(jax.devices() if devices is None else devices)
     resolve_mesh(cfg, len(devices))
     original = cfg
@@ -249,8 +255,35 @@ def analyze(
         }
     report["flops"] = flops_report(analysed, compiled, text)
     if communication and text is not None:
-        report["communication"] = comms.report(analysed, text)
+        report["communication"] = communication_report(analysed, text, devices, compiler_options)
+        report["communication_modes"] = {analysed.parallel.collectives: report["communication"]}
+        other = copy.deepcopy(analysed)
+        other.parallel.collectives = (
+            "gspmd" if analysed.parallel.collectives == "explicit" else "explicit"
+        )
+        from ultrajax.step import unsupported
+
+        skip = unsupported(other, jax.default_backend())
+        if both_modes and skip:
+            report["notes"].append(f"{other.parallel.collectives} not compiled: {skip}")
+        elif both_modes:
+            other_text = compile_step(other, devices, compiler_options).as_text()
+            report["communication_modes"][other.parallel.collectives] = communication_report(
+                other, other_text, devices, compiler_options
+            )
     return report
+
+
+def communication_report(cfg: Config, text: str, devices, compiler_options=None) -> dict:
+    """comms.report of the compiled step, with each kind's dtypes as the partitioner wrote
+    them (the dtypes a GPU runs: the CPU backend later promotes bf16 all-reduces)."""
+    rep = comms.report(cfg, text)
+    rep["mode"] = cfg.parallel.collectives
+    part = comms.partitioned_text(lower_step(cfg, devices), compiler_options)
+    if part is not None:
+        found, _ = comms.collectives(part)
+        rep["dtypes"] = {k: r["dtypes"] for k, r in comms.summarize(found).items() if r["dtypes"]}
+    return rep
 
 
 def _row(label, predicted=None, compiled=None, indent=2, ratio=True) -> str:
@@ -361,38 +394,56 @@ def format_report(r: dict) -> str:
             f"body once: compare {f['hlo_dots_once']:.4g} dots counted once)"
         )
 
-    comm = r.get("communication")
-    if comm and (comm["total"]["traffic"] or comm["total"]["expected"]):
-        lines.append("")
-        lines.append(
-            f"communication per step per device  {'ops':>5} {'runs':>6} {'payload':>11} "
-            f"{'traffic':>11} {'formula':>11}  ratio"
-        )
-        for kind, row in comm["kinds"].items():
-            if not row["ops"] and not row["expected"]:
-                continue
-            ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else "-"
-            lines.append(
-                f"  {kind:<32}{row['ops']:>5} {row['count']:>6} {fmt_bytes(row['payload']):>11} "
-                f"{fmt_bytes(row['traffic']):>11} {fmt_bytes(row['expected']):>11}  {ratio}"
-            )
-        t = comm["total"]
-        ratio = f"{t['ratio']:.3f}" if t["ratio"] is not None else "-"
-        lines.append(
-            f"  {'total':<32}{'':>5} {'':>6} {'':>11} {fmt_bytes(t['traffic']):>11} "
-            f"{fmt_bytes(t['expected']):>11}  {ratio}"
-        )
-        for term in comm["terms"]:
-            lines.append(
-                f"  formula: {term['kind']} {term['what']}: {term['formula']} = "
-                f"{fmt_bytes(term['traffic'])}"
-            )
-        lines.append(
-            "  (traffic: what one device sends, ring algorithms; runs: executions per step, "
-            "loop bodies times their trip counts)"
-        )
-        lines += [f"  note: {n}" for n in comm["notes"]]
+    modes = r.get("communication_modes") or (
+        {"": r["communication"]} if r.get("communication") else {}
+    )
+    for mode, comm in modes.items():
+        if comm["total"]["traffic"] or comm["total"]["expected"]:
+            lines += _communication_lines(comm, mode)
     return "\n".join(lines)
+
+
+def _dtypes(shares: dict) -> str:
+    total = sum(shares.values())
+    if not total:
+        return ",".join(shares) or "-"
+    if len(shares) == 1:
+        return next(iter(shares))
+    return ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(shares.items(), key=lambda x: -x[1]))
+
+
+def _communication_lines(comm: dict, mode: str) -> list[str]:
+    title = f"communication per step per device ({mode})" if mode else "communication"
+    lines = ["", f"{title:<35}{'ops':>5} {'runs':>6} {'payload':>11} {'traffic':>11} "
+             f"{'formula':>11}  ratio  dtypes"]  # fmt: skip
+    dtypes = comm.get("dtypes", {})
+    for kind, row in comm["kinds"].items():
+        if not row["ops"] and not row["expected"]:
+            continue
+        ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else "-"
+        lines.append(
+            f"  {kind:<33}{row['ops']:>5} {row['count']:>6} {fmt_bytes(row['payload']):>11} "
+            f"{fmt_bytes(row['traffic']):>11} {fmt_bytes(row['expected']):>11}  {ratio:>5}  "
+            f"{_dtypes(dtypes.get(kind, row.get('dtypes', {})))}"
+        )
+    t = comm["total"]
+    ratio = f"{t['ratio']:.3f}" if t["ratio"] is not None else "-"
+    lines.append(
+        f"  {'total':<33}{'':>5} {'':>6} {'':>11} {fmt_bytes(t['traffic']):>11} "
+        f"{fmt_bytes(t['expected']):>11}  {ratio:>5}"
+    )
+    for term in comm["terms"]:
+        lines.append(
+            f"  formula: {term['kind']} {term['what']}: {term['formula']} = "
+            f"{fmt_bytes(term['traffic'])}"
+        )
+    lines.append(
+        "  (traffic: what one device sends, ring algorithms; runs: executions per step, "
+        "loop bodies times their trip counts; dtypes: as the partitioner wrote them, "
+        "shares of traffic)"
+    )
+    lines += [f"  note: {n}" for n in comm["notes"]]
+    return lines
 
 
 # --------------------------------------------------------------------------- plots
@@ -587,7 +638,13 @@ def main(argv=None) -> int:
         raise ConfigError(f"{e}{hint}") from None
     multi = math_prod(cfg.mesh.sizes().values()) > 1
     do_compile = (args.compile or multi) and not args.no_compile
-    report = analyze(cfg, compile=do_compile, communication=do_compile, device_memory=device_memory)
+    report = analyze(
+        cfg,
+        compile=do_compile,
+        communication=do_compile,
+        device_memory=device_memory,
+        both_modes=do_compile and multi,
+    )
     if args.plot:
         plot_breakdown(report, args.plot)
         report["plot"] = args.plot

@@ -39,7 +39,6 @@ import typing
 from pathlib import Path
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from ultrajax import config as config_lib
@@ -487,8 +486,3 @@ class Preemption:
         if self._multi:
             self.requested = self.requested or self.ckpt.reached_preemption(step)
         return self.requested
-
-
-def host_params(params: dict) -> dict:
-    """Numpy views of parameters restored on the CPU (no copy there)."""
-    return jax.tree.map(np.asarray, params)

@@ -133,6 +133,7 @@ class Collective:
     group: int
     bytes: float  # the result's bytes (for async starts: the output part)
     count: int = 1  # times it runs per step (product of enclosing trip counts)
+    dtype: str = ""  # element type of the result ("bf16", "f32", ...)
 
     @property
     def payload(self) -> float:
@@ -261,6 +262,7 @@ def collectives(text: str) -> tuple[list[Collective], list[str]]:
                 # async forms return (operands, outputs[, contexts]): keep the outputs
                 parts = parts[1:2] if len(parts) >= 2 else parts
             nbytes = sum(shape_bytes(p) for p in parts)
+            types = sorted({t for p in parts for t, _ in _ARRAY.findall(p) if t in DTYPE_BYTES})
             found.append(
                 Collective(
                     kind=kind,
@@ -269,6 +271,7 @@ def collectives(text: str) -> tuple[list[Collective], list[str]]:
                     group=group_size(rest, mod.n_devices),
                     bytes=nbytes,
                     count=mult.get(comp, 0),
+                    dtype="+".join(types),
                 )
             )
     return found, notes
@@ -276,14 +279,48 @@ def collectives(text: str) -> tuple[list[Collective], list[str]]:
 
 def summarize(found: list[Collective]) -> dict[str, dict]:
     """kind -> {ops (in the HLO), count (executions per step), payload, traffic} per device."""
-    out = {k: {"ops": 0, "count": 0, "payload": 0.0, "traffic": 0.0} for k in KINDS}
+    out = {k: {"ops": 0, "count": 0, "payload": 0.0, "traffic": 0.0, "dtypes": {}} for k in KINDS}
     for c in found:
         row = out[c.kind]
         row["ops"] += 1
         row["count"] += c.count
         row["payload"] += c.payload * c.count
         row["traffic"] += c.traffic * c.count
+        if c.dtype:
+            row["dtypes"][c.dtype] = row["dtypes"].get(c.dtype, 0.0) + c.traffic * c.count
     return out
+
+
+def partitioned_text(lowered, compiler_options: dict | None = None) -> str | None:
+    """The module as XLA's SPMD partitioner left it: every collective in the dtype the
+    program asks for. Later passes of some backends change that (XLA:CPU promotes bf16
+    all-reduces to f32 and computes bf16 dots in f32), so the dtypes a GPU runs are read
+    here. None when nothing was partitioned (one device)."""
+    import glob
+    import os
+    import tempfile
+
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    with tempfile.TemporaryDirectory() as tmp:
+        options = dict(compiler_options or {})
+        options.update(xla_dump_to=tmp, xla_dump_hlo_pass_re="spmd-partitioning")
+        # a persistent-cache hit (whose key leaves dump options out) would skip the
+        # passes, and so the dump: compile this once without the cache
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()
+        try:
+            lowered.compile(options)
+        finally:
+            jax.config.update("jax_enable_compilation_cache", enabled)
+            compilation_cache.reset_cache()
+        files = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*")))
+        if not files:
+            return None
+        with open(files[-1]) as f:
+            return f.read()
 
 
 # --------------------------------------------------------------------------- the playbook
@@ -305,7 +342,8 @@ def expected(cfg: Config) -> list[Term]:
     """The playbook's per-step communication for this layout (GUIDE section 6), per device.
 
     Ψ here is the parameter count of one tensor-parallel shard (the DP/ZeRO collectives
-    move that much); gradients are reduced in fp32 (the step's accumulators), weights
+    move that much); gradients are reduced in `parallel.grad_reduce_dtype` (fp32 by
+    default: each weight's backward rule reduces in that dtype, ultrajax/weights.py), weights
     gathered in the compute dtype. Gradient accumulation over m micro-batches: DP and
     ZeRO-1 reduce once per step (accumulation inside one jitted step is our no_sync),
     ZeRO-2 reduce-scatters every micro-batch (a sharded accumulator cannot hold
@@ -319,7 +357,7 @@ def expected(cfg: Config) -> list[Term]:
     accum = t.grad_accum
     c = memory.dtype_bytes(m.dtype)
     psi = memory.param_elements(cfg, kind="compute", ignore=("fsdp",))
-    grads = 4.0 * psi
+    grads = memory.dtype_bytes(cfg.parallel.grad_reduce_dtype) * psi
     weights = c * psi
     zero = cfg.parallel.zero if fs > 1 else 0
     terms = []

@@ -109,8 +109,14 @@ class MeshConfig:
 class ParallelConfig:
     zero: int = 0
     sequence_parallel: bool = False
+    # who places the DP/ZeRO/TP collectives: XLA's partitioner or the explicit step
+    collectives: Literal["explicit", "gspmd"] = "explicit"
+    grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     # GPU: overlap collectives with compute, bucket them up to these sizes (overlap.py)
     overlap: bool = True
+    # GPU: let XLA pipeline a layer loop's collectives across iterations (overlap.py).
+    # Off by default: not yet measured on several GPUs (see docs/parallelism.md).
+    pipeline_collectives: bool = False
     all_reduce_bucket_mib: int = 64
     all_gather_bucket_mib: int = 64
     reduce_scatter_bucket_mib: int = 64

@@ -229,20 +229,14 @@ def packed_dataset(
     seed: int,
     cross_doc_mask: bool,
     shuffle: bool = True,
-    shard_index: int = 0,
-    shard_count: int = 1,
 ) -> grain.IterDataset:
     """Batches of {tokens, segment_ids, positions}, each (batch_size, seq_len + 1), forever.
 
-    `shard_index/shard_count` give a process its own share of the documents
-    (every process reads only what it feeds).
-    """
+    Every process builds the same global stream (docs/multihost.md)."""
     ds = grain.MapDataset.source(docs)
     if shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(None)  # reshuffled every epoch
-    if shard_count > 1:
-        ds = ds[shard_index::shard_count]
     ds = ds.map(_Encode(tokenizer)).to_iter_dataset()
     ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct={"tokens": seq_len + 1})
     ds = ds.batch(batch_size, drop_remainder=True)
@@ -279,8 +273,6 @@ def build(
     batch_size: int,
     seed: int,
     vocab_size: int,
-    shard_index: int = 0,
-    shard_count: int = 1,
 ) -> Data:
     """Everything the train loop reads, with bad input reported as ConfigError."""
     tokenizer = make_tokenizer(cfg)
@@ -294,8 +286,6 @@ def build(
         seq_len=seq_len,
         batch_size=batch_size,
         cross_doc_mask=cfg.cross_doc_mask,
-        shard_index=shard_index,
-        shard_count=shard_count,
     )
     train = iter(packed_dataset(train_docs, tokenizer, seed=seed, **common))
 

@@ -179,16 +179,6 @@ def check_local_devices(env: Mapping[str, str] | None = None) -> None:
         )
 
 
-def is_lead() -> bool:
-    """Process 0 prints progress and writes metrics; the others stay quiet."""
-    return jax.process_index() == 0
-
-
-def lead_print(*args, **kwargs) -> None:
-    if is_lead():
-        print(*args, **kwargs)
-
-
 def shutdown() -> None:
     """Leave the run cleanly (a barrier with the other processes). Only on success: a
     failing process must exit at once, so the launcher can stop the others."""

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from ultrajax.config import Config, ModelConfig
+from ultrajax.parallel.zero import Zero
 
 GiB = 2**30
 
@@ -40,12 +41,14 @@ GiB = 2**30
 #   X  b·s·h inside a TP region         R  b·s·h of the residual stream (/tp with SP)
 #   K  b·s·kv·hd keys                   Wm h·d_ff one MLP matrix
 #   Wa h·hd·(a + kv) attention weights  Z  the whole layer's weights, ZeRO-3 only
-# Fitted by least squares over ~45 compiled shapes and layouts (fp32, XLA:CPU: one
-# device, DP, ZeRO-3, TP, TP+SP); docs/memory.md. All but S count compute-dtype bytes.
+# Fitted by least squares over 72 compiled shapes and layouts (fp32, XLA:CPU: one
+# device, ZeRO-3, TP, TP+SP) by scripts/fit_memory.py; docs/memory.md. All but S count
+# compute-dtype bytes. Z < 0 for `none`: under ZeRO-3 XLA reuses buffers the exact
+# terms count.
 WORK = {
-    "none": {"S": 2.0, "F": 5.2, "X": 2.0, "R": 8.3, "K": 1.9, "Wm": 2.7, "Wa": 2.8, "Z": 0.0},
-    "full": {"S": 2.0, "F": 8.0, "X": 3.5, "R": 10.0, "K": 3.1, "Wm": 2.0, "Wa": 1.9, "Z": 0.3},
-    "selective": {"S": 2.4, "F": 4.3, "X": 2.8, "R": 5.4, "K": 0.0, "Wm": 5.6, "Wa": 0.0, "Z": 0.3},
+    "none": {"X": 4.0, "R": 7.6, "K": 6.4, "Wm": 9.1, "Wa": 6.2, "Z": -1.7, "S": 2.0, "F": 2.6},
+    "full": {"X": 4.5, "R": 7.0, "K": 10.2, "Wm": 3.1, "Wa": 0.1, "Z": 0.0, "S": 2.5, "F": 5.2},
+    "selective": {"X": 2.7, "R": 4.8, "K": 0.0, "Wm": 3.7, "Wa": 1.8, "Z": 0.1, "S": 3.0, "F": 3.0},
 }
 ATTN_S = 3.75  # fitted: scores, probabilities, their gradient, a transposed copy (fp32)
 HEAD_WORK_V = 2.0  # exp(logits) and d logits: fp32 b·s·v each
@@ -351,6 +354,29 @@ def invariant_activations(cfg: Config) -> float:
     return float(mask + 2 * 4 * d.N * d.hd // 2)
 
 
+def work_features(cfg: Config) -> tuple[str, dict[str, float], dict[str, float]]:
+    """(policy row of WORK, bytes per unit of each common coefficient, bytes per unit of
+    each MLP-moment coefficient): layer_work is their dot product with WORK, so the
+    coefficients can be fitted (scripts/fit_memory.py)."""
+    d = dims(cfg)
+    pol = _policy(cfg.model)
+    if pol == "list":  # recomputing the MLP's inputs works like full, keeping them selective
+        pol = "selective" if "mlp_in" in cfg.model.remat else "full"
+    lw = layer_weight_elements(cfg)
+    zero3 = cfg.parallel.zero >= 3 and cfg.mesh.fsdp > 1
+    flash = cfg.model.attention == "cudnn"
+    common = {
+        "X": d.c * (d.X - d.X_res),
+        "R": d.c * d.X_res,
+        "K": d.c * d.K,
+        "Wm": d.c * lw["mlp"] / 3,
+        "Wa": d.c * lw["attn"] / 2,
+        "Z": d.c * (lw["mlp"] + lw["attn"]) * zero3,
+    }
+    mlp = {"S": 0.0 if flash else 4 * d.S, "F": d.c * d.F}
+    return ("full" if pol == "offload" else pol), common, mlp
+
+
 def layer_work(cfg: Config) -> float:
     """One layer's backward working set (bytes per device), from the WORK table.
 
@@ -359,26 +385,13 @@ def layer_work(cfg: Config) -> float:
     and the attention's backward (scores, probabilities, their gradients and a
     transposed copy: ATTN_S copies of the scores). The larger is the working set.
     """
+    pol, common, mlp = work_features(cfg)
+    coef = WORK[pol]
     d = dims(cfg)
-    pol = _policy(cfg.model)
-    if pol == "list":  # recomputing the MLP's inputs works like full, keeping them selective
-        pol = "selective" if "mlp_in" in cfg.model.remat else "full"
-    coef = WORK["full" if pol == "offload" else pol]
-    lw = layer_weight_elements(cfg)
-    zero3 = cfg.parallel.zero >= 3 and cfg.mesh.fsdp > 1
-    flash = cfg.model.attention == "cudnn"
-    common = d.c * (
-        coef["X"] * (d.X - d.X_res)
-        + coef["R"] * d.X_res
-        + coef["K"] * d.K
-        + coef["Wm"] * lw["mlp"] / 3
-        + coef["Wa"] * lw["attn"] / 2
-        + coef["Z"] * (lw["mlp"] + lw["attn"]) * zero3
-        + lw["norm"]
-    )
-    mlp = (0.0 if flash else coef["S"] * 4 * d.S) + d.c * coef["F"] * d.F
-    attention = 0.0 if flash else ATTN_S * 4 * d.S
-    return common + max(mlp, attention)
+    norms = layer_weight_elements(cfg)["norm"]
+    attention = 0.0 if cfg.model.attention == "cudnn" else ATTN_S * 4 * d.S
+    base = sum(coef[k] * v for k, v in common.items()) + d.c * norms
+    return base + max(sum(coef[k] * v for k, v in mlp.items()), attention)
 
 
 # --------------------------------------------------------------------------- the estimate
@@ -443,12 +456,18 @@ def estimate(cfg: Config) -> Estimate:
 
     # the compute-dtype copy: a separate array when the dtype differs, or when ZeRO-1/2
     # all-gather the (sharded) masters into a whole copy
-    copy = c * compute if (c != pb or (zero in (1, 2) and fsdp > 1)) else 0.0
-    grads = c * compute  # gradients of the compute copy (ZeRO-3: reduce-scattered per layer)
-    acc_elems = stored if (zero >= 2 and fsdp > 1) else compute
+    z = Zero(zero, fsdp)
+    copy = c * compute if (c != pb or (z.active in (1, 2))) else 0.0
+    # gradients leave each weight's backward rule in fp32, reduced (ultrajax/weights.py):
+    # ZeRO >= 1 scatters them per layer, so only shards are kept; before the last
+    # micro-batch ZeRO-0/1 accumulate whole, unreduced gradients (parallel/data.py)
+    whole = param_elements(cfg, "compute", ignore=("fsdp",))
+    final = stored if z.active >= 1 else whole
+    acc_elems = stored if z.active >= 2 else whole
+    grads = 4.0 * final
     accum = 4.0 * acc_elems if t.grad_accum > 1 else 0.0
     e.rows["compute copy (" + m.dtype + ")"] = copy
-    e.rows["gradients (" + m.dtype + ")"] = grads
+    e.rows["gradients (fp32, reduced)"] = grads
     e.rows["gradient accumulators (fp32)"] = accum
 
     per_layer = saved_per_layer(cfg)
@@ -463,21 +482,19 @@ def estimate(cfg: Config) -> Estimate:
     e.rows["one layer's backward (working set)"] = work
     e.rows["activations saved for backward"] = saved
 
-    # ZeRO-3: the embedding's gradient is a whole (gathered-size) buffer through the
-    # backward pass, reduce-scattered at its end; the LM head is gathered once per
-    # micro-batch and its whole copy lives until the head's backward is done
-    embed_full = head_full = 0.0
-    if zero >= 3 and fsdp > 1:
+    # the embedding's gradient is a whole fp32 table through the backward pass (read twice
+    # when tied, it is reduced after it): beyond the shard kept under ZeRO >= 1; ZeRO-3
+    # also holds the LM head's whole copy until the head's backward is done
+    def beyond_shard(name, nbytes):
+        def where(p):
+            return p == f"['{name}']"
 
-        def extra(name):
-            def where(p):
-                return p == f"['{name}']"
+        full = param_elements(cfg, "compute", ignore=("fsdp",), where=where)
+        return nbytes * (full - param_elements(cfg, "stored", where=where))
 
-            full = param_elements(cfg, "compute", ignore=("fsdp",), where=where)
-            return c * (full - param_elements(cfg, "compute", where=where))
-
-        embed_full, head_full = extra("embed"), extra("lm_head")
-    e.rows["ZeRO-3 whole embedding gradient"] = embed_full
+    embed_full = beyond_shard("embed", 4) if z.active >= 1 else 0.0
+    head_full = beyond_shard("lm_head", c) if z.shards_params and z.active else 0.0
+    e.rows["whole embedding gradient (fp32)"] = embed_full
     kept = copy + grads + accum + embed_full
     e.phases["layer backward"] = saved + kept + work
     if m.attention != "cudnn":
@@ -498,7 +515,9 @@ def summary_lines(cfg: Config, measured_peak: int | None = None) -> list[str]:
     e = estimate(cfg)
     r = e.rows
     weights = e.arguments - r["batch (int32 tokens, segments, positions)"]
-    grads = sum(v for k, v in r.items() if k.startswith(("compute copy", "gradient", "ZeRO")))
+    grads = sum(
+        v for k, v in r.items() if k.startswith(("compute copy", "gradient", "whole embedding"))
+    )
     saved = r["activations saved for backward"]
     work = e.temp - saved - grads if e.peak_phase != "optimizer update" else e.temp
     lines = [

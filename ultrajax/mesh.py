@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ultrajax.config import Config
+from ultrajax.parallel.zero import AXIS, Zero
 
 AXES = ("data", "fsdp", "pipeline", "sequence", "tensor")  # slowest to fastest links
 
@@ -120,12 +121,6 @@ class Rules:
         table = getattr(self, kind)
         return PartitionSpec(*(table.get(n) if n is not None else None for n in names))
 
-    def constrain(self, x, *names):
-        """Sharding hint for an activation; a no-op outside a mesh context."""
-        if jax.sharding.get_abstract_mesh().empty:
-            return x
-        return jax.lax.with_sharding_constraint(x, self.spec(names))
-
     def inside_batch_shard_map(self) -> Rules:
         """Rules for code running per data-parallel shard (batch axes are manual there)."""
         activation = dict(self.activation, batch=None)
@@ -141,7 +136,7 @@ class Rules:
 
 def rules(cfg: Config) -> Rules:
     """The rules table for this run's parallel config (GUIDE section 3)."""
-    zero, sp = cfg.parallel.zero, cfg.parallel.sequence_parallel
+    zero, sp = Zero(cfg.parallel.zero), cfg.parallel.sequence_parallel
     weights = {
         "vocab": "tensor",
         "heads": "tensor",
@@ -151,8 +146,8 @@ def rules(cfg: Config) -> Rules:
         "head_dim": None,
         "layers": None,
     }
-    stored = dict(weights, embed="fsdp" if zero >= 1 else None)
-    compute = dict(weights, embed="fsdp" if zero >= 3 else None)
+    stored = dict(weights, embed=AXIS if zero.shards_state else None)
+    compute = dict(weights, embed=AXIS if zero.shards_params else None)
     activation = {
         "batch": ("data", "fsdp"),
         "length": "sequence",
@@ -188,11 +183,6 @@ def tree_shardings(mesh, logical_tree, rules_: Rules, kind: str):
         logical_tree,
         is_leaf=lambda x: isinstance(x, tuple),
     )
-
-
-def batch_sharding(mesh) -> NamedSharding:
-    """Batches arrive as (grad_accum, batch, length): split the batch over data x fsdp."""
-    return NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))
 
 
 def describe(mesh, rules_: Rules) -> str:

@@ -19,16 +19,17 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ultrajax.attention import attend
 from ultrajax.config import ModelConfig
-from ultrajax.parallel.tensor import TensorParallel
+from ultrajax.parallel.tensor import SINGLE, TensorParallel
+from ultrajax.weights import dense, scale
 
 NORMS = ("attn_norm", "mlp_norm", "final_norm")  # excluded from weight decay
 
 
-def rms_norm(x, scale, eps):
+def rms_norm(x, weight, eps):
     """RMSNorm in fp32 (the mean of squares is where bf16 loses digits)."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    return scale(y, weight).astype(x.dtype)
 
 
 def rope(x, positions, theta):
@@ -52,24 +53,25 @@ def block(
     segment_ids,
     *,
     cfg: ModelConfig,
-    tp: TensorParallel | None = None,
+    tp: TensorParallel = SINGLE,
     cache=None,
 ):
     """One decoder layer: x (batch, length, embed) -> same. `p` holds one layer's weights.
 
-    Under tensor parallelism `p` holds this rank's heads and d_ff slice, and x is
-    the residual stream (1/tp of the sequence with sequence parallelism); `enter`
-    and `exit` are the only places where ranks talk (parallel/tensor.py).
+    `tp` is the layout: under explicit tensor parallelism `p` holds this rank's heads
+    and d_ff slice and `enter`/`exit` are the only places where ranks talk
+    (parallel/tensor.py); under the partitioner they are sharding constraints
+    (parallel/partitioned.py). `tp.constrain` names an activation's logical axes.
     With `cache=(k_cache, v_cache, start)` (generation) the chunk's keys and values
     are written into the cache at `start` and its queries attend to everything cached
     so far; the layer then returns (x, (k_cache, v_cache)).
     """
-    enter = tp.enter if tp is not None else (lambda y: y)
-    exit_ = tp.exit if tp is not None else (lambda y: y)
-    h = enter(rms_norm(x, p["attn_norm"], cfg.norm_eps))
-    q = checkpoint_name(jnp.einsum("btd,dnh->btnh", h, p["wq"]), "query")
-    k = checkpoint_name(jnp.einsum("btd,dkh->btkh", h, p["wk"]), "key")
-    v = checkpoint_name(jnp.einsum("btd,dkh->btkh", h, p["wv"]), "value")
+    heads = ("batch", "length", "heads", "head_dim")
+    kv_heads = ("batch", "length", "kv_heads", "head_dim")
+    h = tp.enter(rms_norm(x, p["attn_norm"], cfg.norm_eps))
+    q = checkpoint_name(tp.constrain(dense(h, p["wq"], "btd,dnh->btnh"), heads), "query")
+    k = checkpoint_name(tp.constrain(dense(h, p["wk"], "btd,dkh->btkh"), kv_heads), "key")
+    v = checkpoint_name(tp.constrain(dense(h, p["wv"], "btd,dkh->btkh"), kv_heads), "value")
     q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
     if cache is None:
         o = attend(q, k, v, segment_ids, implementation=cfg.attention)
@@ -78,14 +80,15 @@ def block(
         k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, 1)
         v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, 1)
         o = attend(q, k, v, implementation="xla", q_offset=start)
-    o = checkpoint_name(o, "attn_out")
-    x = x + exit_(jnp.einsum("btnh,nhd->btd", o, p["wo"]))  # row-parallel: partial sums
+    o = checkpoint_name(tp.constrain(o, heads), "attn_out")
+    x = x + tp.exit(dense(o, p["wo"], "btnh,nhd->btd"))  # row-parallel: partial sums
 
-    h = enter(rms_norm(x, p["mlp_norm"], cfg.norm_eps))
-    gate = checkpoint_name(jnp.einsum("btd,df->btf", h, p["w_gate"]), "mlp_in")
-    up = checkpoint_name(jnp.einsum("btd,df->btf", h, p["w_up"]), "mlp_in")
-    out = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"])
-    x = x + exit_(checkpoint_name(out, "mlp_out"))
+    h = tp.enter(rms_norm(x, p["mlp_norm"], cfg.norm_eps))
+    hidden = ("batch", "length", "mlp")
+    gate = checkpoint_name(tp.constrain(dense(h, p["w_gate"], "btd,df->btf"), hidden), "mlp_in")
+    up = checkpoint_name(tp.constrain(dense(h, p["w_up"], "btd,df->btf"), hidden), "mlp_in")
+    out = dense(jax.nn.silu(gate) * up, p["w_down"], "btf,fd->btd")
+    x = x + tp.exit(checkpoint_name(out, "mlp_out"))
     return x if cache is None else (x, (k, v))
 
 
@@ -118,6 +121,63 @@ def _all_but_gathered_weights(prim, *_, **params) -> bool:
     return not (prim.name == "name" and params.get("name") == "weights")
 
 
+def cast(p, dtype):
+    """One layer's weights in the compute dtype (the default `prepare`)."""
+    return jax.tree.map(lambda w: w.astype(dtype), p)
+
+
+def embed(cfg: ModelConfig, params, tokens, *, tp: TensorParallel = SINGLE):
+    """Token ids (batch, length) -> the residual stream (batch, length, embed)."""
+    return tp.embed(params["embed"], tokens, jnp.dtype(cfg.dtype))
+
+
+def layers(
+    cfg: ModelConfig,
+    stack,
+    x,
+    positions,
+    segment_ids=None,
+    *,
+    tp: TensorParallel = SINGLE,
+    prepare=None,
+    gathers: bool = False,
+):
+    """Apply every layer of `stack` (any slice of the stacked layers: a pipeline stage
+    is one) to the residual stream, with one `lax.scan`.
+
+    `prepare(p) -> p`, if given, turns one layer's slice of `stack` (any pytree with a
+    leading layer axis) into the weights `block` reads, inside the scan: the step uses
+    it to gather ZeRO-3 shards there and to attach gradient sinks (ultrajax.weights).
+    `gathers`: prepare all-gathers weights (tagged `checkpoint_name(w, "weights")`),
+    which are then recomputed in the backward pass rather than kept, so gathered
+    weights live one layer at a time."""
+    dtype = jnp.dtype(cfg.dtype)
+    prepare = prepare or (lambda p: cast(p, dtype))
+
+    def layer(p, x):
+        p = prepare(p)
+        return block(p, x, positions, segment_ids, cfg=cfg, tp=tp)
+
+    policy = remat_policy(cfg.remat)
+    if policy is None and gathers:
+        policy = _all_but_gathered_weights
+    if policy is not None:
+        layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+    x, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), x, stack)
+    return x
+
+
+def head(cfg: ModelConfig, params, x, *, tp: TensorParallel = SINGLE):
+    """Final norm and LM head: fp32 logits (batch, length, vocab); under tensor
+    parallelism this rank's slice of the vocabulary (the loss never gathers them)."""
+    x = tp.enter(rms_norm(x, params["final_norm"], cfg.norm_eps))
+    if cfg.tie_embeddings:
+        logits = dense(x, params["embed"], "btd,vd->btv", jnp.float32)
+    else:
+        logits = dense(x, params["lm_head"], "btd,dv->btv", jnp.float32)
+    return tp.constrain(logits, ("batch", "length", "vocab"))
+
+
 def forward(
     cfg: ModelConfig,
     params,
@@ -125,42 +185,20 @@ def forward(
     positions=None,
     segment_ids=None,
     *,
-    tp: TensorParallel | None = None,
-    layer_weights=None,
+    tp: TensorParallel = SINGLE,
+    prepare=None,
+    gathers: bool = False,
 ):
-    """Logits in fp32, (batch, length, vocab). `params` is a pure dict in any dtype.
+    """Logits in fp32, (batch, length, vocab): `head(layers(embed(tokens)))`.
 
-    Under tensor parallelism (`tp`, inside shard_map) the logits are this rank's
-    slice of the vocabulary: the loss (parallel.tensor.cross_entropy) never
-    gathers them. `layer_weights(p) -> p`, if given, prepares one layer's
-    weights inside the layer scan (ZeRO-3 all-gathers them there); its output is
-    never kept for the backward pass but recomputed, so gathered weights live
-    one layer at a time, in the backward pass too.
-    """
-    dtype = jnp.dtype(cfg.dtype)
+    `params` is a pure dict of arrays (any dtype) or of `weights.Weight`s."""
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    table = params["embed"].astype(dtype)
-    x = table[tokens] if tp is None else tp.embed(table, tokens)
-
-    def layer(p, x):
-        p = jax.tree.map(lambda w: w.astype(dtype), p)
-        if layer_weights is not None:
-            p = jax.tree.map(lambda w: checkpoint_name(w, "weights"), layer_weights(p))
-        return block(p, x, positions, segment_ids, cfg=cfg, tp=tp)
-
-    policy = remat_policy(cfg.remat)
-    if policy is None and layer_weights is not None:
-        policy = _all_but_gathered_weights
-    if policy is not None:
-        layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-
-    x, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), x, params["layers"])
-    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
-    if tp is not None:
-        x = tp.enter(x)  # the LM head is column-parallel over the vocabulary
-    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    return jnp.einsum("btd,dv->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
+    x = embed(cfg, params, tokens, tp=tp)
+    x = layers(
+        cfg, params["layers"], x, positions, segment_ids, tp=tp, prepare=prepare, gathers=gathers
+    )
+    return head(cfg, params, x, tp=tp)
 
 
 def _normal(std):
@@ -273,15 +311,11 @@ def forward_with_cache(cfg: ModelConfig, params, tokens, cache: dict, start):
     dtype = jnp.dtype(cfg.dtype)
     b, t = tokens.shape
     positions = start + jnp.broadcast_to(jnp.arange(t), (b, t))
-    x = params["embed"].astype(dtype)[tokens]
+    x = embed(cfg, params, tokens)
 
     def layer(x, inputs):
         p, ck, cv = inputs
-        p = jax.tree.map(lambda w: w.astype(dtype), p)
-        return block(p, x, positions, None, cfg=cfg, cache=(ck, cv, start))
+        return block(cast(p, dtype), x, positions, None, cfg=cfg, cache=(ck, cv, start))
 
     x, (k, v) = jax.lax.scan(layer, x, (params["layers"], cache["k"], cache["v"]))
-    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
-    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
-    return logits, {"k": k, "v": v}
+    return head(cfg, params, x), {"k": k, "v": v}

@@ -1,20 +1,17 @@
 """The jitted train step: one program for train.py and analyze.py.
 
-A step takes a global batch shaped (grad_accum, micro_batch x dp, seq_len + 1),
-scans over the micro-batches accumulating fp32 gradients, and applies one
-optimizer update. The loss is the sum of per-token losses over every
-micro-batch divided by the total count of target tokens, so grad_accum=4 and
-grad_accum=1 on the same global batch give the same loss and gradients even
-when micro-batches hold different numbers of valid tokens.
+A step reads a Batch (grad_accum, rows, seq_len), runs every micro-batch's forward
+and backward, and applies one optimizer update. The loss is the sum of per-token
+losses over every micro-batch divided by the total count of target tokens.
 
-Forward and backward run per device inside one `shard_map` over the whole mesh,
-with every collective written out where the playbook puts it (data and ZeRO
-reductions here, tensor/sequence parallel boundaries in parallel/tensor.py).
-XLA's partitioner handles what is outside: the optimizer update on sharded
-state and the ZeRO-1/2 gather of the compute-dtype parameters. Why explicit:
-the partitioner cannot carry un-reduced gradients across micro-batches (so it
-would all-reduce once per micro-batch), and on the CPU backend it leaves every
-reduce-scatter as all-reduce + slice.
+Two ways to place the collectives (`parallel.collectives`, docs/parallelism.md):
+- explicit: forward and backward run per device in one `shard_map` over every mesh
+  axis of size > 1; each collective is written where the playbook puts it (ZeRO in
+  parallel/zero.py, data reductions in parallel/data.py and ultrajax/weights.py,
+  tensor/sequence boundaries in parallel/tensor.py);
+- gspmd: the model's logical annotations drive XLA's partitioner (sharding
+  constraints, parallel/partitioned.py). Only the reductions that gradient
+  accumulation defers (ZeRO-0/1) run in a `shard_map` manual over the data axes.
 """
 
 from __future__ import annotations
@@ -26,13 +23,17 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ultrajax.batch import Batch
+from ultrajax.batch import sharding as batch_sharding
 from ultrajax.config import Config
-from ultrajax.mesh import AXES, Rules, make_mesh, tree_shardings
+from ultrajax.loss import loss_sum
+from ultrajax.mesh import AXES, Rules, make_mesh, only_axes, tree_shardings
 from ultrajax.mesh import rules as mesh_rules
-from ultrajax.model import forward, init_params, logical_axes
-from ultrajax.parallel.tensor import TensorParallel, cross_entropy
-
-DP_AXES = ("data", "fsdp")  # the batch is split over these; gradients are reduced over them
+from ultrajax.model import init_params, logical_axes
+from ultrajax.parallel.data import DATA_AXES, Gradients
+from ultrajax.parallel.partitioned import Partitioned
+from ultrajax.parallel.tensor import TensorParallel
+from ultrajax.parallel.zero import Zero
 
 
 def init_state(cfg: Config, tx: optax.GradientTransformation, key) -> dict:
@@ -51,170 +52,215 @@ def state_shardings(cfg: Config, mesh, rules: Rules, tx) -> dict:
     return {"step": replicated, "params": params, "opt_state": opt}
 
 
-def target_mask(segment_ids, cross_doc_mask: bool):
-    """Which next-token targets count: not padding (segment 0) and, with cross-document
-    masking, not the first token of the next document."""
-    seg_in, seg_tgt = segment_ids[..., :-1], segment_ids[..., 1:]
-    valid = seg_tgt > 0
-    if cross_doc_mask:
-        valid &= seg_tgt == seg_in
-    return valid
+def unsupported(cfg: Config, backend: str) -> str | None:
+    """Why this step cannot compile on `backend`, or None."""
+    p = cfg.parallel
+    if backend == "cpu" and p.collectives == "gspmd" and p.grad_reduce_dtype == "bfloat16":
+        return (
+            "parallel.grad_reduce_dtype=bfloat16 with parallel.collectives=gspmd aborts XLA's "
+            "CPU compiler (a bf16 all-reduce in a partly manual shard_map); on a CPU use "
+            "parallel.collectives=explicit or grad_reduce_dtype=float32"
+        )
+    return None
 
 
-def loss_sum(cfg: Config, params, batch, tp: TensorParallel | None = None, layer_weights=None):
-    """(sum of token NLLs, count of target tokens) for one micro-batch (batch, seq_len + 1)."""
-    tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
-    cross_doc = cfg.data.cross_doc_mask
-    logits = forward(
-        cfg.model,
-        params,
-        tokens[:, :-1],
-        pos[:, :-1],
-        seg[:, :-1] if cross_doc else None,
-        tp=tp,
-        layer_weights=layer_weights,
-    )
-    mask = target_mask(seg, cross_doc)
-    nll = cross_entropy(logits, tokens[:, 1:], tp) * mask
-    return nll.sum(), mask.sum()
+def _is_names(x) -> bool:
+    return isinstance(x, tuple)
 
 
-def _embed_dim(names) -> int:
-    return names.index("embed")
+class Plan:
+    """Everything the step needs to know about the layout, decided once."""
 
+    def __init__(self, cfg: Config, mesh, rules: Rules, *, grads: bool = True):
+        self.cfg, self.mesh, self.rules = cfg, mesh, rules
+        self.names = logical_axes(cfg.model)
+        self.zero = Zero(cfg.parallel.zero, mesh.shape["fsdp"])
+        self.gspmd = cfg.parallel.collectives == "gspmd"
+        big = frozenset(a for a in AXES if mesh.shape[a] > 1)
+        # gspmd: manual only where accumulation defers a data reduction (ZeRO-0/1)
+        defer = grads and self.zero.active <= 1
+        self.manual = (big & frozenset(DATA_AXES) if defer else frozenset()) if self.gspmd else big
+        # explicit: manual over every axis, the one-wide ones too (their specs name none of
+        # them, so nothing varies over them): a partially manual shard_map puts sharding
+        # annotations into collectives' reducers, and XLA:CPU aborts on a bf16 all-reduce
+        # of such (AllReducePromotion)
+        self.axis_names = self.manual if self.gspmd else frozenset(AXES)
+        self.specs = {k: self._specs(k) for k in ("stored", "compute")}
+        self.gathered = self._specs("compute", drop="fsdp")
+        inner = (
+            rules.inside_batch_shard_map()
+            if "data" in self.manual or ("fsdp" in self.manual)
+            else rules
+        )
+        self.layout = (
+            Partitioned(inner)
+            if self.gspmd
+            else TensorParallel(mesh.shape["tensor"], cfg.parallel.sequence_parallel)
+        )
+        grad_kind = "stored" if self.zero.shards_state else "compute"
+        auto_specs = None
+        if self.gspmd:  # the partitioner gives each reduced gradient its final layout
+            auto = frozenset(AXES) - self.manual
+            flat = _flat_specs(self.specs[grad_kind])
+            auto_specs = {
+                k: only_axes(PartitionSpec(*s[1:]) if k.startswith("layers/") else s, auto)
+                for k, s in flat.items()
+            }
+        self.grads = Gradients(
+            self.zero,
+            self.manual,
+            self.names,
+            cfg.parallel.grad_reduce_dtype,
+            auto_specs,
+            cfg.train.grad_accum,
+        )
 
-def _shard_zeros(z, names):
-    shape = list(z.shape)
-    shape[_embed_dim(names)] //= jax.lax.axis_size("fsdp")
-    return jnp.zeros(shape, z.dtype)
+    def _specs(self, kind, drop=None):
+        specs = jax.tree.map(lambda n: self.rules.spec(n, kind), self.names, is_leaf=_is_names)
+        if drop:
+            specs = jax.tree.map(
+                lambda s: PartitionSpec(*(None if e == drop else e for e in s)),
+                specs,
+                is_leaf=lambda x: isinstance(x, PartitionSpec),
+            )
+        return specs
 
-
-def _specs(axes, rules: Rules, kind: str):
-    return jax.tree.map(lambda n: rules.spec(n, kind), axes, is_leaf=lambda x: isinstance(x, tuple))
-
-
-class _PerDevice:
-    """The pieces of per-device code shared by the train and eval steps."""
-
-    def __init__(self, cfg: Config, mesh, rules: Rules):
-        self.cfg, self.mesh = cfg, mesh
-        self.zero = cfg.parallel.zero
-        self.axes = logical_axes(cfg.model)
-        self.layer_axes = {k: v[1:] for k, v in self.axes["layers"].items()}
-        self.tp = TensorParallel(mesh.shape["tensor"], cfg.parallel.sequence_parallel)
-        self.specs = {kind: _specs(self.axes, rules, kind) for kind in ("stored", "compute")}
-        self.batch_spec = PartitionSpec(None, DP_AXES, None)
-
-    def psum(self, x, names):
-        """psum over the named axes of size > 1 (no trivial collectives in the HLO)."""
-        names = tuple(a for a in names if self.mesh.shape[a] > 1)
-        return jax.lax.psum(x, names) if names else x
-
-    def gather(self, w, names):  # ZeRO-3: whole weights from the fsdp shards
-        if self.mesh.shape["fsdp"] == 1:
-            return w
-        return jax.lax.all_gather(w, "fsdp", axis=_embed_dim(names), tiled=True)
-
-    def scatter(self, g, names):  # sum over fsdp and keep this rank's shard
-        if self.mesh.shape["fsdp"] == 1:
-            return g
-        return jax.lax.psum_scatter(g, "fsdp", scatter_dimension=_embed_dim(names), tiled=True)
-
-    def loss(self, cparams, mb, layer_gather: bool):
-        hook = None
-        if layer_gather:
-            cparams = dict(cparams)
-            for k in cparams:
-                if k != "layers":
-                    cparams[k] = self.gather(cparams[k], self.axes[k])
-            hook = lambda p: {k: self.gather(w, self.layer_axes[k]) for k, w in p.items()}  # noqa: E731
-        return loss_sum(self.cfg, cparams, mb, self.tp, layer_weights=hook)
-
-    def n_targets(self, batch):
-        return self.psum(
-            target_mask(batch["segment_ids"], self.cfg.data.cross_doc_mask).sum(), DP_AXES
+    def manual_specs(self, specs):
+        return jax.tree.map(
+            lambda s: only_axes(s, self.manual),
+            specs,
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
         )
 
     def shard_map(self, fn, in_specs, out_specs):
+        """fn per device over the manual axes, with JAX's varying-axes check on."""
+        if not self.manual:
+            return fn
         return jax.shard_map(
             fn,
             mesh=self.mesh,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            axis_names=frozenset(AXES),
-            check_vma=False,  # every reduction is placed by hand (see the module docstring)
+            in_specs=self.manual_specs(in_specs),
+            out_specs=self.manual_specs(out_specs),
+            axis_names=self.axis_names,
+            check_vma=True,
         )
+
+    def psum(self, x):
+        axes = tuple(a for a in DATA_AXES if a in self.manual)
+        return jax.lax.psum(x, axes) if axes else x
+
+    # ---------------------------------------------------------------- compute copy
+
+    def compute_copy(self, params):
+        """The compute-dtype weights the forward reads, from the master weights.
+
+        Cast first, so every weight all-gather moves the compute dtype. explicit: the
+        ZeRO-1/2 gather is written out here (once a step); ZeRO-3 gathers the layers
+        inside the layer scan (`gather_layer`) and the rest here. gspmd: a sharding
+        constraint asks the partitioner for the compute layout."""
+        dtype = jnp.dtype(self.cfg.model.dtype)
+        cast = jax.tree.map(lambda p: p.astype(dtype), params)
+        if self.gspmd:
+            sh = jax.tree.map(
+                lambda s: NamedSharding(self.mesh, s),
+                self.specs["compute"],
+                is_leaf=lambda x: isinstance(x, PartitionSpec),
+            )
+            # the barrier keeps the cast on the shards: without it the partitioner
+            # gathers the fp32 masters and casts after (twice the bytes)
+            return jax.lax.with_sharding_constraint(jax.lax.optimization_barrier(cast), sh)
+        if not self.zero.active:
+            return cast
+        out = {}
+        for k, w in cast.items():
+            if k == "layers" and self.zero.shards_params:
+                out[k] = w
+            else:
+                out[k] = jax.tree.map(self.zero.gather, w, self.names[k], is_leaf=_is_names)
+        return out
+
+    def gather_layer(self):
+        """ZeRO-3: one layer's whole weights inside the layer scan, or None."""
+        if not self.zero.shards_params or not self.zero.active:
+            return None
+        layer_names = {k: n[1:] for k, n in self.names["layers"].items()}
+        if self.gspmd:
+            specs = {k: PartitionSpec(*s[1:]) for k, s in self.gathered["layers"].items()}
+
+            def gather(w, k):
+                w = jax.lax.with_sharding_constraint(w, specs[k])
+                return jax.ad_checkpoint.checkpoint_name(w, "weights")
+
+            return gather
+
+        def gather(w, k):
+            return jax.ad_checkpoint.checkpoint_name(self.zero.gather(w, layer_names[k]), "weights")
+
+        return gather
+
+
+def _flat_specs(specs: dict) -> dict:
+    out = {}
+    for k, v in specs.items():
+        if isinstance(v, dict):
+            out.update({f"{k}/{kk}": vv for kk, vv in v.items()})
+        else:
+            out[k] = v
+    return out
 
 
 def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = None):
-    """Build train_step(state, batch) -> (state, metrics). Jit it with `jit_train_step`.
-
-    Where the gradients are reduced, per ZeRO stage (fsdp axis; the data axis of
-    pure replicas always reduces once per step):
-    - ZeRO-0: accumulate full gradients locally, one all-reduce per step.
-    - ZeRO-1: accumulate full gradients locally, one reduce-scatter per step; each
-      rank updates its shard of master weights and optimizer state; the next step
-      all-gathers the compute-dtype parameters.
-    - ZeRO-2: reduce-scatter every micro-batch into a sharded accumulator (gradient
-      memory / N_d, communication x grad_accum: this stage cannot reduce once).
-    - ZeRO-3: parameters stay sharded; each layer's weights are all-gathered inside
-      the layer scan, forward and again (recomputed) backward; autodiff turns the
-      gather into a reduce-scatter of that layer's gradient, every micro-batch.
-    With sequence parallelism the norm scales see 1/tp of the tokens on each rank,
-    so their gradients are also summed over `tensor`.
-    """
+    """Build train_step(state, batch) -> (state, metrics). Jit it with `jit_train_step`."""
     if mesh is None:  # one device, every mesh size 1
         mesh, rules = make_mesh(cfg, jax.devices()[:1]), mesh_rules(cfg)
-    dtype = jnp.dtype(cfg.model.dtype)
-    dev = _PerDevice(cfg, mesh, rules)
-    zero, axes = dev.zero, dev.axes
-    sp_sum = cfg.parallel.sequence_parallel and mesh.shape["tensor"] > 1
+    plan = Plan(cfg, mesh, rules)
+    grads_plan, gather = plan.grads, plan.gather_layer()
 
-    def shard_grads(cparams, batch):
-        n_targets = dev.n_targets(batch)
+    def per_device(params, cparams, batch: Batch):
+        if cparams is None:  # explicit: the compute copy is made per device
+            cparams = plan.compute_copy(params)
+        n_targets = plan.psum(batch.loss_mask.sum())
         scale = 1.0 / jnp.maximum(n_targets, 1).astype(jnp.float32)
 
-        def micro(carry, mb):
-            grads, loss = carry
-            part, g = jax.value_and_grad(lambda p: dev.loss(p, mb, zero >= 3)[0] * scale)(cparams)
-            if zero == 2:
-                g = jax.tree.map(dev.scatter, g, axes)
-            grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
-            return (grads, loss + part), None
+        def micro(acc, mb, last):
+            sinks = grads_plan.sinks(params, cparams, last)
+            inside = acc if grads_plan.adds_inside(last) else None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), cparams)
-        if zero == 2 and mesh.shape["fsdp"] > 1:  # the accumulator holds this rank's shard
-            zeros = jax.tree.map(_shard_zeros, zeros, axes)
-        (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), batch)
-        if zero == 0:
-            grads = dev.psum(grads, DP_AXES)
-        else:
-            if zero == 1:
-                grads = jax.tree.map(dev.scatter, grads, axes)
-            grads = dev.psum(grads, ("data",))
-        if sp_sum:
-            grads = jax.tree.map(
-                lambda g, n: g if "tensor" in _flat(n) else jax.lax.psum(g, "tensor"),
-                grads,
-                dev.specs["compute"],
-            )
-        return grads, dev.psum(loss, DP_AXES), n_targets
+            def loss_fn(wrt):
+                w, prepare = grads_plan.attach(cparams, wrt, inside, last, gather)
+                total, _ = loss_sum(
+                    cfg, w, mb, tp=plan.layout, prepare=prepare, gathers=gather is not None
+                )
+                return total * scale, total * scale
 
-    grads_spec = dev.specs["stored" if zero >= 1 else "compute"]
-    sharded_grads = dev.shard_map(
-        shard_grads,
-        in_specs=(dev.specs["compute"], dev.batch_spec),
-        out_specs=(grads_spec, PartitionSpec(), PartitionSpec()),
+            g, part = jax.grad(loss_fn, has_aux=True)(grads_plan.wrt(sinks, cparams))
+            held = None if inside is None else inside["embed"]
+            g["embed"] = grads_plan.finish_embedding(g["embed"], held, sinks["embed"], last)
+            if inside is None:
+                g = jax.tree.map(jnp.add, acc, g)
+            return g, part
+
+        acc0 = grads_plan.sinks(params, cparams, last=not grads_plan.splits_last)
+        grads, loss = grads_plan.accumulate(micro, acc0, batch)
+        return grads, plan.psum(loss), n_targets
+
+    grad_kind = "stored" if plan.zero.shards_state else "compute"
+    batch_spec = Batch(*(PartitionSpec(None, DATA_AXES, None) for _ in Batch._fields))
+    explicit = not plan.gspmd
+    sharded = plan.shard_map(
+        per_device if not explicit else (lambda p, b: per_device(p, None, b)),
+        in_specs=(plan.specs["stored"], plan.specs["compute"], batch_spec)
+        if not explicit
+        else (plan.specs["stored"], batch_spec),
+        out_specs=(plan.specs[grad_kind], PartitionSpec(), PartitionSpec()),
     )
-    compute_sh = tree_shardings(mesh, axes, rules, "compute")
 
     def train_step(state, batch):
         params = state["params"]
-        # compute copy, cast once per step (ZeRO-1/2: the parameter all-gather happens here)
-        cparams = jax.lax.with_sharding_constraint(
-            jax.tree.map(lambda p: p.astype(dtype), params), compute_sh
-        )
-        grads, loss, n_targets = sharded_grads(cparams, batch)
+        if explicit:
+            grads, loss, n_targets = sharded(params, batch)
+        else:
+            grads, loss, n_targets = sharded(params, plan.compute_copy(params), batch)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new = {
@@ -233,43 +279,34 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
     return train_step
 
 
-def _flat(spec: PartitionSpec) -> tuple:
-    out = []
-    for entry in spec:
-        if entry is not None:
-            out.extend((entry,) if isinstance(entry, str) else entry)
-    return tuple(out)
-
-
 def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
     """eval_step(params, batch) -> (sum of NLL, count) over all micro-batches."""
     if mesh is None:
         mesh, rules = make_mesh(cfg, jax.devices()[:1]), mesh_rules(cfg)
-    dtype = jnp.dtype(cfg.model.dtype)
-    dev = _PerDevice(cfg, mesh, rules)
-    compute_sh = tree_shardings(mesh, dev.axes, rules, "compute")
+    plan = Plan(cfg, mesh, rules, grads=False)
+    gather = plan.gather_layer()
 
-    def per_device(cparams, batch):
+    def per_device(params, batch: Batch):
+        cparams = plan.compute_copy(params)
+        prepare = None
+        if gather is not None:
+            prepare = lambda p: {k: gather(w, k) for k, w in p.items()}  # noqa: E731
+
         def micro(carry, mb):
-            s, _ = dev.loss(cparams, mb, dev.zero >= 3)
+            s, _ = loss_sum(
+                cfg, cparams, mb, tp=plan.layout, prepare=prepare, gathers=gather is not None
+            )
             return carry + s, None
 
         total, _ = jax.lax.scan(micro, jnp.zeros((), jnp.float32), batch)
-        return dev.psum(total, DP_AXES), dev.n_targets(batch)
+        return plan.psum(total), plan.psum(batch.loss_mask.sum())
 
-    sharded = dev.shard_map(
+    batch_spec = Batch(*(PartitionSpec(None, DATA_AXES, None) for _ in Batch._fields))
+    return plan.shard_map(
         per_device,
-        in_specs=(dev.specs["compute"], dev.batch_spec),
+        in_specs=(plan.specs["stored"], batch_spec),
         out_specs=(PartitionSpec(), PartitionSpec()),
     )
-
-    def eval_step(params, batch):
-        cparams = jax.lax.with_sharding_constraint(
-            jax.tree.map(lambda p: p.astype(dtype), params), compute_sh
-        )
-        return sharded(cparams, batch)
-
-    return eval_step
 
 
 def jit_train_step(cfg: Config, mesh, rules: Rules, tx, schedule, shardings: dict, batch_sh):
@@ -281,3 +318,13 @@ def jit_train_step(cfg: Config, mesh, rules: Rules, tx, schedule, shardings: dic
         out_shardings=(shardings, None),
         donate_argnums=0,
     )
+
+
+__all__ = [
+    "batch_sharding",
+    "init_state",
+    "jit_train_step",
+    "make_eval_step",
+    "make_train_step",
+    "state_shardings",
+]

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from ultrajax import batch as batch_lib
 from ultrajax import checkpoint as checkpoint_lib
 from ultrajax import cli, distributed, optim, overlap
 from ultrajax import data as data_lib
@@ -23,7 +24,13 @@ from ultrajax import mesh as mesh_lib
 from ultrajax import metrics as metrics_lib
 from ultrajax.config import Config, ConfigError, dump, resolve_mesh
 from ultrajax.model import param_count
-from ultrajax.step import init_state, jit_train_step, make_eval_step, state_shardings
+from ultrajax.step import (
+    init_state,
+    jit_train_step,
+    make_eval_step,
+    state_shardings,
+    unsupported,
+)
 
 
 def check_backend(cfg: Config) -> None:
@@ -31,6 +38,9 @@ def check_backend(cfg: Config) -> None:
     backend = jax.default_backend()
     if cfg.model.attention == "cudnn" and backend != "gpu":
         raise ConfigError(f"model.attention=cudnn needs a GPU (backend is {backend}); use xla")
+    problem = unsupported(cfg, backend)
+    if problem:
+        raise ConfigError(problem)
     if cfg.model.remat == "offload" and backend != "gpu":
         raise ConfigError(
             f"model.remat=offload needs host offloading, which the {backend} backend lacks; "
@@ -38,16 +48,10 @@ def check_backend(cfg: Config) -> None:
         )
 
 
-def to_global(batch: dict, sharding, grad_accum: int) -> dict:
-    """The global batch (global_batch, S+1) numpy -> (grad_accum, micro x dp, S+1) jax arrays.
-
-    Every process holds the same global batch (docs/multihost.md: the data stream does
-    not depend on the process count); each of its devices copies only its own slice."""
-    out = {}
-    for k, v in batch.items():
-        v = v.reshape(grad_accum, -1, v.shape[-1])
-        out[k] = jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
-    return out
+def to_global(packed: dict, sharding, cfg: Config) -> batch_lib.Batch:
+    """Packed rows (global_batch, S+1) on the host -> the step's Batch on the devices."""
+    b = batch_lib.make(packed, cfg.data.cross_doc_mask, cfg.train.grad_accum)
+    return batch_lib.place(b, sharding)
 
 
 def prepare(cfg: Config, *, fresh: bool = True):
@@ -72,7 +76,7 @@ def prepare(cfg: Config, *, fresh: bool = True):
     )
     tx, schedule = optim.optimizer(cfg), optim.schedule(cfg)
     shardings = state_shardings(cfg, mesh, rules, tx)
-    batch_sh = mesh_lib.batch_sharding(mesh)
+    batch_sh = batch_lib.sharding(mesh)
     with jax.set_mesh(mesh):
         init = jax.jit(lambda k: init_state(cfg, tx, k), out_shardings=shardings)
         if fresh:
@@ -130,13 +134,11 @@ def train(cfg: Config) -> int:
         return 0
 
     with jax.set_mesh(mesh):
-        first = to_global(next(data.train), batch_sh, t.grad_accum)
+        first = to_global(next(data.train), batch_sh, cfg)
         t0 = time.perf_counter()
         compiled = step_fn.lower(state, first).compile()
         say(f"compiled the step in {time.perf_counter() - t0:.1f}s")
-        eval_batches = [
-            to_global(b, batch_sh, t.grad_accum) for b in data.eval_batches(t.eval_batches)
-        ]
+        eval_batches = [to_global(b, batch_sh, cfg) for b in data.eval_batches(t.eval_batches)]
 
     peak, peak_source = metrics_lib.host_peak(cfg)
     say(f"peak: {metrics_lib.human(peak)}FLOP/s ({peak_source})")
@@ -173,7 +175,7 @@ def train(cfg: Config) -> int:
                 # async; the data state is taken before the next step's batch is pulled
                 ckpt.save(done, state, data.state())
             if done < t.steps and not stop:
-                batch = to_global(next(data.train), batch_sh, t.grad_accum)
+                batch = to_global(next(data.train), batch_sh, cfg)
             bar.update(1)
             is_log = done == 1 or done % t.log_every == 0 or done == t.steps or stop
             is_eval = eval_batches and (done % t.eval_every == 0 or done == t.steps)

@@ -28,15 +28,19 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from ultrajax.weights import lookup
+
 SEQ = 1  # activations are (batch, length, ...)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def copy_to_region(x, axis):
-    return x
+    return jax.lax.pcast(x, axis, to="varying")  # same values; each rank now goes its own way
 
 
-copy_to_region.defvjp(lambda x, axis: (x, None), lambda axis, _, g: (jax.lax.psum(g, axis),))
+copy_to_region.defvjp(
+    lambda x, axis: (copy_to_region(x, axis), None), lambda axis, _, g: (jax.lax.psum(g, axis),)
+)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -44,7 +48,10 @@ def reduce_from_region(x, axis):
     return jax.lax.psum(x, axis)
 
 
-reduce_from_region.defvjp(lambda x, axis: (jax.lax.psum(x, axis), None), lambda axis, _, g: (g,))
+reduce_from_region.defvjp(
+    lambda x, axis: (jax.lax.psum(x, axis), None),
+    lambda axis, _, g: (jax.lax.pcast(g, axis, to="varying"),),  # the input varied
+)
 
 
 def _gather(x, axis):
@@ -111,14 +118,25 @@ class TensorParallel:
     def vocab_start(self, local_vocab: int):
         return 0 if self.size == 1 else jax.lax.axis_index(self.axis) * local_vocab
 
-    def embed(self, table, tokens):
+    def constrain(self, x, names):
+        """Per-device code: every array is already this device's shard."""
+        return x
+
+    def embed(self, table, tokens, dtype):
         """Vocabulary-parallel lookup: each rank owns a slice of rows; others give zeros."""
         if self.size == 1:
-            return table[tokens]
-        local = tokens - self.vocab_start(table.shape[0])
-        mine = (local >= 0) & (local < table.shape[0])
-        x = jnp.where(mine[..., None], table[jnp.clip(local, 0, table.shape[0] - 1)], 0)
-        return self.exit(x.astype(table.dtype))
+            return lookup(table, tokens, dtype)
+        rows = table.shape[0]
+        local = tokens - self.vocab_start(rows)
+        mine = (local >= 0) & (local < rows)
+        x = jnp.where(mine[..., None], lookup(table, jnp.clip(local, 0, rows - 1), dtype), 0)
+        return self.exit(x.astype(dtype))
+
+    def cross_entropy(self, logits, targets):
+        return cross_entropy(logits, targets, self)
+
+
+SINGLE = TensorParallel(1)  # one device: every boundary is the identity
 
 
 def cross_entropy(logits, targets, tp: TensorParallel | None):

@@ -1,0 +1,60 @@
+"""ZeRO (Rajbhandari et al. 2020): which copies of the model are sharded over `fsdp`.
+
+  stage  optimizer state + master  gradients          compute-dtype weights
+  0      whole                     whole              whole
+  1      sharded                   whole, scattered   whole (gathered once a step)
+                                   at the last micro-batch
+  2      sharded                   sharded: scattered whole (gathered once a step)
+                                   every micro-batch
+  3      sharded                   sharded, likewise  sharded: each layer gathered in
+                                                      the forward and again backward
+
+Every array is sharded along its `embed` dimension (present in every weight).
+This file is the one place that knows what a stage means; the rules table, the
+step, the memory model and the analyzer ask it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+
+AXIS = "fsdp"
+
+
+@dataclass(frozen=True)
+class Zero:
+    stage: int
+    size: int = 1  # the fsdp axis size
+
+    @property
+    def shards_state(self) -> bool:
+        return self.stage >= 1
+
+    @property
+    def shards_grads(self) -> bool:
+        """Gradients are reduce-scattered every micro-batch into a sharded accumulator."""
+        return self.stage >= 2
+
+    @property
+    def shards_params(self) -> bool:
+        return self.stage >= 3
+
+    @property
+    def active(self) -> int:
+        """The stage that matters: on a one-wide fsdp axis every stage is plain DP."""
+        return self.stage if self.size > 1 else 0
+
+    def scatter(self, names, last: bool):
+        """(axis, dimension) of this micro-batch's reduce-scatter for a weight with these
+        logical names, or None: every micro-batch from stage 2, the last from stage 1."""
+        if self.size == 1 or self.stage == 0 or (self.stage == 1 and not last):
+            return None
+        return (AXIS, names.index("embed"))
+
+    def gather(self, w, names):
+        """Per-device code: the whole weight from this rank's shard (compute dtype)."""
+        if self.size == 1:
+            return w
+        return jax.lax.all_gather(w, AXIS, axis=names.index("embed"), tiled=True)
