@@ -428,3 +428,31 @@ def test_the_step_checks_varying_axes():
                 jax.jit(bad)(x, w)
         good = plan.shard_map(sinked, in_specs=(P("data"), P()), out_specs=P())
         np.testing.assert_allclose(jax.jit(good)(x, w), np.full((4, 4), 32.0))
+
+
+# --------------------------------------------------------------------------- eval
+
+
+@functools.cache
+def evaluate(name: str | None, mode: str = "explicit"):
+    """The eval step's (NLL sum, target count) on the first batch, fresh parameters."""
+    layout = dict(LAYOUTS[name] if name else {}, **{"parallel.collectives": mode})
+    cfg = make_cfg(layout)
+    mesh, rules, tx, _, shardings, batch_sh = setup(cfg)
+    with jax.set_mesh(mesh):
+        init = jax.jit(lambda k: step_lib.init_state(cfg, tx, k), out_shardings=shardings)
+        params = init(jax.random.key(0))["params"]
+        fn = jax.jit(
+            step_lib.make_eval_step(cfg, mesh, rules), in_shardings=(shardings["params"], batch_sh)
+        )
+        total, count = fn(params, batch_lib.place(batches()[0], batch_sh))
+    return float(total), int(count)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["data8", "fsdp8-zero3", "dp2-fsdp2-tp2-zero3-sp"])
+def test_eval_step_matches_single_device(name, mode):
+    total, count = evaluate(name, mode)
+    ref_total, ref_count = evaluate(None)
+    assert count == ref_count > 0
+    np.testing.assert_allclose(total, ref_total, rtol=2e-6)

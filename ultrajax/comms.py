@@ -292,10 +292,18 @@ def summarize(found: list[Collective]) -> dict[str, dict]:
 
 
 def partitioned_text(lowered, compiler_options: dict | None = None) -> str | None:
-    """The module as XLA's SPMD partitioner left it: every collective in the dtype the
-    program asks for. Later passes of some backends change that (XLA:CPU promotes bf16
-    all-reduces to f32 and computes bf16 dots in f32), so the dtypes a GPU runs are read
-    here. None when nothing was partitioned (one device)."""
+    """The module as XLA's SPMD partitioner left it (None on one device)."""
+    return compile_partitioned(lowered, compiler_options)[1]
+
+
+def compile_partitioned(lowered, compiler_options: dict | None = None):
+    """(the compiled program, the module as XLA's SPMD partitioner left it, or None when
+    nothing was partitioned).
+
+    The partitioned module holds every collective the program asks for, in the dtype it
+    asks for. Later passes of a backend may change that (XLA:CPU promotes bf16
+    all-reduces to f32 and computes bf16 dots in f32), so the program's own dtypes and
+    bytes are read there."""
     import glob
     import os
     import tempfile
@@ -312,15 +320,15 @@ def partitioned_text(lowered, compiler_options: dict | None = None) -> str | Non
         jax.config.update("jax_enable_compilation_cache", False)
         compilation_cache.reset_cache()
         try:
-            lowered.compile(options)
+            compiled = lowered.compile(options)
         finally:
             jax.config.update("jax_enable_compilation_cache", enabled)
             compilation_cache.reset_cache()
         files = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*")))
         if not files:
-            return None
+            return compiled, None
         with open(files[-1]) as f:
-            return f.read()
+            return compiled, f.read()
 
 
 # --------------------------------------------------------------------------- the playbook

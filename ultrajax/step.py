@@ -30,10 +30,11 @@ from ultrajax.loss import loss_sum
 from ultrajax.mesh import AXES, Rules, make_mesh, only_axes, tree_shardings
 from ultrajax.mesh import rules as mesh_rules
 from ultrajax.model import init_params, logical_axes
-from ultrajax.parallel.data import DATA_AXES, Gradients
+from ultrajax.parallel.data import DATA_AXES, Gradients, vary
 from ultrajax.parallel.partitioned import Partitioned
 from ultrajax.parallel.tensor import TensorParallel
 from ultrajax.parallel.zero import Zero
+from ultrajax.weights import vma
 
 
 def init_state(cfg: Config, tx: optax.GradientTransformation, key) -> dict:
@@ -298,7 +299,8 @@ def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
             )
             return carry + s, None
 
-        total, _ = jax.lax.scan(micro, jnp.zeros((), jnp.float32), batch)
+        zero = vary(jnp.zeros((), jnp.float32), tuple(sorted(vma(batch.inputs))))
+        total, _ = jax.lax.scan(micro, zero, batch)
         return plan.psum(total), plan.psum(batch.loss_mask.sum())
 
     batch_spec = Batch(*(PartitionSpec(None, DATA_AXES, None) for _ in Batch._fields))
