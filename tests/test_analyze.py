@@ -9,19 +9,10 @@ import math
 import subprocess
 import sys
 
-import jax
 import pytest
-from analysis_shapes import BASE, FAST, ROOT, TINY
+from harness import BASE, FAST, ROOT, TINY, make
 
-from ultrajax import analyze, comms, config, metrics
-
-
-def make(*overrides):
-    cfg = config.load(TINY, BASE + list(overrides))
-    n = math.prod(cfg.mesh.sizes().values())
-    config.resolve_mesh(cfg, n)
-    return cfg, jax.devices()[:n]
-
+from ultrajax import analyze, comms, metrics
 
 # --------------------------------------------------------------------------- the parser
 

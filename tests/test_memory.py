@@ -11,23 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from analysis_shapes import BASE, FAST, TINY
+from harness import FAST, make
 from jax.ad_checkpoint import print_saved_residuals
 
-from ultrajax import analyze, config, memory, optim
+from ultrajax import analyze, memory, optim
 from ultrajax import mesh as mesh_lib
 from ultrajax.batch import Batch
 from ultrajax.loss import loss_sum
 from ultrajax.model import init_params
 from ultrajax.step import state_shardings
-
-
-def make(*overrides, base=BASE):
-    cfg = config.load(TINY, base + list(overrides))
-    n = math.prod(cfg.mesh.sizes().values())
-    config.resolve_mesh(cfg, n)
-    return cfg, jax.devices()[:n]
-
 
 # --------------------------------------------------------------------------- exact parts
 

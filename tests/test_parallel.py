@@ -13,13 +13,13 @@ from __future__ import annotations
 import functools
 import re
 
+import harness
 import jax
 import numpy as np
 import pytest
 
 from ultrajax import batch as batch_lib
-from ultrajax import comms, config, optim
-from ultrajax import mesh as mesh_lib
+from ultrajax import comms, config
 from ultrajax import step as step_lib
 
 SEQ, ACCUM, ROWS = 48, 2, 8  # ROWS: samples per micro-batch, over all data-parallel ranks
@@ -49,7 +49,7 @@ LAYOUTS = {
 def make_cfg(layout: dict, *extra: str) -> config.Config:
     sizes = {k.split(".")[1]: v for k, v in layout.items() if k.startswith("mesh.")}
     dp = sizes.get("data", 1) * sizes.get("fsdp", 1)
-    overrides = [
+    base = [
         f"model.d_model={D}",
         f"model.n_layers={LAYERS}",
         "model.n_heads=8",
@@ -68,10 +68,9 @@ def make_cfg(layout: dict, *extra: str) -> config.Config:
         # above that noise floor keeps the comparison about the layout, not about Adam.
         "optim.lr=1e-3",
         "optim.eps=1e-6",
-    ] + [f"{k}={str(v).lower()}" for k, v in layout.items()]
-    cfg = config.load(None, overrides + list(extra))
-    config.resolve_mesh(cfg, dp * sizes.get("tensor", 1))
-    return cfg
+    ]
+    overrides = [f"{k}={str(v).lower()}" for k, v in layout.items()] + list(extra)
+    return harness.make(*overrides, base=base, path=None)[0]
 
 
 def batches(n: int = 3) -> list[batch_lib.Batch]:
@@ -90,14 +89,7 @@ def batches(n: int = 3) -> list[batch_lib.Batch]:
     return out
 
 
-def setup(cfg):
-    """(mesh, rules, optimizer, schedule, state shardings, batch sharding) of a config."""
-    n = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
-    mesh = mesh_lib.make_mesh(cfg, jax.devices()[:n])
-    rules = mesh_lib.rules(cfg)
-    tx, schedule = optim.optimizer(cfg), optim.schedule(cfg)
-    shardings = step_lib.state_shardings(cfg, mesh, rules, tx)
-    return mesh, rules, tx, schedule, shardings, batch_lib.sharding(mesh)
+setup = harness.setup
 
 
 @functools.cache
@@ -400,7 +392,7 @@ def test_the_step_checks_varying_axes():
 
     cfg = make_cfg(LAYOUTS["data8"])
     mesh, rules = setup(cfg)[:2]
-    plan = step_lib.Plan(cfg, mesh, rules)
+    plan = step_lib.Layout(cfg, mesh, rules)
     x = np.ones((8, 4, 4), np.float32)
     w = np.ones((4, 4), np.float32)
 

@@ -2,8 +2,8 @@
 compiled memory the more is recomputed, and exactly the predicted extra FLOPs."""
 
 import math
-from pathlib import Path
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,9 +15,8 @@ from ultrajax.config import ConfigError
 from ultrajax.loss import loss_sum
 from ultrajax.model import remat_policy
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = str(ROOT / "configs" / "tiny.yaml")
-FAST = {"xla_backend_optimization_level": 0}
+FAST = harness.FAST
+TINY = harness.TINY
 # attention-dominated: the s² scores outweigh the MLP (s = 256 > 6·d_ff·c / ((4 + c)·a))
 SHAPE = [
     "model.n_layers=2", "train.micro_batch_size=1", "train.grad_accum=1", "model.seq_len=256",
@@ -27,9 +26,7 @@ SHAPE = [
 
 
 def make(*overrides):
-    cfg = config.load(TINY, SHAPE + list(overrides))
-    config.resolve_mesh(cfg, 1)
-    return cfg
+    return harness.make(*overrides, base=SHAPE)[0]
 
 
 def test_gradients_identical_across_policies(random_params):

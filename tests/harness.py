@@ -1,0 +1,48 @@
+"""The one test harness: a config and its devices for any layout, and everything the step
+needs on that mesh. Tests that compile the same shapes (analyze, memory) build them here,
+so a session compiles each program once (the persistent cache keys on the exact program).
+"""
+
+import math
+from pathlib import Path
+
+import jax
+
+from ultrajax import batch as batch_lib
+from ultrajax import config, optim
+from ultrajax import mesh as mesh_lib
+from ultrajax import step as step_lib
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+FAST = {"xla_backend_optimization_level": 0}  # same buffers and HLO, half the compile time
+BASE = [
+    "model.n_layers=2",
+    "train.micro_batch_size=2",
+    "train.grad_accum=1",
+    "model.seq_len=64",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=192",
+    "model.vocab_size=256",
+    "model.dtype=float32",
+]
+
+
+def make(*overrides, base=BASE, path=TINY):
+    """(config, its devices): the mesh sizes, all five axes, give the device count."""
+    cfg = config.load(path, list(base) + list(overrides))
+    n = math.prod(cfg.mesh.sizes().values())
+    config.resolve_mesh(cfg, n)
+    return cfg, jax.devices()[:n]
+
+
+def setup(cfg, devices=None):
+    """(mesh, rules, optimizer, schedule, state shardings, batch sharding) of a config."""
+    devices = devices or jax.devices()[: math.prod(cfg.mesh.sizes().values())]
+    mesh = mesh_lib.make_mesh(cfg, devices)
+    rules = mesh_lib.rules(cfg)
+    tx, schedule = optim.optimizer(cfg), optim.schedule(cfg)
+    shardings = step_lib.state_shardings(cfg, mesh, rules, tx)
+    return mesh, rules, tx, schedule, shardings, batch_lib.sharding(mesh)

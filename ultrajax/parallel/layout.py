@@ -1,0 +1,175 @@
+"""The parallel layout of a step, decided once: which mesh axes the step's code is manual
+over, the specs of every parameter copy, the ZeRO stage, the tensor-parallel boundaries and
+the gradient plan. The step composes what this hands it; nothing else asks the config.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ultrajax.config import Config
+from ultrajax.mesh import AXES, Rules, only_axes
+from ultrajax.model import logical_axes
+from ultrajax.parallel.data import DATA_AXES, Gradients
+from ultrajax.parallel.partitioned import Partitioned
+from ultrajax.parallel.tensor import TensorParallel
+from ultrajax.parallel.zero import Zero
+
+
+def unsupported(cfg: Config, backend: str) -> str | None:
+    """Why this step cannot compile on `backend`, or None."""
+    p = cfg.parallel
+    if backend == "cpu" and p.collectives == "gspmd" and p.grad_reduce_dtype == "bfloat16":
+        return (
+            "parallel.grad_reduce_dtype=bfloat16 with parallel.collectives=gspmd aborts XLA's "
+            "CPU compiler (a bf16 all-reduce in a partly manual shard_map); on a CPU use "
+            "parallel.collectives=explicit or grad_reduce_dtype=float32"
+        )
+    return None
+
+
+def _is_names(x) -> bool:
+    return isinstance(x, tuple)
+
+
+class Layout:
+    """Everything the step needs to know about the layout, decided once."""
+
+    def __init__(self, cfg: Config, mesh, rules: Rules, *, grads: bool = True):
+        self.cfg, self.mesh, self.rules = cfg, mesh, rules
+        self.names = logical_axes(cfg.model)
+        self.zero = Zero(cfg.parallel.zero, mesh.shape["fsdp"])
+        self.gspmd = cfg.parallel.collectives == "gspmd"
+        big = frozenset(a for a in AXES if mesh.shape[a] > 1)
+        # gspmd: manual only where accumulation defers a data reduction (ZeRO-0/1)
+        defer = grads and self.zero.active <= 1
+        self.manual = (big & frozenset(DATA_AXES) if defer else frozenset()) if self.gspmd else big
+        # explicit: manual over every axis, the one-wide ones too (their specs name none of
+        # them, so nothing varies over them): a partially manual shard_map puts sharding
+        # annotations into collectives' reducers, and XLA:CPU aborts on a bf16 all-reduce
+        # of such (AllReducePromotion)
+        self.axis_names = self.manual if self.gspmd else frozenset(AXES)
+        self.specs = {k: self._specs(k) for k in ("stored", "compute")}
+        self.gathered = self._specs("compute", drop="fsdp")
+        inner = (
+            rules.inside_batch_shard_map()
+            if "data" in self.manual or ("fsdp" in self.manual)
+            else rules
+        )
+        self.tp = (
+            Partitioned(inner)
+            if self.gspmd
+            else TensorParallel(mesh.shape["tensor"], cfg.parallel.sequence_parallel)
+        )
+        grad_kind = "stored" if self.zero.shards_state else "compute"
+        auto_specs = None
+        if self.gspmd:  # the partitioner gives each reduced gradient its final layout
+            auto = frozenset(AXES) - self.manual
+            flat = _flat_specs(self.specs[grad_kind])
+            auto_specs = {
+                k: only_axes(PartitionSpec(*s[1:]) if k.startswith("layers/") else s, auto)
+                for k, s in flat.items()
+            }
+        self.grads = Gradients(
+            self.zero,
+            self.manual,
+            self.names,
+            cfg.parallel.grad_reduce_dtype,
+            auto_specs,
+            cfg.train.grad_accum,
+        )
+
+    def _specs(self, kind, drop=None):
+        specs = jax.tree.map(lambda n: self.rules.spec(n, kind), self.names, is_leaf=_is_names)
+        if drop:
+            specs = jax.tree.map(
+                lambda s: PartitionSpec(*(None if e == drop else e for e in s)),
+                specs,
+                is_leaf=lambda x: isinstance(x, PartitionSpec),
+            )
+        return specs
+
+    def manual_specs(self, specs):
+        return jax.tree.map(
+            lambda s: only_axes(s, self.manual),
+            specs,
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+
+    def shard_map(self, fn, in_specs, out_specs):
+        """fn per device over the manual axes, with JAX's varying-axes check on."""
+        if not self.manual:
+            return fn
+        return jax.shard_map(
+            fn,
+            mesh=self.mesh,
+            in_specs=self.manual_specs(in_specs),
+            out_specs=self.manual_specs(out_specs),
+            axis_names=self.axis_names,
+            check_vma=True,
+        )
+
+    def psum(self, x):
+        axes = tuple(a for a in DATA_AXES if a in self.manual)
+        return jax.lax.psum(x, axes) if axes else x
+
+    # ---------------------------------------------------------------- compute copy
+
+    def compute_copy(self, params):
+        """The compute-dtype weights the forward reads, from the master weights.
+
+        Cast first, so every weight all-gather moves the compute dtype. explicit: the
+        ZeRO-1/2 gather is written out here (once a step); ZeRO-3 gathers the layers
+        inside the layer scan (`gather_layer`) and the rest here. gspmd: a sharding
+        constraint asks the partitioner for the compute layout."""
+        dtype = jnp.dtype(self.cfg.model.dtype)
+        cast = jax.tree.map(lambda p: p.astype(dtype), params)
+        if self.gspmd:
+            sh = jax.tree.map(
+                lambda s: NamedSharding(self.mesh, s),
+                self.specs["compute"],
+                is_leaf=lambda x: isinstance(x, PartitionSpec),
+            )
+            # the barrier keeps the cast on the shards: without it the partitioner
+            # gathers the fp32 masters and casts after (twice the bytes)
+            return jax.lax.with_sharding_constraint(jax.lax.optimization_barrier(cast), sh)
+        if not self.zero.active:
+            return cast
+        out = {}
+        for k, w in cast.items():
+            if k == "layers" and self.zero.shards_params:
+                out[k] = w
+            else:
+                out[k] = jax.tree.map(self.zero.gather, w, self.names[k], is_leaf=_is_names)
+        return out
+
+    def gather_layer(self):
+        """ZeRO-3: one layer's whole weights inside the layer scan, or None."""
+        if not self.zero.shards_params or not self.zero.active:
+            return None
+        layer_names = {k: n[1:] for k, n in self.names["layers"].items()}
+        if self.gspmd:
+            specs = {k: PartitionSpec(*s[1:]) for k, s in self.gathered["layers"].items()}
+
+            def gather(w, k):
+                w = jax.lax.with_sharding_constraint(w, specs[k])
+                return jax.ad_checkpoint.checkpoint_name(w, "weights")
+
+            return gather
+
+        def gather(w, k):
+            return jax.ad_checkpoint.checkpoint_name(self.zero.gather(w, layer_names[k]), "weights")
+
+        return gather
+
+
+def _flat_specs(specs: dict) -> dict:
+    out = {}
+    for k, v in specs.items():
+        if isinstance(v, dict):
+            out.update({f"{k}/{kk}": vv for kk, vv in v.items()})
+        else:
+            out[k] = v
+    return out
