@@ -1,0 +1,329 @@
+"""Flash attention in Pallas (Triton-style), forward and backward, beside its jnp reference.
+
+Dao et al. 2022/2023: queries are processed a block at a time; for each, the key/value
+blocks stream through with an online softmax (a running max `m` and sum `l`), so the
+(seq x seq) scores never exist in memory. The backward pass recomputes each block's
+probabilities from the saved log-sum-exp instead of storing them.
+
+What it supports, and how:
+- causal masking by index, and packed documents by segment ids (a query attends to keys
+  of its own segment only): no dense mask is ever built, each block builds its own;
+- grouped-query attention without repeating K/V: query head h reads K/V head
+  h // (heads / kv_heads) through the BlockSpec's index map;
+- fp32 accumulation in every dot; returns the output and the log-sum-exp (natural log,
+  per query and head), which ring attention needs to merge blocks;
+- lengths that are not a multiple of the block: inputs are padded to whole blocks with
+  segment ids no real token has, and the padding is sliced off.
+A query row with no key to attend to (never the case under causal masking, where each
+token sees itself) gives zeros and lse = -inf, never NaN.
+
+On a CPU it runs with `interpret=True` (the tests); on a GPU through Pallas's Triton
+lowering, where fp32 inputs are multiplied in TF32 (bf16 is the training dtype; measured
+against cuDNN in benchmarks/RESULTS.md, `scripts/bench_attention.py`). Shapes: q (batch, length, heads, head_dim), k and v (batch, kv_length,
+kv_heads, head_dim), segment ids (batch, length) and (batch, kv_length) int32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+NEG_INF = -1e30  # finite: a masked score, so exp() is exactly 0 and max() stays finite
+PAD_Q, PAD_K = -2, -1  # segment ids of padding rows and columns: never equal to a real id
+
+
+@dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes (queries x keys) of the forward and the two backward kernels."""
+
+    q: int = 128
+    k: int = 128
+    q_bwd: int = 64
+    k_bwd: int = 64
+
+
+def reference(q, k, v, q_segment_ids=None, kv_segment_ids=None, causal=True):
+    """(out, lse) in plain jnp with the full scores in fp32: what the kernel must equal."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    s = s * (d**-0.5)
+    mask = jnp.ones((t, k.shape[1]), bool)
+    if causal:
+        mask = jnp.arange(t)[:, None] >= jnp.arange(k.shape[1])[None, :]
+    mask = jnp.broadcast_to(mask, (b, t, k.shape[1]))
+    if q_segment_ids is not None:
+        mask = mask & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
+    mask = mask[:, None, None]
+    s = jnp.where(mask, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)  # (b, kv, g, t); -inf where nothing is visible
+    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, t, h, d).astype(q.dtype), lse.reshape(b, h, t).transpose(0, 2, 1)
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def _dot(a, b):  # a @ b, fp32 accumulation
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _dot_t(a, b):  # a @ b.T without materialising the transpose
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _mask(q_seg, k_seg, q_start, k_start, causal):
+    visible = q_seg[:, None] == k_seg[None, :]
+    if causal:
+        rows = q_start + lax.broadcasted_iota(jnp.int32, visible.shape, 0)
+        cols = k_start + lax.broadcasted_iota(jnp.int32, visible.shape, 1)
+        visible &= rows >= cols
+    return visible
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, *, scale, bq, bk, causal):
+    i = pl.program_id(2)
+    n_k = k_ref.shape[0] // bk
+    q = q_ref[...]
+    q_seg = qs_ref[...]
+
+    def body(j, carry):
+        acc, m, denom = carry
+        ks = pl.ds(j * bk, bk)
+        s = _dot_t(q, k_ref[ks, :]) * scale
+        s = jnp.where(_mask(q_seg, ks_ref[ks], i * bq, j * bk, causal), s, NEG_INF)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        p = jnp.exp(s - m_new[:, None])
+        p = jnp.where(s > NEG_INF / 2, p, 0.0)  # a fully masked block adds nothing
+        corr = jnp.exp(m - m_new)
+        acc = acc * corr[:, None] + _dot(p.astype(v_ref.dtype), v_ref[ks, :])
+        return acc, m_new, denom * corr + p.sum(axis=1)
+
+    last = jnp.minimum(n_k, pl.cdiv((i + 1) * bq, bk)) if causal else n_k
+    acc = jnp.zeros(q.shape, jnp.float32)
+    m = jnp.full((bq,), NEG_INF, jnp.float32)
+    acc, m, denom = lax.fori_loop(0, last, body, (acc, m, jnp.zeros((bq,), jnp.float32)))
+    seen = denom > 0
+    safe = jnp.where(seen, denom, 1.0)
+    o_ref[...] = jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+
+
+def _probs(q, k, lse, q_seg, k_seg, q_start, k_start, scale, causal):
+    """One block's probabilities, recomputed from the saved log-sum-exp."""
+    s = _dot_t(q, k) * scale
+    visible = _mask(q_seg, k_seg, q_start, k_start, causal) & jnp.isfinite(lse)[:, None]
+    return jnp.where(visible, jnp.exp(s - jnp.where(visible, lse[:, None], 0.0)), 0.0)
+
+
+def _dq_kernel(
+    q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, bq, bk,
+    causal,
+):  # fmt: skip
+    i = pl.program_id(2)
+    n_k = k_ref.shape[0] // bk
+    q, do, lse, delta, q_seg = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], qs_ref[...]
+
+    def body(j, dq):
+        ks = pl.ds(j * bk, bk)
+        k, v = k_ref[ks, :], v_ref[ks, :]
+        p = _probs(q, k, lse, q_seg, ks_ref[ks], i * bq, j * bk, scale, causal)
+        ds = p * (_dot_t(do, v) - delta[:, None])
+        return dq + _dot(ds.astype(k.dtype), k)
+
+    last = jnp.minimum(n_k, pl.cdiv((i + 1) * bq, bk)) if causal else n_k
+    dq = lax.fori_loop(0, last, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(
+    q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale,
+    bq, bk, causal,
+):  # fmt: skip
+    j = pl.program_id(2)
+    n_q = q_ref.shape[0] // bq
+    k, v, k_seg = k_ref[...], v_ref[...], ks_ref[...]
+
+    def body(i, carry):
+        dk, dv = carry
+        qs = pl.ds(i * bq, bq)
+        q, do = q_ref[qs, :], do_ref[qs, :]
+        p = _probs(q, k, lse_ref[qs], qs_ref[qs], k_seg, i * bq, j * bk, scale, causal)
+        dv = dv + _dot(p.T.astype(do.dtype), do)
+        ds = p * (_dot_t(do, v) - delta_ref[qs][:, None])
+        return dk + _dot(ds.T.astype(q.dtype), q), dv
+
+    first = (j * bk) // bq if causal else 0
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(first, n_q, body, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# --------------------------------------------------------------------------- calls
+
+
+def _compiler_params(interpret: bool):
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as pltriton  # GPU only
+
+    return pltriton.CompilerParams(num_warps=4, num_stages=2)
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name):
+    params = _compiler_params(interpret)
+    extra = {} if params is None else {"compiler_params": params}
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        name=name,
+        **extra,
+    )
+
+
+def _specs(b, t, s, h, kv, d, bq, bk, q_blocked: bool):
+    """BlockSpecs over the grid (batch, head, block): the blocked side (queries, or keys
+    for the dK/dV kernel) one block per program, the other side whole."""
+    g = h // kv
+    if q_blocked:
+        q = pl.BlockSpec((None, bq, None, d), lambda bi, hi, i: (bi, i, hi, 0))
+        kvs = pl.BlockSpec((None, s, None, d), lambda bi, hi, i: (bi, 0, hi // g, 0))
+        qs = pl.BlockSpec((None, bq), lambda bi, hi, i: (bi, i))
+        ks = pl.BlockSpec((None, s), lambda bi, hi, i: (bi, 0))
+        row = pl.BlockSpec((None, None, bq), lambda bi, hi, i: (bi, hi, i))
+    else:
+        q = pl.BlockSpec((None, t, None, d), lambda bi, hi, j: (bi, 0, hi, 0))
+        kvs = pl.BlockSpec((None, bk, None, d), lambda bi, hi, j: (bi, j, hi // g, 0))
+        qs = pl.BlockSpec((None, t), lambda bi, hi, j: (bi, 0))
+        ks = pl.BlockSpec((None, bk), lambda bi, hi, j: (bi, j))
+        row = pl.BlockSpec((None, None, t), lambda bi, hi, j: (bi, hi, 0))
+    return q, kvs, qs, ks, row
+
+
+def _forward(q, k, v, qs, ks, *, blocks: BlockSizes, causal: bool, interpret: bool):
+    b, t, h, d = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    bq, bk = blocks.q, blocks.k
+    qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, True)
+    kernel = functools.partial(_fwd_kernel, scale=d**-0.5, bq=bq, bk=bk, causal=causal)
+    return _call(
+        kernel,
+        (b, h, t // bq),
+        [qspec, kvspec, kvspec, qsspec, ksspec],
+        [qspec, row],
+        [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
+        interpret,
+        "flash_attention_forward",
+    )(q, k, v, qs, ks)
+
+
+def _backward(q, k, v, qs, ks, o, lse, do, *, blocks: BlockSizes, causal: bool, interpret: bool):
+    b, t, h, d = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    bq, bk = blocks.q_bwd, blocks.k_bwd
+    scale = d**-0.5
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+    common = dict(scale=scale, bq=bq, bk=bk, causal=causal)
+    qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, True)
+    dq = _call(
+        functools.partial(_dq_kernel, **common),
+        (b, h, t // bq),
+        [qspec, kvspec, kvspec, qsspec, ksspec, qspec, row, row],
+        qspec,
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        interpret,
+        "flash_attention_dq",
+    )(q, k, v, qs, ks, do, lse, delta)
+    qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, False)
+    # dK, dV per query head (kv_heads x group), summed over each group afterwards
+    per_head = pl.BlockSpec((None, bk, None, d), lambda bi, hi, j: (bi, j, hi, 0))
+    shape = jax.ShapeDtypeStruct((b, s, h, d), jnp.float32)
+    dk, dv = _call(
+        functools.partial(_dkv_kernel, **common),
+        (b, h, s // bk),
+        [qspec, kvspec, kvspec, qsspec, ksspec, qspec, row, row],
+        [per_head, per_head],
+        [shape, shape],
+        interpret,
+        "flash_attention_dkv",
+    )(q, k, v, qs, ks, do, lse, delta)
+    group = h // kv
+    dk = dk.reshape(b, s, kv, group, d).sum(axis=3).astype(k.dtype)
+    dv = dv.reshape(b, s, kv, group, d).sum(axis=3).astype(v.dtype)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash(q, k, v, qs, ks, blocks, causal, interpret):
+    o, lse = _forward(q, k, v, qs, ks, blocks=blocks, causal=causal, interpret=interpret)
+    return o, lse
+
+
+def _flash_fwd(q, k, v, qs, ks, blocks, causal, interpret):
+    o, lse = _forward(q, k, v, qs, ks, blocks=blocks, causal=causal, interpret=interpret)
+    return (o, lse), (q, k, v, qs, ks, o, lse)
+
+
+def _flash_bwd(blocks, causal, interpret, res, cts):
+    q, k, v, qs, ks, o, lse = res
+    do, _ = cts  # the log-sum-exp output is for merging blocks; its gradient is not used
+    dq, dk, dv = _backward(
+        q, k, v, qs, ks, o, lse, do, blocks=blocks, causal=causal, interpret=interpret
+    )
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _pad(x, axis, multiple, value=0):
+    extra = (-x.shape[axis]) % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def flash_attention(
+    q,
+    k,
+    v,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    *,
+    causal: bool = True,
+    blocks: BlockSizes = BlockSizes(),
+    interpret: bool = False,
+):
+    """(out (batch, length, heads, head_dim), lse (batch, length, heads), natural log).
+
+    Differentiable in q, k, v (the lse's own gradient is not propagated: callers that
+    merge blocks use it for weights only)."""
+    b, t, h, d = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    if h % kv:
+        raise ValueError(f"heads ({h}) must be a multiple of kv_heads ({kv})")
+    if q_segment_ids is None:
+        q_segment_ids = jnp.ones((b, t), jnp.int32)
+        kv_segment_ids = jnp.ones((b, s), jnp.int32)
+    step = math.lcm(blocks.q, blocks.q_bwd, blocks.k, blocks.k_bwd)
+    qp = _pad(q, 1, step)
+    kp, vp = _pad(k, 1, step), _pad(v, 1, step)
+    qs = _pad(q_segment_ids.astype(jnp.int32), 1, step, PAD_Q)
+    ks = _pad(kv_segment_ids.astype(jnp.int32), 1, step, PAD_K)
+    o, lse = _flash(qp, kp, vp, qs, ks, blocks, causal, interpret)
+    return o[:, :t], lse[:, :, :t].transpose(0, 2, 1)

@@ -1,0 +1,98 @@
+"""Fused kernels against their plain-jnp references, on fresh random inputs.
+
+Pallas kernels run on the CPU with `interpret=True` (the same kernel code, interpreted);
+small shapes and blocks, so that several blocks, a partial last block and every mask
+case are exercised in seconds.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ultrajax.kernels.flash_attention import BlockSizes, flash_attention, reference
+
+BLOCKS = BlockSizes(q=16, k=16, q_bwd=8, k_bwd=16)
+
+
+def inputs(b, t, h, kv, d, dtype, seed, packed=True):
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, d)), dtype) for n in (h, kv, kv))
+    seg = np.ones((b, t), np.int32)
+    if packed:  # two documents per row, a boundary inside a block, padding at the end
+        for row in range(b):
+            cut = int(rng.integers(3, t - 6))
+            seg[row, cut:] = 2
+            seg[row, t - 4 :] = 0
+    return q, k, v, jnp.asarray(seg)
+
+
+def grads(fn, q, k, v, seg, do):
+    return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)[0].astype(jnp.float32) * do), (0, 1, 2))(
+        q, k, v
+    )
+
+
+CASES = {  # (batch, length, heads, kv_heads, head_dim, packed)
+    "packed-gqa4": (2, 40, 4, 1, 16, True),  # 40: not a multiple of the blocks
+    "packed-mha": (1, 32, 2, 2, 8, True),
+    "causal-gqa2": (2, 24, 4, 2, 16, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_flash_attention_matches_reference_fp32(case):
+    b, t, h, kv, d, packed = CASES[case]
+    q, k, v, seg = inputs(b, t, h, kv, d, jnp.float32, seed=len(case), packed=packed)
+    seg_args = (seg, seg) if packed else (None, None)
+
+    def kernel(q, k, v):
+        return flash_attention(q, k, v, *seg_args, blocks=BLOCKS, interpret=True)
+
+    def ref(q, k, v):
+        return reference(q, k, v, *seg_args)
+
+    o, lse = kernel(q, k, v)
+    ro, rlse = ref(q, k, v)
+    assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(lse)).all()
+    np.testing.assert_allclose(o, ro, atol=2e-6, rtol=2e-5)
+    np.testing.assert_allclose(lse, rlse, atol=2e-6, rtol=2e-6)
+    do = jnp.asarray(np.random.default_rng(7).standard_normal(o.shape), jnp.float32)
+    for got, want, name in zip(grads(kernel, q, k, v, seg, do), grads(ref, q, k, v, seg, do),
+                               "qkv", strict=True):  # fmt: skip
+        assert np.abs(np.asarray(want)).max() > 0
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4, err_msg=f"d{name}")
+
+
+def test_flash_attention_bf16_within_bf16_tolerance():
+    q, k, v, seg = inputs(2, 32, 4, 2, 16, jnp.bfloat16, seed=3)
+    o, lse = flash_attention(q, k, v, seg, seg, blocks=BLOCKS, interpret=True)
+    ro, rlse = reference(*(x.astype(jnp.float32) for x in (q, k, v)), seg, seg)
+    assert o.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    assert np.isfinite(np.asarray(o, np.float32)).all()
+    np.testing.assert_allclose(np.asarray(o, np.float32), ro, atol=3e-2, rtol=3e-2)
+    np.testing.assert_allclose(lse, rlse, atol=3e-2, rtol=1e-2)
+    do = jnp.ones(o.shape, jnp.float32)
+    got = grads(lambda *a: flash_attention(*a, seg, seg, blocks=BLOCKS, interpret=True),
+                q, k, v, seg, do)  # fmt: skip
+    want = grads(lambda *a: reference(*(x.astype(jnp.float32) for x in a), seg, seg),
+                 q, k, v, seg, do)  # fmt: skip
+    for g, w in zip(got, want, strict=True):
+        assert np.isfinite(np.asarray(g, np.float32)).all()
+        scale = np.abs(np.asarray(w)).max()
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * scale)
+
+
+def test_rows_with_nothing_to_attend_to_give_zeros_not_nan():
+    """Not causal, and queries of a segment no key has: no visible key at all."""
+    q, k, v, seg = inputs(1, 16, 2, 1, 8, jnp.float32, seed=5, packed=False)
+    q_seg = seg.at[:, :5].set(9)  # no key is in segment 9
+    o, lse = flash_attention(q, k, v, q_seg, seg, causal=False, blocks=BLOCKS, interpret=True)
+    assert not np.isnan(np.asarray(o)).any()
+    np.testing.assert_array_equal(np.asarray(o[:, :5]), 0.0)
+    assert np.isneginf(np.asarray(lse[:, :5])).all()
+    ro, _ = reference(q, k, v, q_seg, seg, causal=False)
+    np.testing.assert_allclose(o[:, 5:], ro[:, 5:], atol=2e-6)
+    g = jax.grad(lambda q: flash_attention(q, k, v, q_seg, seg, causal=False, blocks=BLOCKS,
+                                           interpret=True)[0].sum())(q)  # fmt: skip
+    assert not np.isnan(np.asarray(g)).any()
+    np.testing.assert_array_equal(np.asarray(g[:, :5]), 0.0)
