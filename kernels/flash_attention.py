@@ -19,8 +19,9 @@ token sees itself) gives zeros and lse = -inf, never NaN.
 
 On a CPU it runs with `interpret=True` (the tests); on a GPU through Pallas's Triton
 lowering, where fp32 inputs are multiplied in TF32 (bf16 is the training dtype; measured
-against cuDNN in benchmarks/RESULTS.md, `scripts/bench_attention.py`). Shapes: q (batch, length, heads, head_dim), k and v (batch, kv_length,
-kv_heads, head_dim), segment ids (batch, length) and (batch, kv_length) int32.
+against cuDNN in benchmarks/RESULTS.md, `scripts/bench_attention.py`). Shapes: q (batch,
+length, heads, head_dim), k and v (batch, kv_length, kv_heads, head_dim), segment ids
+(batch, length) and (batch, kv_length) int32.
 """
 
 from __future__ import annotations

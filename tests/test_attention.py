@@ -1,5 +1,7 @@
 """attention.xla_attention against a naive per-head reference (GQA, causal, segments)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,3 +156,46 @@ def test_attention_with_offset_equals_the_last_rows_of_full_attention():
     full = attention.attend(q, k, v)
     tail = attention.attend(q[:, 4:], k, v, q_offset=4)
     np.testing.assert_allclose(tail, full[:, 4:], rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- the interface
+
+
+def test_auto_resolves_from_the_table():
+    assert attention.resolve("auto", "cpu", packed=True) == "xla"
+    assert attention.resolve("auto", "gpu", packed=False) == "cudnn"
+    assert attention.resolve("auto", "gpu", packed=True) == "pallas"  # no dense mask
+    assert attention.resolve("xla", "gpu", packed=True) == "xla"
+    for name, backend in attention.BACKENDS.items():
+        assert backend.name == name
+        assert (attention.problem(name, "cpu") is not None) == backend.gpu_only
+        assert attention.problem(name, "gpu") is None
+    assert "needs a GPU" in attention.problem("cudnn", "cpu")
+    # only a backend that says so is given a query offset
+    q = jnp.zeros((1, 2, 2, 4))
+    with pytest.raises(ValueError, match="cannot place queries"):
+        attention.attend(q, q, q, implementation="pallas", q_offset=3)
+
+
+def test_pallas_backend_in_the_model_matches_xla():
+    """model.attention=pallas (interpreted on the CPU) through the whole model: the same
+    logits and gradients as the plain attention, with packed documents."""
+    from ultrajax.config import ModelConfig
+    from ultrajax.model import forward, init_params
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                      d_ff=64, seq_len=24, dtype="float32")  # fmt: skip
+    params = init_params(cfg, jax.random.key(1))
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray(rng.integers(0, 64, (2, 24)), jnp.int32)
+    seg = jnp.asarray(np.where(np.arange(24) < 10, 1, 2)[None].repeat(2, 0), jnp.int32)
+    pos = jnp.where(seg == 1, jnp.arange(24), jnp.arange(24) - 10)
+
+    def loss(p, impl):
+        c = dataclasses.replace(cfg, attention=impl)
+        return jnp.sum(forward(c, p, tokens, pos, seg) ** 2) * 1e-3
+
+    (lp, gp), (lx, gx) = (jax.value_and_grad(loss)(params, i) for i in ("pallas", "xla"))
+    np.testing.assert_allclose(lp, lx, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(gp), jax.tree.leaves(gx), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -31,8 +31,8 @@ import sys
 
 import jax
 
+from ultrajax import attention, cli, comms, memory, metrics, optim
 from ultrajax import batch as batch_lib
-from ultrajax import cli, comms, memory, metrics, optim
 from ultrajax import mesh as mesh_lib
 from ultrajax.config import Config, ConfigError, resolve_mesh
 from ultrajax.memory import fmt_bytes
@@ -48,14 +48,18 @@ def _compile_config(cfg: Config) -> tuple[Config, list[str]]:
     """The config to compile on this backend, and notes on what had to change."""
     notes = []
     backend = jax.default_backend()
-    if cfg.model.attention == "cudnn" and backend != "gpu":
+    on_gpu = attention.resolve(cfg.model.attention, "gpu", cfg.data.cross_doc_mask)
+    if backend != "gpu" and on_gpu != "xla":
         cfg = copy.deepcopy(cfg)
         cfg.model.attention = "xla"
         notes.append(
-            "attention=cudnn needs a GPU: compiled with attention=xla, whose s² scores the "
-            "flash kernel never stores (the predicted figures are for xla too; the verdict "
-            "uses cudnn's)"
+            f"attention={on_gpu} runs on a GPU: compiled here with attention=xla, whose s² "
+            "scores a flash kernel never stores (the predicted figures are for xla too; the "
+            f"verdict uses {on_gpu}'s)"
         )
+    elif on_gpu != cfg.model.attention:
+        cfg = copy.deepcopy(cfg)
+        cfg.model.attention = on_gpu
     if cfg.model.dtype != "float32" and backend == "cpu":
         notes.append(
             f"{cfg.model.dtype} on XLA:CPU: matmuls and collectives run in float32 there, so "
@@ -221,7 +225,8 @@ def analyze(
     original = cfg
     ccfg, notes = _compile_config(cfg) if compile or communication else (cfg, [])
     analysed = ccfg  # predictions for what is compiled; the verdict for the config as given
-    est = memory.estimate(analysed)
+    # a config analysed as given is predicted for a GPU (the attention `auto` means there)
+    est = memory.estimate(analysed, platform="gpu" if analysed is original else None)
     report = {
         "config": {
             "devices": len(devices),
@@ -244,8 +249,9 @@ def analyze(
     }
     peak_for_verdict = est.peak
     if original is not analysed:
-        peak_for_verdict = memory.estimate(original).peak
-        report["predicted_as_configured"] = memory.estimate(original).to_dict()
+        as_configured = memory.estimate(original, platform="gpu")
+        peak_for_verdict = as_configured.peak
+        report["predicted_as_configured"] = as_configured.to_dict()
     if device_memory is None:
         device_memory, source = memory.device_memory(devices[0])
     else:

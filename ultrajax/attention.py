@@ -1,18 +1,35 @@
-"""The one attention dispatch point: every implementation sees the same inputs.
+"""The one attention interface: every backend sees the same inputs and says what it can do.
 
-q: (batch, length, heads, head_dim); k, v: (batch, length, kv_heads, head_dim);
-segment_ids: (batch, length) ints, 0 = padding, equal ids may attend to each
-other (packed documents). Attention is causal in the index along `length`.
-Later back-ends (Pallas, Triton, ring attention for context parallelism) plug
-in here without touching the model.
+q: (batch, length, heads, head_dim); k, v: (batch, kv_length, kv_heads, head_dim);
+segment_ids: (batch, length) ints, 0 = padding, equal ids may attend to each other
+(packed documents); attention is causal in the index along `length`; `q_offset` places
+the queries after earlier keys (decoding against a KV cache).
+
+`BACKENDS` is the one table of what each backend supports. Config validation, the
+trainer, the memory model and the analyzer read it instead of comparing names;
+`model.attention: auto` picks from it (`resolve`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
 NEG_INF = -1e30  # finite, so a fully masked row (padding) gives zeros, not NaN
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    fn: Callable  # (q, k, v, segment_ids, q_offset) -> out
+    gpu_only: bool  # needs a GPU to compile
+    segments: bool  # packed documents without a dense (length x length) mask
+    q_offset: bool  # queries after earlier keys (KV-cache decoding)
+    flash: bool  # never stores the (length x length) scores; saves the log-sum-exp instead
+    note: str
 
 
 def mask(segment_ids: jax.Array | None, length: int, kv_length=None, q_offset=0) -> jax.Array:
@@ -43,28 +60,70 @@ def xla_attention(q, k, v, segment_ids=None, q_offset=0):
     return out.reshape(b, t, h, d)
 
 
-def cudnn_attention(q, k, v, segment_ids=None):
-    """cuDNN flash attention through jax.nn (GPU only; BTNH layout, GQA native)."""
+def cudnn_attention(q, k, v, segment_ids=None, q_offset=0):
+    """cuDNN flash attention through jax.nn (GPU only; BTNH layout, GQA native). Packed
+    documents need a dense causal-and-same-document mask here."""
     m = None if segment_ids is None else mask(segment_ids, q.shape[1])
     return jax.nn.dot_product_attention(
         q, k, v, mask=m, is_causal=segment_ids is None, implementation="cudnn"
     )
 
 
-IMPLEMENTATIONS = {"xla": xla_attention, "cudnn": cudnn_attention}
+def pallas_attention(q, k, v, segment_ids=None, q_offset=0):
+    """Our Pallas flash attention (kernels/flash_attention.py): segment ids per block, no
+    dense mask. Interpreted on a CPU (slow: for tests), compiled through Triton on a GPU."""
+    from ultrajax.kernels.flash_attention import flash_attention
+
+    interpret = jax.default_backend() != "gpu"
+    out, _ = flash_attention(q, k, v, segment_ids, segment_ids, interpret=interpret)
+    return out
+
+
+BACKENDS = {
+    b.name: b
+    for b in (
+        Backend("xla", xla_attention, False, False, True, False, "plain einsum, s² fp32 scores"),
+        Backend("cudnn", cudnn_attention, True, False, False, True, "cuDNN via jax.nn"),
+        Backend("pallas", pallas_attention, False, True, False, True, "kernels/, Pallas"),
+    )
+}
+CHOICES = ("auto", *BACKENDS)
+
+
+def resolve(name: str, platform: str, packed: bool) -> str:
+    """The backend `model.attention` means on `platform` ("gpu", "cpu", ...).
+
+    auto, on a GPU: cuDNN for causal-only masks, our Pallas kernel for packed documents
+    (cuDNN needs a dense mask there and was slower: benchmarks/RESULTS.md); elsewhere the
+    plain XLA attention."""
+    if name != "auto":
+        return name
+    if platform == "gpu":
+        return "pallas" if packed else "cudnn"
+    return "xla"
+
+
+def problem(name: str, platform: str) -> str | None:
+    """Why backend `name` cannot run on `platform`, or None."""
+    backend = BACKENDS[name]
+    if backend.gpu_only and platform != "gpu":
+        return f"model.attention={name} needs a GPU (backend is {platform}); use auto or xla"
+    return None
 
 
 def attend(q, k, v, segment_ids=None, *, implementation: str = "xla", q_offset=0):
-    """Dispatch to the configured implementation (config: model.attention).
-
-    `q_offset` places the queries after earlier keys (KV-cache decoding; xla only)."""
+    """Dispatch to a backend of the table; `auto` resolves for the platform compiling."""
+    if implementation == "auto":
+        implementation = resolve("auto", jax.default_backend(), segment_ids is not None)
     try:
-        fn = IMPLEMENTATIONS[implementation]
+        backend = BACKENDS[implementation]
     except KeyError:
         raise ValueError(
             f"model.attention: unknown implementation {implementation!r}; "
-            f"use one of {', '.join(IMPLEMENTATIONS)}"
+            f"use one of {', '.join(CHOICES)}"
         ) from None
-    if implementation == "xla":
-        return fn(q, k, v, segment_ids, q_offset)
-    return fn(q, k, v, segment_ids)
+    if isinstance(q_offset, int) and q_offset == 0:
+        return backend.fn(q, k, v, segment_ids)
+    if not backend.q_offset:
+        raise ValueError(f"attention backend {implementation!r} cannot place queries after keys")
+    return backend.fn(q, k, v, segment_ids, q_offset)

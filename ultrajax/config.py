@@ -38,7 +38,8 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     # none | full | selective | offload, or a list of checkpoint_name tags to keep
     remat: str | list[str] = "none"
-    attention: Literal["xla", "cudnn"] = "xla"
+    # auto: cuDNN (causal) or our Pallas kernel (packed documents) on a GPU, xla elsewhere
+    attention: Literal["auto", "xla", "cudnn", "pallas"] = "auto"
 
     @property
     def hd(self) -> int:

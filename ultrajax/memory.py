@@ -24,6 +24,7 @@ computes in fp32 (norm statistics, softmax, logits).
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
+from ultrajax import attention as attention_lib
 from ultrajax.config import Config, ModelConfig
 from ultrajax.parallel.zero import Zero
 
@@ -309,7 +311,7 @@ def saved_per_layer(cfg: Config) -> dict[str, float]:
     d = dims(cfg)
     m = cfg.model
     c = d.c
-    flash = m.attention == "cudnn"  # the kernel keeps log-sum-exp, never the scores
+    flash = _flash(cfg)  # the kernel keeps the log-sum-exp, never the scores
     block_input = c * d.X_res
     pol = _policy(m)
     if pol == "none":
@@ -350,7 +352,7 @@ def invariant_activations(cfg: Config) -> float:
     d = dims(cfg)
     if _policy(cfg.model) != "none":
         return float(d.b * d.s * d.s)  # the causal/segment mask, recomputed per layer
-    mask = 0 if cfg.model.attention == "cudnn" else d.S
+    mask = 0 if _flash(cfg) else d.S
     return float(mask + 2 * 4 * d.N * d.hd // 2)
 
 
@@ -364,7 +366,7 @@ def work_features(cfg: Config) -> tuple[str, dict[str, float], dict[str, float]]
         pol = "selective" if "mlp_in" in cfg.model.remat else "full"
     lw = layer_weight_elements(cfg)
     zero3 = cfg.parallel.zero >= 3 and cfg.mesh.fsdp > 1
-    flash = cfg.model.attention == "cudnn"
+    flash = _flash(cfg)
     common = {
         "X": d.c * (d.X - d.X_res),
         "R": d.c * d.X_res,
@@ -389,9 +391,9 @@ def layer_work(cfg: Config) -> float:
     coef = WORK[pol]
     d = dims(cfg)
     norms = layer_weight_elements(cfg)["norm"]
-    attention = 0.0 if cfg.model.attention == "cudnn" else ATTN_S * 4 * d.S
+    attn = 0.0 if _flash(cfg) else ATTN_S * 4 * d.S
     base = sum(coef[k] * v for k, v in common.items()) + d.c * norms
-    return base + max(sum(coef[k] * v for k, v in mlp.items()), attention)
+    return base + max(sum(coef[k] * v for k, v in mlp.items()), attn)
 
 
 # --------------------------------------------------------------------------- the estimate
@@ -435,8 +437,27 @@ class Estimate:
         }
 
 
-def estimate(cfg: Config) -> Estimate:
-    """The analytic memory of one train step per device (see the module docstring)."""
+def concrete(cfg: Config, platform: str | None = None) -> Config:
+    """The config with `model.attention` resolved for `platform` (default: this process's
+    backend): the memory model needs to know whether the scores are stored."""
+    platform = platform or jax.default_backend()
+    name = attention_lib.resolve(cfg.model.attention, platform, cfg.data.cross_doc_mask)
+    if name == cfg.model.attention:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    cfg.model.attention = name
+    return cfg
+
+
+def _flash(cfg: Config) -> bool:
+    """Whether the attention never stores the s² scores (a flash kernel)."""
+    return attention_lib.BACKENDS[concrete(cfg).model.attention].flash
+
+
+def estimate(cfg: Config, platform: str | None = None) -> Estimate:
+    """The analytic memory of one train step per device (see the module docstring), for
+    the attention `model.attention` means on `platform` (default: this backend)."""
+    cfg = concrete(cfg, platform)
     m, t, zero = cfg.model, cfg.train, cfg.parallel.zero
     fsdp = cfg.mesh.fsdp
     d = dims(cfg)
@@ -497,7 +518,7 @@ def estimate(cfg: Config) -> Estimate:
     e.rows["whole embedding gradient (fp32)"] = embed_full
     kept = copy + grads + accum + embed_full
     e.phases["layer backward"] = saved + kept + work
-    if m.attention != "cudnn":
+    if not _flash(cfg):
         # XLA hoists the mask's broadcasts out of the layer loop: two fp32 and one bool
         # array of scores' size; under remat the layer's scores and probabilities are live
         # again on top of them during the forward pass

@@ -15,9 +15,9 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from ultrajax import attention, cli, distributed, optim, overlap
 from ultrajax import batch as batch_lib
 from ultrajax import checkpoint as checkpoint_lib
-from ultrajax import cli, distributed, optim, overlap
 from ultrajax import data as data_lib
 from ultrajax import memory as memory_lib
 from ultrajax import mesh as mesh_lib
@@ -36,8 +36,9 @@ from ultrajax.step import (
 def check_backend(cfg: Config) -> None:
     """Options that need hardware this process does not have."""
     backend = jax.default_backend()
-    if cfg.model.attention == "cudnn" and backend != "gpu":
-        raise ConfigError(f"model.attention=cudnn needs a GPU (backend is {backend}); use xla")
+    name = attention.resolve(cfg.model.attention, backend, cfg.data.cross_doc_mask)
+    if attention.problem(name, backend):
+        raise ConfigError(attention.problem(name, backend))
     problem = unsupported(cfg, backend)
     if problem:
         raise ConfigError(problem)
