@@ -70,6 +70,11 @@ def random_packed(n_rows: int, seq_len: int, vocab_size: int, rng) -> dict:
     }
 
 
+def specs() -> Batch:
+    """Every field's PartitionSpec: rows split over data x fsdp."""
+    return Batch(*(PartitionSpec(None, DATA_AXES, None) for _ in Batch._fields))
+
+
 def sharding(mesh) -> NamedSharding:
     """(grad_accum, rows, length): rows split over data x fsdp."""
     return NamedSharding(mesh, PartitionSpec(None, DATA_AXES, None))

@@ -26,12 +26,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ultrajax.batch import Batch
 from ultrajax.batch import sharding as batch_sharding
+from ultrajax.batch import specs as batch_specs
 from ultrajax.config import Config
 from ultrajax.loss import loss_sum
 from ultrajax.mesh import Rules, make_mesh, tree_shardings
 from ultrajax.mesh import rules as mesh_rules
 from ultrajax.model import init_params, logical_axes
-from ultrajax.parallel.data import DATA_AXES, vary
+from ultrajax.parallel.data import vary
 from ultrajax.parallel.layout import Layout, unsupported
 from ultrajax.weights import vma
 
@@ -88,7 +89,7 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
         return grads, layout.psum(loss), n_targets
 
     grad_kind = "stored" if layout.zero.shards_state else "compute"
-    batch_spec = Batch(*(PartitionSpec(None, DATA_AXES, None) for _ in Batch._fields))
+    batch_spec = batch_specs()
     if layout.gspmd:  # the compute copy is laid out by the partitioner, outside
         fn, in_specs = per_device, (layout.specs["stored"], layout.specs["compute"], batch_spec)
     else:
@@ -143,7 +144,7 @@ def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
         total, _ = jax.lax.scan(micro, zero, batch)
         return layout.psum(total), layout.psum(batch.loss_mask.sum())
 
-    batch_spec = Batch(*(PartitionSpec(None, DATA_AXES, None) for _ in Batch._fields))
+    batch_spec = batch_specs()
     return layout.shard_map(
         per_device,
         in_specs=(layout.specs["stored"], batch_spec),

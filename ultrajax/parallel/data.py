@@ -25,10 +25,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from ultrajax.batch import DATA_AXES  # the batch is split over these
 from ultrajax.parallel.zero import Zero
 from ultrajax.weights import Reduce, Weight, finish, vma
-
-DATA_AXES = ("data", "fsdp")  # the batch is split over these
 
 
 def vary(x, axes):
@@ -141,23 +140,19 @@ class Gradients:
     def accumulate(self, micro, acc, batch):
         """Run `micro(acc, mb, last) -> (acc, loss)` over the micro-batches (axis 0)."""
 
-        def body(carry, mb):
-            acc, loss = carry
-            acc, part = micro(acc, mb, False)
-            return (acc, loss + part), None
+        def body(last: bool):
+            def one(carry, mb):
+                acc, loss = carry
+                acc, part = micro(acc, mb, last)
+                return (acc, loss + part), None
+
+            return one
 
         zero = vary(jnp.zeros((), jnp.float32), tuple(sorted(vma(batch.inputs))))
-        if not self.splits_last:
-            acc, loss = jax.lax.scan(
-                lambda c, mb: (_add(micro(c[0], mb, True), c[1]), None), (acc, zero), batch
-            )[0]
+        if not self.splits_last:  # every micro-batch reduces alike
+            (acc, loss), _ = jax.lax.scan(body(True), (acc, zero), batch)
             return acc, loss
         first = jax.tree.map(lambda a: a[:-1], batch)
-        (acc, loss), _ = jax.lax.scan(body, (acc, zero), first)
+        (acc, loss), _ = jax.lax.scan(body(False), (acc, zero), first)
         acc, part = micro(acc, jax.tree.map(lambda a: a[-1], batch), True)
         return acc, loss + part
-
-
-def _add(out, loss):
-    acc, part = out
-    return acc, loss + part
