@@ -208,6 +208,11 @@ def test_override_without_equals_sign():
         (["parallel.zero=4"], "parallel.zero"),
         (["model.remat=sometimes"], "model.remat"),
         (["model.remat=[query, bogus]"], "model.remat"),
+        (["model.loss_chunk=100", "model.seq_len=256"], "model.loss_chunk"),
+        (["model.loss_chunk=-1"], "model.loss_chunk"),
+        (["model.attention=flash9000"], "model.attention"),
+        (["parallel.collectives=nccl"], "parallel.collectives"),
+        (["parallel.grad_reduce_dtype=float16"], "parallel.grad_reduce_dtype"),
     ],
 )
 def test_inconsistent_values_are_rejected(overrides, key):

@@ -215,3 +215,16 @@ def test_estimate_within_10_percent_of_compiled_peak_over_a_grid():
     assert len(GRID) >= 20
     bad = [(o, r) for (o, _, _), r in zip(results, ratios, strict=True) if not 0.9 <= r <= 1.1]
     assert not bad, bad
+
+
+def test_chunked_loss_shrinks_the_logits_working_set():
+    """model.loss_chunk: the predicted logits term scales with the chunk, and the
+    prediction follows XLA's compiled peak where the head's phase is the peak."""
+    rows = {}
+    for chunk in (0, 8):
+        cfg, devices = make("model.vocab_size=2048", f"model.loss_chunk={chunk}")
+        est = memory.estimate(cfg)
+        rows[chunk] = est.activations["logits and loss (working set)"]
+        compiled = analyze.compiled_memory(analyze.compile_step(cfg, devices, FAST))
+        assert 0.85 <= est.peak / compiled["peak"] <= 1.15, (chunk, est.peak, compiled)
+    assert rows[8] < rows[0] / 2

@@ -448,3 +448,12 @@ def test_eval_step_matches_single_device(name, mode):
     ref_total, ref_count = evaluate(None)
     assert count == ref_count > 0
     np.testing.assert_allclose(total, ref_total, rtol=2e-6)
+
+
+@pytest.mark.parametrize(
+    "name,mode", [("tp2-sp", "explicit"), ("fsdp8-zero1", "explicit"), ("tp2", "gspmd")]
+)
+def test_chunked_loss_matches_single_device(name, mode):
+    """model.loss_chunk under the vocabulary-parallel loss (TP, TP+SP) and with the LM
+    head's gradient reduced after the backward pass (ZeRO-1): the single-device run."""
+    assert_same_training(run(name, mode, "model.loss_chunk=16"), run(None))

@@ -288,3 +288,53 @@ def test_constant_schedule_after_warmup():
     lr = _sched("optim.schedule=constant", "optim.warmup_steps=5")
     np.testing.assert_allclose(lr[5:], 1e-3, rtol=1e-6)
     np.testing.assert_allclose(lr[0], 1e-3 / 5, rtol=1e-6)  # step 1 already trains
+
+
+# --------------------------------------------------------------------------- chunked loss
+
+
+def test_chunked_loss_equals_the_plain_loss_and_gradients(setup):
+    """model.loss_chunk: the head and loss over 4 tokens at a time give the same loss
+    and the same gradients (fp32) as the whole sequence at once."""
+    plain = setup["four"]
+    cfg = _cfg(4)
+    cfg.model = dataclasses.replace(MODEL, loss_chunk=4)
+    chunked = _run_step(cfg, setup["params"], setup["batch"])
+    np.testing.assert_allclose(chunked[1]["loss"], plain[1]["loss"], rtol=1e-6)
+    for a, b in zip(
+        jax.tree.leaves(chunked[0]["opt_state"]["g"]),
+        jax.tree.leaves(plain[0]["opt_state"]["g"]),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+
+
+def test_chunked_loss_never_holds_the_full_logits():
+    """What the backward pass keeps: with chunks, no (rows, seq, vocab) fp32 array."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from ultrajax.batch import Batch
+    from ultrajax.loss import loss_sum
+
+    def saved(chunk):
+        cfg = _cfg(1)
+        cfg.model = dataclasses.replace(MODEL, vocab_size=512, loss_chunk=chunk)
+        params = jax.eval_shape(lambda: init_state_params(cfg))
+        mb = Batch(*(jax.ShapeDtypeStruct((B, S), jnp.int32) for _ in Batch._fields))
+        import contextlib
+        import io
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            print_saved_residuals(lambda p, x: loss_sum(cfg, p, x)[0], params, mb)
+        return out.getvalue()
+
+    full = f"f32[{B},{S},512]"
+    assert full in saved(0)
+    assert full not in saved(4)
+
+
+def init_state_params(cfg):
+    from ultrajax.model import init_params
+
+    return init_params(cfg.model, jax.random.key(0))

@@ -40,6 +40,8 @@ class ModelConfig:
     remat: str | list[str] = "none"
     # auto: cuDNN (causal) or our Pallas kernel (packed documents) on a GPU, xla elsewhere
     attention: Literal["auto", "xla", "cudnn", "pallas"] = "auto"
+    # LM head and loss over this many tokens of the sequence at a time (0: all at once)
+    loss_chunk: int = 0
 
     @property
     def hd(self) -> int:
@@ -321,6 +323,10 @@ def validate(cfg: Config) -> None:
         f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.n_kv_heads})",
     )
     _check(m.rope_theta > 0, "model.rope_theta must be positive")
+    _check(
+        m.loss_chunk >= 0 and (m.loss_chunk == 0 or m.seq_len % m.loss_chunk == 0),
+        f"model.loss_chunk ({m.loss_chunk}) must be 0 (off) or divide model.seq_len ({m.seq_len})",
+    )
     _check(m.norm_eps > 0, "model.norm_eps must be positive")
     remat = [m.remat] if isinstance(m.remat, str) else m.remat
     if isinstance(m.remat, str):

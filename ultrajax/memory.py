@@ -497,7 +497,9 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
     e.activations["masks and rotary tables"] = invariant_activations(cfg)
     saved = sum(e.activations.values())
     e.host = d.L * offloaded_per_layer(cfg)
-    head_work = HEAD_WORK_V * 4 * d.V + HEAD_WORK_X * c * d.X
+    # model.loss_chunk: the logits of one chunk of the sequence at a time (ultrajax/loss.py)
+    chunk = m.loss_chunk / m.seq_len if 0 < m.loss_chunk < m.seq_len else 1.0
+    head_work = HEAD_WORK_V * 4 * d.V * chunk + HEAD_WORK_X * c * d.X
     e.activations["logits and loss (working set)"] = head_work
     work = layer_work(cfg)
     e.rows["one layer's backward (working set)"] = work

@@ -167,15 +167,24 @@ def layers(
     return x
 
 
-def head(cfg: ModelConfig, params, x, *, tp: TensorParallel = SINGLE):
-    """Final norm and LM head: fp32 logits (batch, length, vocab); under tensor
-    parallelism this rank's slice of the vocabulary (the loss never gathers them)."""
-    x = tp.enter(rms_norm(x, params["final_norm"], cfg.norm_eps))
+def final_norm(cfg: ModelConfig, params, x, *, tp: TensorParallel = SINGLE):
+    """The final RMSNorm, entering the LM head's TP region (the whole sequence)."""
+    return tp.enter(rms_norm(x, params["final_norm"], cfg.norm_eps))
+
+
+def logits(cfg: ModelConfig, params, x, *, tp: TensorParallel = SINGLE):
+    """LM head on normalised activations (any slice of the sequence): fp32 logits; under
+    tensor parallelism this rank's slice of the vocabulary (the loss never gathers them)."""
     if cfg.tie_embeddings:
-        logits = dense(x, params["embed"], "btd,vd->btv", jnp.float32)
+        out = dense(x, params["embed"], "btd,vd->btv", jnp.float32)
     else:
-        logits = dense(x, params["lm_head"], "btd,dv->btv", jnp.float32)
-    return tp.constrain(logits, ("batch", "length", "vocab"))
+        out = dense(x, params["lm_head"], "btd,dv->btv", jnp.float32)
+    return tp.constrain(out, ("batch", "length", "vocab"))
+
+
+def head(cfg: ModelConfig, params, x, *, tp: TensorParallel = SINGLE):
+    """Final norm and LM head: fp32 logits (batch, length, vocab)."""
+    return logits(cfg, params, final_norm(cfg, params, x, tp=tp), tp=tp)
 
 
 def forward(

@@ -78,8 +78,7 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
                 return total * scale, total * scale
 
             g, part = jax.grad(loss_fn, has_aux=True)(grad_plan.wrt(sinks, cparams))
-            held = None if inside is None else inside["embed"]
-            g["embed"] = grad_plan.finish_embedding(g["embed"], held, sinks["embed"], last)
+            g = grad_plan.finish(g, inside, sinks, last)
             if inside is None:
                 g = jax.tree.map(jnp.add, acc, g)
             return g, part

@@ -57,6 +57,9 @@ class Gradients:
     dtype: str = "float32"
     specs: dict | None = None
     grad_accum: int = 1
+    # weights whose gradient is completed only after the backward pass, and reduced
+    # there: the embedding (read twice when tied), the LM head when the loss is chunked
+    after: tuple[str, ...] = ("embed",)
 
     @property
     def deferred(self) -> tuple[str, ...]:
@@ -90,21 +93,26 @@ class Gradients:
         return out if last else jax.tree.map(lambda s: vary(s, self.deferred), out)
 
     def wrt(self, sinks, cparams) -> dict:
-        """What the step differentiates: the sinks, with the embedding's replaced by a
-        whole-table, unreduced one (see `attach`)."""
-        raw = vary(zeros32(cparams["embed"]), tuple(sorted(self.manual)))
-        return dict(sinks, embed=raw)
+        """What the step differentiates: the sinks, with those of `after` replaced by
+        whole, unreduced ones (see `attach`)."""
+        raw = {
+            k: vary(zeros32(cparams[k]), tuple(sorted(self.manual)))
+            for k in self.after
+            if k in cparams
+        }
+        return dict(sinks, **raw)
 
     def attach(self, cparams, sinks, acc, last: bool, gather=None):
         """(the weights the model reads, the `prepare` for its layer scan).
 
-        The embedding is read twice when tied (lookup and LM head), so its gradient is
-        completed, and reduced, only after the backward pass (`finish_embedding`)."""
+        The weights of `after` get unreduced sinks: the embedding is read twice when tied
+        (lookup and LM head), the LM head once per chunk of a chunked loss, so their
+        gradients are completed, and reduced, only after the backward pass (`finish`)."""
         w = {}
         for k in cparams:
             if k == "layers":
                 continue
-            if k == "embed":
+            if k in self.after:
                 w[k] = Weight.make(cparams[k], sinks[k], None, Reduce(self.dtype))
             else:
                 w[k] = Weight.make(
@@ -133,9 +141,15 @@ class Gradients:
 
         return w, prepare
 
-    def finish_embedding(self, g, acc, sink, last: bool):
-        red = self.reduce("embed", self.names["embed"], last)
-        return finish(g, acc, dataclasses.replace(red, varying=vma(sink)))
+    def finish(self, g: dict, acc, sinks, last: bool) -> dict:
+        """Reduce the gradients of `after` (see `attach`); `acc` their running sum or None."""
+        out = dict(g)
+        for k in self.after:
+            if k in g:
+                red = self.reduce(k, self.names[k], last)
+                held = None if acc is None else acc[k]
+                out[k] = finish(g[k], held, dataclasses.replace(red, varying=vma(sinks[k])))
+        return out
 
     def accumulate(self, micro, acc, batch):
         """Run `micro(acc, mb, last) -> (acc, loss)` over the micro-batches (axis 0)."""

@@ -79,6 +79,9 @@ class Layout:
             cfg.parallel.grad_reduce_dtype,
             auto_specs,
             cfg.train.grad_accum,
+            after=("embed", "lm_head")
+            if 0 < cfg.model.loss_chunk < cfg.model.seq_len
+            else ("embed",),
         )
 
     def _specs(self, kind, drop=None):
