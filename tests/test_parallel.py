@@ -58,6 +58,7 @@ def make_cfg(layout: dict, *extra: str) -> config.Config:
         f"model.seq_len={SEQ}",
         f"model.vocab_size={VOCAB}",
         "model.dtype=float32",
+        "model.attention=xla",  # the plain attention: the HLO tests count its dots
         "data.cross_doc_mask=true",
         f"train.micro_batch_size={ROWS // dp}",
         f"train.grad_accum={ACCUM}",

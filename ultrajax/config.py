@@ -38,8 +38,8 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     # none | full | selective | offload, or a list of checkpoint_name tags to keep
     remat: str | list[str] = "none"
-    # auto: cuDNN (causal) or our Pallas kernel (packed documents) on a GPU, xla elsewhere
-    attention: Literal["auto", "xla", "cudnn", "pallas"] = "auto"
+    # auto: cuDNN (causal) or our Pallas kernel (packed documents) on a GPU, blocked elsewhere
+    attention: Literal["auto", "xla", "cudnn", "pallas", "blocked"] = "auto"
     # LM head and loss over this many tokens of the sequence at a time (0: all at once)
     loss_chunk: int = 0
 
