@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Issue 10's GPU benchmark, whole in one call (a few minutes on one H100/H200): ultrajax's
+# train step for the Llama 3.2 1B shape, causal-only and with packed documents, beside the
+# Hugging Face baseline (../shared/bench/hf_llama_step.py: transformers, eager and under
+# torch.compile) on the same GPU; prints tokens/s, MFU and peak memory with the ratios.
+#
+#   bash scripts/bench_gpu.sh [OUT_DIR]
+#
+# Environment: HF (the baseline script; default ../shared/bench/hf_llama_step.py, which does
+# not travel to a device machine: copy it into the repo, e.g. .old/bench/, and set HF),
+# ULTRA (bench_step.py arguments; default the 1B shape, micro-batch 8 x 2048, no remat),
+# HF_ARGS (baseline arguments; default its own 1B shape), BUDGET (seconds, default 420).
+# Wheels the GPU image lacks (grain, array-record, portpicker) are installed from .whl/.
+set -u
+OUT=${1:-${OUT:-/tmp/bench_gpu}}
+HF=${HF:-../shared/bench/hf_llama_step.py}
+ULTRA=${ULTRA:---sizes 1b --steps 10 --warmup 2 train.micro_batch_size=8 model.remat=none}
+HF_ARGS=${HF_ARGS:-}
+BUDGET=${BUDGET:-420}
+mkdir -p "$OUT"
+start=$(date +%s)
+if compgen -G ".whl/*.whl" >/dev/null; then
+  rm -rf /tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1
+[ -e ultrajax/kernels ] || ln -s ../kernels ultrajax/kernels  # pip's mapping, uninstalled
+{ date -u; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null; } |
+  tee "$OUT/versions.txt"
+
+run() {  # run NAME LIMIT_S COMMAND...: at most LIMIT_S, never past the budget
+  local name=$1 limit=$2
+  shift 2
+  local left=$((BUDGET - ($(date +%s) - start)))
+  local t=$((limit < left ? limit : left))
+  if [ "$t" -lt 20 ]; then
+    echo "== $name: skipped, $left s of the budget left"
+    return
+  fi
+  echo "== $name (limit $t s)"
+  timeout "$t" "$@" >"$OUT/$name.txt" 2>&1
+  echo "   exit $? after $(($(date +%s) - start)) s"
+}
+
+# shellcheck disable=SC2086  # ULTRA and HF_ARGS are argument lists
+run ultrajax-causal 120 python3 scripts/bench_step.py $ULTRA model.attention=auto data.cross_doc_mask=false
+# shellcheck disable=SC2086
+run ultrajax-packed 120 python3 scripts/bench_step.py $ULTRA model.attention=auto data.cross_doc_mask=true
+# shellcheck disable=SC2086
+run hf-eager 90 python3 "$HF" --label eager $HF_ARGS
+# shellcheck disable=SC2086
+run hf-compiled 150 python3 "$HF" --label compiled --compile 1 $HF_ARGS
+
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+
+out = pathlib.Path(sys.argv[1])
+
+
+def ultrajax(name):
+    """tokens/s, MFU and peak memory (GiB) from bench_step.py's table, or None."""
+    path = out / f"{name}.txt"
+    if not path.exists():
+        return None
+    rows = [l for l in path.read_text().splitlines() if l.startswith("| ") and "---" not in l]
+    if len(rows) < 2:
+        return None
+    cells = [c.strip() for c in rows[-1].strip("|").split("|")]
+    mem = cells[10].split()[0] if len(cells) > 10 and cells[10] != "-" else None
+    return float(cells[5].replace(",", "")), cells[7], float(mem) if mem else None
+
+
+def hf(name):
+    path = out / f"{name}.txt"
+    lines = [l for l in path.read_text().splitlines() if l.startswith("{")] if path.exists() else []
+    if not lines:
+        return None
+    r = json.loads(lines[-1])
+    return r["tokens_per_s"], "", r["peak_gib"]
+
+
+runs = {
+    "ultrajax, causal (auto)": ultrajax("ultrajax-causal"),
+    "ultrajax, packed documents (auto)": ultrajax("ultrajax-packed"),
+    "transformers eager": hf("hf-eager"),
+    "transformers + torch.compile": hf("hf-compiled"),
+}
+base = runs["transformers + torch.compile"]
+print("| run | tokens/s | MFU | peak GiB | tokens/s vs torch.compile | memory vs torch.compile |")
+print("|---|---|---|---|---|---|")
+for label, r in runs.items():
+    if r is None:
+        print(f"| {label} | failed or skipped (see its .txt) | | | | |")
+        continue
+    tps, mfu, mem = r
+    ratio = f"{tps / base[0]:.3f}x" if base else "-"
+    mratio = f"{mem / base[2]:.2f}x" if base and mem and base[2] else "-"
+    mem_s = f"{mem:.1f}" if mem else "-"
+    print(f"| {label} | {tps:,.0f} | {mfu} | {mem_s} | {ratio} | {mratio} |")
+causal, packed = runs["ultrajax, causal (auto)"], runs["ultrajax, packed documents (auto)"]
+if causal and packed:
+    print(f"packed / causal tokens/s: {packed[0] / causal[0]:.1%}")
+PY
+echo "total $(($(date +%s) - start)) s"
