@@ -19,32 +19,9 @@ HF_ARGS=${HF_ARGS:-}
 BUDGET=${BUDGET:-420}
 mkdir -p "$OUT"
 start=$(date +%s)
-if compgen -G ".whl/*.whl" >/dev/null; then
-  rm -rf /tmp/site
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONUNBUFFERED=1
-[ -e ultrajax/kernels ] || ln -s ../kernels ultrajax/kernels  # pip's mapping, uninstalled
+source "$(dirname "$0")/gpu_common.sh"
 { date -u; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null; } |
   tee "$OUT/versions.txt"
-
-run() {  # run NAME LIMIT_S COMMAND...: at most LIMIT_S, never past the budget
-  local name=$1 limit=$2
-  shift 2
-  local left=$((BUDGET - ($(date +%s) - start)))
-  local t=$((limit < left ? limit : left))
-  if [ "$t" -lt 20 ]; then
-    echo "== $name: skipped, $left s of the budget left"
-    return
-  fi
-  echo "== $name (limit $t s)"
-  timeout "$t" "$@" >"$OUT/$name.txt" 2>&1
-  echo "   exit $? after $(($(date +%s) - start)) s"
-}
 
 # shellcheck disable=SC2086  # ULTRA and HF_ARGS are argument lists
 run ultrajax-causal 120 python3 scripts/bench_step.py $ULTRA model.attention=auto data.cross_doc_mask=false
@@ -60,7 +37,6 @@ import json, pathlib, sys
 
 out = pathlib.Path(sys.argv[1])
 
-
 def ultrajax(name):
     """tokens/s, MFU and peak memory (GiB) from bench_step.py's table, or None."""
     path = out / f"{name}.txt"
@@ -73,7 +49,6 @@ def ultrajax(name):
     mem = cells[10].split()[0] if len(cells) > 10 and cells[10] != "-" else None
     return float(cells[5].replace(",", "")), cells[7], float(mem) if mem else None
 
-
 def hf(name):
     path = out / f"{name}.txt"
     lines = [l for l in path.read_text().splitlines() if l.startswith("{")] if path.exists() else []
@@ -81,7 +56,6 @@ def hf(name):
         return None
     r = json.loads(lines[-1])
     return r["tokens_per_s"], "", r["peak_gib"]
-
 
 runs = {
     "ultrajax, causal (auto)": ultrajax("ultrajax-causal"),

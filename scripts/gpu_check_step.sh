@@ -15,33 +15,13 @@ OUT=${1:-${OUT:-/tmp/gpu_check}}
 BUDGET=${BUDGET:-480}
 mkdir -p "$OUT"
 start=$(date +%s)
-if compgen -G ".whl/*.whl" >/dev/null; then
-  rm -rf /tmp/site
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_common.sh"
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
   git log -1 --format='commit %h %s' 2>/dev/null || true
 } 2>&1 | tee "$OUT/versions.txt"
-
-run() {  # run NAME LIMIT_S COMMAND...: at most LIMIT_S, never past the budget
-  local name=$1 limit=$2
-  shift 2
-  local left=$((BUDGET - ($(date +%s) - start)))
-  local t=$((limit < left ? limit : left))
-  if [ "$t" -lt 30 ]; then
-    echo "== $name: skipped, $left s of the budget left" | tee "$OUT/$name.txt"
-    return
-  fi
-  echo "== $name (limit $t s)"
-  timeout "$t" "$@" >"$OUT/$name.txt" 2>&1
-  echo "   exit $? after $(($(date +%s) - start)) s"
-  grep -E "^\| |ms/step|Error|error" "$OUT/$name.txt" | tail -4
-}
 
 ONEB=(--sizes 1b --steps 10 --warmup 2 model.attention=cudnn train.micro_batch_size=8
   model.remat=none)
