@@ -21,6 +21,7 @@ import pytest
 from ultrajax import batch as batch_lib
 from ultrajax import comms, config
 from ultrajax import step as step_lib
+from ultrajax.parallel.context import token_order
 
 SEQ, ACCUM, ROWS = 48, 2, 8  # ROWS: samples per micro-batch, over all data-parallel ranks
 D, LAYERS, VOCAB = 64, 2, 256
@@ -38,6 +39,29 @@ LAYOUTS = {
     "tp4-sp": {"mesh.tensor": 4, "parallel.sequence_parallel": True},
     "dp2-fsdp2-tp2-zero3-sp": {
         "mesh.data": 2,
+        "mesh.fsdp": 2,
+        "mesh.tensor": 2,
+        "parallel.zero": 3,
+        "parallel.sequence_parallel": True,
+    },
+}
+
+
+# context parallelism (documents cross the device boundaries: `batches` cuts at random)
+CONTEXT = {
+    "cp2-ring": {"mesh.sequence": 2},
+    "cp4-ring-data2": {"mesh.sequence": 4, "mesh.data": 2},
+    "cp4-ring-contiguous": {"mesh.sequence": 4, "parallel.context_zigzag": False},
+    "cp2-allgather": {"mesh.sequence": 2, "parallel.context": "allgather"},
+    "cp4-allgather-contiguous-fsdp2-zero1": {
+        "mesh.sequence": 4,
+        "mesh.fsdp": 2,
+        "parallel.zero": 1,
+        "parallel.context": "allgather",
+        "parallel.context_zigzag": False,
+    },
+    "cp2-fsdp2-tp2-zero3-sp": {
+        "mesh.sequence": 2,
         "mesh.fsdp": 2,
         "mesh.tensor": 2,
         "parallel.zero": 3,
@@ -74,8 +98,11 @@ def make_cfg(layout: dict, *extra: str) -> config.Config:
     return harness.make(*overrides, base=base, path=None)[0]
 
 
-def batches(n: int = 3) -> list[batch_lib.Batch]:
-    """Fresh random packed batches with two documents per row and some padding."""
+def batches(n: int = 3, cfg=None) -> list[batch_lib.Batch]:
+    """Fresh random packed batches with two documents per row and some padding, laid out
+    for `cfg` (its cross-document masking and context-parallel token order)."""
+    cross = cfg is None or cfg.data.cross_doc_mask
+    order = None if cfg is None else token_order(cfg)
     rng = np.random.default_rng(1234)
     out = []
     for _ in range(n):
@@ -86,7 +113,7 @@ def batches(n: int = 3) -> list[batch_lib.Batch]:
         seg[..., -3:] = 0  # padding at the end of every row
         pos = np.where(idx < cut, idx, idx - cut).astype(np.int32)
         packed = {"tokens": tokens, "segment_ids": seg, "positions": pos}
-        out.append(batch_lib.make(packed, cross_doc_mask=True))
+        out.append(batch_lib.make(packed, cross_doc_mask=cross, order=order))
     return out
 
 
@@ -97,7 +124,7 @@ setup = harness.setup
 def run(name: str | None, mode: str = "explicit", *extra: str):
     """3 steps under a layout: (losses, grad norms, params, compiled HLO text, state
     bytes, config, lowered step)."""
-    layout = dict(LAYOUTS[name] if name else {}, **{"parallel.collectives": mode})
+    layout = dict({**LAYOUTS, **CONTEXT}[name] if name else {}, **{"parallel.collectives": mode})
     cfg = make_cfg(layout, *extra)
     mesh, rules, tx, schedule, shardings, batch_sh = setup(cfg)
     with jax.set_mesh(mesh):
@@ -105,7 +132,7 @@ def run(name: str | None, mode: str = "explicit", *extra: str):
         state = init(jax.random.key(0))
         state_bytes = per_device_bytes(state)
         fn = step_lib.jit_train_step(cfg, mesh, rules, tx, schedule, shardings, batch_sh)
-        data = [batch_lib.place(b, batch_sh) for b in batches()]
+        data = [batch_lib.place(b, batch_sh) for b in batches(cfg=cfg)]
         lowered = fn.lower(state, data[0])
         compiled = lowered.compile()
         losses, norms = [], []
@@ -148,6 +175,25 @@ def test_layout_matches_single_device(name, mode):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_modes_agree(name):
     assert_same_training(run(name, "gspmd"), run(name, "explicit"))
+
+
+CAUSAL_ONLY = "data.cross_doc_mask=false"
+
+
+@pytest.mark.parametrize(
+    "name,mode,extra",
+    [(name, "explicit", ()) for name in CONTEXT]
+    + [
+        ("cp4-ring-data2", "explicit", (CAUSAL_ONLY,)),
+        ("cp4-ring-data2", "gspmd", ()),
+        ("cp2-fsdp2-tp2-zero3-sp", "gspmd", ()),
+        ("cp2-allgather", "gspmd", ()),
+    ],
+)
+def test_context_parallel_matches_single_device(name, mode, extra):
+    """Context parallelism, packed documents crossing device boundaries (and causal
+    only): the single-device run, in every mode, alone and beside data/ZeRO/TP+SP."""
+    assert_same_training(run(name, mode, *extra), run(None, "explicit", *extra))
 
 
 def n_params(cfg) -> int:

@@ -174,6 +174,10 @@ def flops_report(cfg: Config, compiled=None, hlo_text: str | None = None) -> dic
             out["cost_analysis"] = float(cost["flops"]) if cost and "flops" in cost else None
         except Exception:  # backends without a cost model
             out["cost_analysis"] = None
+    if cfg.mesh.sequence > 1:  # context parallelism: causal attention work per device
+        from ultrajax.parallel.context import attention_flops
+
+        out["attention_per_device"] = attention_flops(cfg)
     if hlo_text is not None:
         out["hlo_dots"], out["hlo_dots_once"] = comms.matmul_flops(hlo_text)
         out["ratio"] = out["hardware"] / out["hlo_dots"] if out["hlo_dots"] else None
@@ -406,6 +410,12 @@ def format_report(r: dict) -> str:
     if "hlo_dots" in f:
         ratio = f" (hardware / compiled {f['ratio']:.3f})" if f.get("ratio") else ""
         lines.append(f"  compiled dots x loop trip counts       {f['hlo_dots']:.4g}{ratio}")
+    for zigzag, per in (f.get("attention_per_device") or {}).items():
+        on = "on " if zigzag else "off"
+        lines.append(
+            f"  attention, zig-zag {on} (per device)   max {max(per):.4g}  min {min(per):.4g}"
+            f"  (max/min {max(per) / min(per):.2f})"
+        )
     if f.get("cost_analysis") is not None:
         lines.append(
             f"  XLA cost_analysis                      {f['cost_analysis']:.4g}  (reads each loop "

@@ -19,6 +19,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 DATA_AXES = ("data", "fsdp")  # the rows of a micro-batch are split over these
+SEQUENCE_AXIS = "sequence"  # and each row along its length over this (context parallelism)
+TOKEN_AXES = (*DATA_AXES, SEQUENCE_AXIS)  # every token lives on one of these shards
 
 
 class Batch(NamedTuple):
@@ -40,11 +42,13 @@ def target_mask(segment_ids, cross_doc_mask: bool):
     return valid
 
 
-def make(packed: dict, cross_doc_mask: bool, grad_accum: int | None = None) -> Batch:
+def make(packed: dict, cross_doc_mask: bool, grad_accum: int | None = None, order=None) -> Batch:
     """Packed rows {tokens, segment_ids, positions}, each (..., seq_len + 1) -> Batch.
 
     With `grad_accum`, rows (n, seq_len + 1) are split into (grad_accum, n / grad_accum)
-    micro-batches; without it the leading axes are kept as they are."""
+    micro-batches; without it the leading axes are kept as they are. `order` permutes the
+    sequence after the shift (context parallelism's zig-zag layout, parallel/context.py):
+    every field moves alike, so a token keeps its target, position and document."""
     tokens = np.asarray(packed["tokens"], np.int32)
     seg = np.asarray(packed["segment_ids"], np.int32)
     pos = np.asarray(packed["positions"], np.int32)
@@ -55,6 +59,8 @@ def make(packed: dict, cross_doc_mask: bool, grad_accum: int | None = None) -> B
         positions=pos[..., :-1],
         loss_mask=target_mask(seg, cross_doc_mask).astype(np.int32),
     )
+    if order is not None:
+        out = Batch(*(a[..., order] for a in out))
     if grad_accum is not None:
         out = Batch(*(a.reshape(grad_accum, -1, a.shape[-1]) for a in out))
     return Batch(*(np.ascontiguousarray(a) for a in out))
@@ -70,14 +76,17 @@ def random_packed(n_rows: int, seq_len: int, vocab_size: int, rng) -> dict:
     }
 
 
+SPEC = PartitionSpec(None, DATA_AXES, SEQUENCE_AXIS)
+
+
 def specs() -> Batch:
-    """Every field's PartitionSpec: rows split over data x fsdp."""
-    return Batch(*(PartitionSpec(None, DATA_AXES, None) for _ in Batch._fields))
+    """Every field's PartitionSpec: rows split over data x fsdp, length over sequence."""
+    return Batch(*(SPEC for _ in Batch._fields))
 
 
 def sharding(mesh) -> NamedSharding:
-    """(grad_accum, rows, length): rows split over data x fsdp."""
-    return NamedSharding(mesh, PartitionSpec(None, DATA_AXES, None))
+    """(grad_accum, rows, length): rows split over data x fsdp, length over sequence."""
+    return NamedSharding(mesh, SPEC)
 
 
 def place(batch: Batch, sharding_: NamedSharding) -> Batch:

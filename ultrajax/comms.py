@@ -205,10 +205,22 @@ def _trip_count(rest: str, mod: HloModule, condition: str | None) -> int | None:
     return None
 
 
+def _reaches_collective(mod: HloModule, edges, comp: str, seen=None) -> bool:
+    seen = set() if seen is None else seen
+    if comp in seen:
+        return False
+    seen.add(comp)
+    for _name, _shape, rest in mod.computations.get(comp, []):
+        op = rest.split("(")[0]
+        if op.removesuffix("-start") in KINDS:
+            return True
+    return any(_reaches_collective(mod, edges, c, seen) for c, _ in edges.get(comp, []))
+
+
 def multiplicities(mod: HloModule) -> tuple[dict[str, int], list[str]]:
     """How many times each computation runs per call of the entry; notes on unknown loops."""
     edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    notes = []
+    unknown = []  # (while instruction, its body) with no trip count in the HLO
     for comp, instrs in mod.computations.items():
         for name, _shape, rest in instrs:
             callees = dict((k, v) for k, v in _CALLEE.findall(rest))
@@ -216,7 +228,7 @@ def multiplicities(mod: HloModule) -> tuple[dict[str, int], list[str]]:
             if rest.startswith("while("):
                 trip = _trip_count(rest, mod, callees.get("condition"))
                 if trip is None:
-                    notes.append(f"{name}: trip count unknown, counted once")
+                    unknown.append((name, callees.get("body")))
                     trip = 1
                 factor = trip
             for key, callee in callees.items():
@@ -226,6 +238,13 @@ def multiplicities(mod: HloModule) -> tuple[dict[str, int], list[str]]:
             if b:
                 for callee in re.findall(r"%?([\w.\-]+)", b.group(1)):
                     edges[comp].append((callee, 1))
+    # a loop that runs no collective (context parallelism's 0-or-1-trip "skip this
+    # pair" loops) cannot change the communication: no note
+    notes = [
+        f"{name}: trip count unknown, counted once"
+        for name, body in unknown
+        if body is None or _reaches_collective(mod, edges, body)
+    ]
     # computations form a DAG: accumulate in topological order from the entry
     indeg: dict[str, int] = defaultdict(int)
     for comp in mod.computations:
@@ -361,7 +380,8 @@ def expected(cfg: Config) -> list[Term]:
     from ultrajax import memory  # local: memory imports nothing from here
 
     mesh, m, t = cfg.mesh, cfg.model, cfg.train
-    dp_d, fs, tp = mesh.data, mesh.fsdp, mesh.tensor
+    # context parallelism splits the tokens like the data axes: gradients sum over it too
+    dp_d, fs, tp = mesh.data * mesh.sequence, mesh.fsdp, mesh.tensor
     accum = t.grad_accum
     c = memory.dtype_bytes(m.dtype)
     psi = memory.param_elements(cfg, kind="compute", ignore=("fsdp",))
@@ -374,7 +394,7 @@ def expected(cfg: Config) -> list[Term]:
         terms.append(
             Term(
                 "all-reduce",
-                "gradients over data x fsdp",
+                "gradients over data x fsdp" + (" x sequence" if mesh.sequence > 1 else ""),
                 "2Ψ(N-1)/N",
                 _ring(grads, dp, 2.0),
             )
@@ -394,7 +414,7 @@ def expected(cfg: Config) -> list[Term]:
             terms.append(
                 Term(
                     "all-reduce",
-                    "gradient shards over data",
+                    "gradient shards over data" + (" x sequence" if mesh.sequence > 1 else ""),
                     "2(Ψ/N_fsdp)(N_data-1)/N_data",
                     _ring(grads / fs, dp_d, 2.0),
                 )
@@ -430,8 +450,21 @@ def expected(cfg: Config) -> list[Term]:
             terms.append(
                 Term("all-gather", "parameters over fsdp (updated)", "Ψ(N-1)/N", _ring(weights, fs))
             )
+    if mesh.sequence > 1:
+        from ultrajax.parallel.context import permute_bytes
+
+        ring = cfg.parallel.context == "ring"
+        what = (
+            "K/V blocks around the ring (cp-1 hops forward and backward) and dK/dV (cp hops)"
+            if ring
+            else "K/V all-gathered over sequence (forward, backward) and dK/dV scattered home"
+        )
+        for kind, nbytes in permute_bytes(cfg).items():
+            formula = "L·m·[2(cp-1)·kv_block + cp·dkv_block]" if ring else "L·m·(cp-1)·kv_block"
+            terms.append(Term(kind, what, formula, nbytes))
     if tp > 1:
-        act = c * t.micro_batch_size * m.seq_len * m.d_model  # b·s·h of one micro-batch
+        # b·s·h of one micro-batch (the device's part of the sequence under CP)
+        act = c * t.micro_batch_size * (m.seq_len // mesh.sequence) * m.d_model
         per_block = 6 if m.remat == "full" else 4  # full remat repeats the forward's two
         n_ops = (per_block * m.n_layers + 2) * accum  # + embedding forward, LM head backward
         what = f"activations b·s·h, {per_block} per block + embedding and LM head, per micro-batch"

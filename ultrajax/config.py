@@ -115,6 +115,9 @@ class ParallelConfig:
     # who places the DP/ZeRO/TP collectives: XLA's partitioner or the explicit step
     collectives: Literal["explicit", "gspmd"] = "explicit"
     grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    # context parallelism over mesh.sequence (parallel/context.py, docs/context.md)
+    context: Literal["ring", "allgather"] = "ring"
+    context_zigzag: bool = True  # balance causal attention work across the sequence axis
     # GPU: overlap collectives with compute, bucket them up to these sizes (overlap.py)
     overlap: bool = True
     # GPU: let XLA pipeline a layer loop's collectives across iterations (overlap.py).
@@ -410,15 +413,19 @@ def validate_layout(cfg: Config) -> None:
             f"model.seq_len ({m.seq_len}) must be divisible by mesh.tensor x mesh.sequence "
             f"({tp * mesh.sequence}) for sequence parallelism",
         )
-    _check(
-        m.seq_len % mesh.sequence == 0,
-        f"model.seq_len ({m.seq_len}) must be divisible by mesh.sequence ({mesh.sequence})",
-    )
+    cp = mesh.sequence
+    if cp > 1:
+        _check(
+            m.seq_len % (2 * cp) == 0,
+            f"model.seq_len ({m.seq_len}) must be divisible by 2 x mesh.sequence ({2 * cp}): "
+            "context parallelism cuts each sequence into 2 chunks per device",
+        )
+        _check(
+            m.loss_chunk == 0 or (m.seq_len // cp) % m.loss_chunk == 0,
+            f"model.loss_chunk ({m.loss_chunk}) must divide the tokens per device along the "
+            f"sequence (model.seq_len / mesh.sequence = {m.seq_len // cp})",
+        )
     _check(mesh.pipeline == 1, "mesh.pipeline > 1: pipeline parallelism is not implemented yet")
-    _check(
-        mesh.sequence == 1,
-        "mesh.sequence > 1: context parallelism (ring attention) is not implemented yet",
-    )
 
 
 def resolve_mesh(cfg: Config, n_devices: int) -> None:

@@ -13,17 +13,18 @@ import jax.numpy as jnp
 from ultrajax.batch import Batch
 from ultrajax.config import Config
 from ultrajax.model import embed, final_norm, layers, logits
+from ultrajax.parallel.context import LOCAL
 from ultrajax.parallel.data import vary
 from ultrajax.parallel.tensor import SINGLE
 from ultrajax.weights import vma
 
 
-def loss_sum(cfg: Config, params, mb: Batch, *, tp=SINGLE, prepare=None, gathers=False):
+def loss_sum(cfg: Config, params, mb: Batch, *, tp=SINGLE, cp=LOCAL, prepare=None, gathers=False):
     """(sum of token NLLs, count of target tokens) for one micro-batch (rows, seq_len)."""
     m = cfg.model
     segments = mb.segment_ids if cfg.data.cross_doc_mask else None
     x = embed(m, params, mb.inputs, tp=tp)
-    x = layers(m, params["layers"], x, mb.positions, segments, tp=tp, prepare=prepare,
+    x = layers(m, params["layers"], x, mb.positions, segments, tp=tp, cp=cp, prepare=prepare,
                gathers=gathers)  # fmt: skip
     x = final_norm(m, params, x, tp=tp)
     mask = mb.loss_mask

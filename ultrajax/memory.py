@@ -450,7 +450,10 @@ def concrete(cfg: Config, platform: str | None = None) -> Config:
 
 
 def _flash(cfg: Config) -> bool:
-    """Whether the attention never stores the s² scores (a flash kernel)."""
+    """Whether the attention never stores the s² scores (a flash kernel; context
+    parallelism's ring and all-gather keep only each pair of chunks' log-sum-exp)."""
+    if cfg.mesh.sequence > 1:
+        return True
     return attention_lib.BACKENDS[concrete(cfg).model.attention].flash
 
 

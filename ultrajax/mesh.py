@@ -121,9 +121,13 @@ class Rules:
         table = getattr(self, kind)
         return PartitionSpec(*(table.get(n) if n is not None else None for n in names))
 
-    def inside_batch_shard_map(self) -> Rules:
-        """Rules for code running per data-parallel shard (batch axes are manual there)."""
-        activation = dict(self.activation, batch=None)
+    def inside(self, manual) -> Rules:
+        """Rules for code inside a shard_map manual over `manual` (the data axes, and
+        `sequence` under context parallelism): activations name only the other axes."""
+        activation = {
+            k: v if v is None else only_axes(PartitionSpec(v), manual_free(manual))[0]
+            for k, v in self.activation.items()
+        }
         return Rules(stored=self.stored, compute=self.compute, activation=activation)
 
     def table(self) -> list[tuple[str, str, str, str]]:
@@ -160,6 +164,11 @@ def rules(cfg: Config) -> Rules:
         "vocab": "tensor",
     }
     return Rules(stored=stored, compute=compute, activation=activation)
+
+
+def manual_free(manual) -> tuple[str, ...]:
+    """The mesh axes left to the partitioner inside a shard_map manual over `manual`."""
+    return tuple(a for a in AXES if a not in manual)
 
 
 def only_axes(spec: PartitionSpec, axes) -> PartitionSpec:

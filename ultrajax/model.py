@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ultrajax.attention import attend
 from ultrajax.config import ModelConfig
+from ultrajax.parallel.context import LOCAL, Context
 from ultrajax.parallel.tensor import SINGLE, TensorParallel
 from ultrajax.weights import dense, scale
 
@@ -54,6 +55,7 @@ def block(
     *,
     cfg: ModelConfig,
     tp: TensorParallel = SINGLE,
+    cp: Context = LOCAL,
     cache=None,
 ):
     """One decoder layer: x (batch, length, embed) -> same. `p` holds one layer's weights.
@@ -65,6 +67,8 @@ def block(
     With `cache=(k_cache, v_cache, start)` (generation) the chunk's keys and values
     are written into the cache at `start` and its queries attend to everything cached
     so far; the layer then returns (x, (k_cache, v_cache)).
+    `cp` is context parallelism: the sequence is split over devices and attention alone
+    sees other devices' tokens (parallel/context.py).
     """
     heads = ("batch", "length", "heads", "head_dim")
     kv_heads = ("batch", "length", "kv_heads", "head_dim")
@@ -74,7 +78,7 @@ def block(
     v = checkpoint_name(tp.constrain(dense(h, p["wv"], "btd,dkh->btkh"), kv_heads), "value")
     q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
     if cache is None:
-        o = attend(q, k, v, segment_ids, implementation=cfg.attention)
+        o = cp.attend(q, k, v, segment_ids, cfg.attention)
     else:
         k_cache, v_cache, start = cache
         k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, 1)
@@ -139,6 +143,7 @@ def layers(
     segment_ids=None,
     *,
     tp: TensorParallel = SINGLE,
+    cp: Context = LOCAL,
     prepare=None,
     gathers: bool = False,
 ):
@@ -156,7 +161,7 @@ def layers(
 
     def layer(p, x):
         p = prepare(p)
-        return block(p, x, positions, segment_ids, cfg=cfg, tp=tp)
+        return block(p, x, positions, segment_ids, cfg=cfg, tp=tp, cp=cp)
 
     policy = remat_policy(cfg.remat)
     if policy is None and gathers:

@@ -72,9 +72,8 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
 
             def loss_fn(wrt):
                 w, prepare = grad_plan.attach(cparams, wrt, inside, last, gather)
-                total, _ = loss_sum(
-                    cfg, w, mb, tp=layout.tp, prepare=prepare, gathers=gather is not None
-                )
+                total, _ = loss_sum(cfg, w, mb, tp=layout.tp, cp=layout.cp, prepare=prepare,
+                                    gathers=gather is not None)  # fmt: skip
                 return total * scale, total * scale
 
             g, part = jax.grad(loss_fn, has_aux=True)(grad_plan.wrt(sinks, cparams))
@@ -134,9 +133,8 @@ def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
             prepare = lambda p: {k: gather(w, k) for k, w in p.items()}  # noqa: E731
 
         def micro(carry, mb):
-            s, _ = loss_sum(
-                cfg, cparams, mb, tp=layout.tp, prepare=prepare, gathers=gather is not None
-            )
+            s, _ = loss_sum(cfg, cparams, mb, tp=layout.tp, cp=layout.cp, prepare=prepare,
+                            gathers=gather is not None)  # fmt: skip
             return carry + s, None
 
         zero = vary(jnp.zeros((), jnp.float32), tuple(sorted(vma(batch.inputs))))

@@ -24,6 +24,7 @@ from ultrajax import mesh as mesh_lib
 from ultrajax import metrics as metrics_lib
 from ultrajax.config import Config, ConfigError, dump, resolve_mesh
 from ultrajax.model import param_count
+from ultrajax.parallel.context import token_order
 from ultrajax.step import (
     init_state,
     jit_train_step,
@@ -51,7 +52,7 @@ def check_backend(cfg: Config) -> None:
 
 def to_global(packed: dict, sharding, cfg: Config) -> batch_lib.Batch:
     """Packed rows (global_batch, S+1) on the host -> the step's Batch on the devices."""
-    b = batch_lib.make(packed, cfg.data.cross_doc_mask, cfg.train.grad_accum)
+    b = batch_lib.make(packed, cfg.data.cross_doc_mask, cfg.train.grad_accum, token_order(cfg))
     return batch_lib.place(b, sharding)
 
 

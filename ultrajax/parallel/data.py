@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from ultrajax.batch import DATA_AXES  # the batch is split over these
+from ultrajax.batch import TOKEN_AXES  # the batch's tokens are split over these
 from ultrajax.parallel.zero import Zero
 from ultrajax.weights import Reduce, Weight, finish, vma
 
@@ -64,7 +64,10 @@ class Gradients:
     @property
     def deferred(self) -> tuple[str, ...]:
         """Manual data axes whose reduction waits for the last micro-batch."""
-        axes = ("data",) if self.zero.shards_grads and self.zero.active else DATA_AXES
+        if self.zero.shards_grads and self.zero.active:
+            axes = tuple(a for a in TOKEN_AXES if a != "fsdp")
+        else:
+            axes = TOKEN_AXES
         return tuple(a for a in axes if a in self.manual)
 
     @property

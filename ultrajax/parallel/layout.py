@@ -9,10 +9,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ultrajax.batch import DATA_AXES, SEQUENCE_AXIS, TOKEN_AXES
 from ultrajax.config import Config
 from ultrajax.mesh import AXES, Rules, only_axes
 from ultrajax.model import logical_axes
-from ultrajax.parallel.data import DATA_AXES, Gradients
+from ultrajax.parallel.context import Context
+from ultrajax.parallel.data import Gradients
 from ultrajax.parallel.partitioned import Partitioned
 from ultrajax.parallel.tensor import TensorParallel
 from ultrajax.parallel.zero import Zero
@@ -43,9 +45,19 @@ class Layout:
         self.zero = Zero(cfg.parallel.zero, mesh.shape["fsdp"])
         self.gspmd = cfg.parallel.collectives == "gspmd"
         big = frozenset(a for a in AXES if mesh.shape[a] > 1)
-        # gspmd: manual only where accumulation defers a data reduction (ZeRO-0/1)
+        # gspmd: manual only where accumulation defers a data reduction (ZeRO-0/1), over
+        # `sequence` as well there (the sequence splits the tokens like the data axes do);
+        # elsewhere context parallelism goes manual over `sequence` inside attention alone
+        # (Shardy rejects that nested shard_map inside one manual over the data axes)
         defer = grads and self.zero.active <= 1
-        self.manual = (big & frozenset(DATA_AXES) if defer else frozenset()) if self.gspmd else big
+        needed = big & frozenset(TOKEN_AXES) if defer and big & set(DATA_AXES) else frozenset()
+        self.manual = needed if self.gspmd else big
+        self.cp = Context(
+            mesh.shape[SEQUENCE_AXIS],
+            cfg.parallel.context,
+            cfg.parallel.context_zigzag,
+            own_shard_map=SEQUENCE_AXIS not in self.manual,
+        )
         # explicit: manual over every axis, the one-wide ones too (their specs name none of
         # them, so nothing varies over them): a partially manual shard_map puts sharding
         # annotations into collectives' reducers, and XLA:CPU aborts on a bf16 all-reduce
@@ -53,11 +65,7 @@ class Layout:
         self.axis_names = self.manual if self.gspmd else frozenset(AXES)
         self.specs = {k: self._specs(k) for k in ("stored", "compute")}
         self.gathered = self._specs("compute", drop="fsdp")
-        inner = (
-            rules.inside_batch_shard_map()
-            if "data" in self.manual or ("fsdp" in self.manual)
-            else rules
-        )
+        inner = rules.inside(self.manual) if self.manual else rules
         self.tp = (
             Partitioned(inner)
             if self.gspmd
@@ -115,7 +123,7 @@ class Layout:
         )
 
     def psum(self, x):
-        axes = tuple(a for a in DATA_AXES if a in self.manual)
+        axes = tuple(a for a in TOKEN_AXES if a in self.manual)
         return jax.lax.psum(x, axes) if axes else x
 
     # ---------------------------------------------------------------- compute copy

@@ -1,0 +1,107 @@
+"""Context parallelism, measured: one table of compiled memory, communication and step time
+for each sequence-axis layout of the same model and global batch.
+
+    python scripts/bench_context.py [--seq 2048] [--steps 3] [key=value ...]
+
+Every row compiles the real train step (ultrajax.step, as `python -m ultrajax.train` runs
+it) on simulated CPU devices (or the GPUs present) and reports, per device: XLA's compiled
+temporaries (the activations and working set), the bytes its context-parallel
+collectives send per step, read from the compiled HLO (ultrajax/comms.py), beside the
+formula, the causal attention work of the busiest device over the least busy
+(parallel/context.py), and the median step time. On a CPU the times say little about a
+GPU cluster; memory, bytes and balance do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+
+ROWS = (  # (label, overrides)
+    ("cp=1, blocked attention", ["model.attention=blocked"]),
+    ("cp=1, plain attention", ["model.attention=xla"]),
+    ("cp=2 ring, zig-zag", ["mesh.sequence=2"]),
+    ("cp=4 ring, zig-zag", ["mesh.sequence=4"]),
+    ("cp=4 ring, contiguous", ["mesh.sequence=4", "parallel.context_zigzag=false"]),
+    ("cp=4 all-gather, zig-zag", ["mesh.sequence=4", "parallel.context=allgather"]),
+    ("cp=8 ring, zig-zag", ["mesh.sequence=8"]),
+)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per row (0: compile only)")
+    p.add_argument("overrides", nargs="*", help="config key=value for every row")
+    args = p.parse_args(argv)
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)  # used only where the backend is the CPU
+    import numpy as np
+
+    from ultrajax import analyze, comms, config, optim
+    from ultrajax import batch as batch_lib
+    from ultrajax import mesh as mesh_lib
+    from ultrajax import step as step_lib
+    from ultrajax.parallel import context
+
+    base = [
+        "model.n_layers=2",
+        f"model.seq_len={args.seq}",
+        "train.micro_batch_size=1",
+        "train.grad_accum=1",
+        "data.cross_doc_mask=true",
+        "optim.warmup_steps=0",
+        "model.dtype=float32",
+        *args.overrides,
+    ]
+    print(f"backend {jax.default_backend()}, {jax.device_count()} devices; tiny.yaml with")
+    print("  " + " ".join(base))
+    head = f"{'layout':<28}{'temp MiB':>10}{'CP MiB':>10}{'formula':>9}{'work max/min':>14}"
+    print(head + f"{'ms/step':>10}")
+    for label, extra in ROWS:
+        cfg = config.load("configs/tiny.yaml", base + extra)
+        config.resolve_mesh(cfg, cfg.mesh.sequence)
+        devices = jax.devices()[: cfg.mesh.sequence]
+        compiled = analyze.compile_step(cfg, devices)
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        found, _ = comms.collectives(compiled.as_text())
+        expected = context.permute_bytes(cfg)  # the context-parallel kinds and their bytes
+        sent = sum(c.traffic * c.count for c in found if c.kind in expected)
+        formula = sum(expected.values())
+        cp = cfg.mesh.sequence
+        work = context.work(cp, cfg.parallel.context_zigzag)
+        ms = float("nan")
+        if args.steps:
+            mesh = mesh_lib.make_mesh(cfg, devices)
+            rules = mesh_lib.rules(cfg)
+            tx = optim.optimizer(cfg)
+            shardings = step_lib.state_shardings(cfg, mesh, rules, tx)
+            with jax.set_mesh(mesh):
+                init = jax.jit(
+                    functools.partial(step_lib.init_state, cfg, tx), out_shardings=shardings
+                )
+                state = init(jax.random.key(0))
+                rng = np.random.default_rng(0)
+                packed = batch_lib.random_packed(1, args.seq, cfg.model.vocab_size, rng)
+                b = batch_lib.make(packed, True, 1, context.token_order(cfg))
+                b = batch_lib.place(b, batch_lib.sharding(mesh))
+                times = []
+                for _ in range(args.steps + 1):
+                    t0 = time.perf_counter()
+                    state, m = compiled(state, b)
+                    jax.block_until_ready(m["loss"])
+                    times.append(time.perf_counter() - t0)
+            ms = 1e3 * statistics.median(times[1:])
+        print(
+            f"{label:<28}{temp / 2**20:>10.2f}{sent / 2**20:>10.2f}{formula / 2**20:>9.2f}"
+            f"{work.max() / work.min():>14.2f}{ms:>10.1f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Context parallelism: the zig-zag layout, the work per device, what the compiled step
+sends, and its activation memory. Equivalence with one device (losses, gradient norms,
+parameters) is in test_parallel.py beside the other layouts, sharing its compiles."""
+
+from __future__ import annotations
+
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import test_parallel as grid
+
+from ultrajax import batch as batch_lib
+from ultrajax import comms, config
+from ultrajax import step as step_lib
+from ultrajax.parallel import context
+
+
+def test_zigzag_gives_device_i_chunks_i_and_mirror():
+    np.testing.assert_array_equal(context.chunks(4, True), [[0, 7], [1, 6], [2, 5], [3, 4]])
+    np.testing.assert_array_equal(context.chunks(4, False), [[0, 1], [2, 3], [4, 5], [6, 7]])
+    order = context.order(16, 4, True)
+    np.testing.assert_array_equal(order[:4], [0, 1, 14, 15])  # device 0: chunks 0 and 7
+    assert sorted(order.tolist()) == list(range(16))
+    assert context.order(16, 4, False) is None and context.order(16, 1, True) is None
+
+
+def test_batch_order_moves_every_field_alike():
+    rng = np.random.default_rng(0)
+    seq = 16
+    tokens = rng.integers(0, 100, (2, seq + 1)).astype(np.int32)
+    seg = np.where(np.arange(seq + 1) < 7, 1, 2).astype(np.int32)[None].repeat(2, 0)
+    pos = np.where(np.arange(seq + 1) < 7, np.arange(seq + 1), np.arange(seq + 1) - 7)
+    packed = {"tokens": tokens, "segment_ids": seg, "positions": pos[None].repeat(2, 0)}
+    plain = batch_lib.make(packed, cross_doc_mask=True)
+    order = context.order(seq, 4, True)
+    zig = batch_lib.make(packed, cross_doc_mask=True, order=order)
+    for a, b in zip(plain, zig, strict=True):
+        np.testing.assert_array_equal(a[..., order], b)
+    # a token keeps its own target: the shift happened before the permutation
+    np.testing.assert_array_equal(zig.targets, tokens[:, 1:][:, order])
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_zigzag_balances_causal_work_and_contiguous_does_not(cp):
+    zig, contiguous = context.work(cp, True), context.work(cp, False)
+    total = (2 * cp) ** 2 / 2  # causal pairs of chunks, diagonal counting half
+    assert zig.sum() == contiguous.sum() == total
+    assert zig.max() / zig.min() <= 1.1
+    np.testing.assert_array_equal(contiguous, 4 * np.arange(cp) + 2)  # the formula
+    assert contiguous.max() / contiguous.min() == 2 * cp - 1
+
+
+def test_pairs_in_the_future_or_in_other_documents_are_skipped():
+    one, two = jnp.ones((1, 4), jnp.int32), jnp.full((1, 4), 2, jnp.int32)
+    assert int(context._kind(3, 3, one, one)) == context.CAUSAL
+    assert int(context._kind(3, 1, one, one)) == context.FULL
+    assert int(context._kind(1, 3, one, one)) == context.SKIP  # causal future
+    assert int(context._kind(3, 1, one, two)) == context.SKIP  # no document in common
+    mixed = jnp.array([[1, 1, 2, 2]], jnp.int32)
+    assert int(context._kind(3, 1, mixed, two)) == context.FULL  # one document crosses
+
+
+def test_ring_sends_kv_blocks_and_never_gathers():
+    found, cfg = grid.collectives("cp2-ring")
+    sent = comms.summarize(found)
+    assert sent["all-gather"]["ops"] == 0 and sent["reduce-scatter"]["ops"] == 0
+    expected = context.permute_bytes(cfg)["collective-permute"]
+    assert sent["collective-permute"]["traffic"] == pytest.approx(expected, rel=0.01)
+
+
+def test_allgather_gathers_kv_and_never_permutes():
+    found, cfg = grid.collectives("cp2-allgather")
+    sent = comms.summarize(found)
+    assert sent["collective-permute"]["ops"] == 0
+    expected = context.permute_bytes(cfg)
+    for kind in ("all-gather", "reduce-scatter"):
+        assert sent[kind]["traffic"] == pytest.approx(expected[kind], rel=0.01), kind
+
+
+def _temp_bytes(*overrides) -> int:
+    """Compiled temporaries of one train step at seq 2048 (the activations), per device."""
+    cfg, devices = harness.make("model.seq_len=2048", "train.micro_batch_size=1", *overrides)
+    mesh, rules, tx, schedule, shardings, batch_sh = harness.setup(cfg, devices)
+    with jax.set_mesh(mesh):
+        state = jax.eval_shape(lambda k: step_lib.init_state(cfg, tx, k), jax.random.key(0))
+        state = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings
+        )
+        batch = batch_lib.abstract(1, 1, cfg.model.seq_len, batch_sh)
+        fn = step_lib.jit_train_step(cfg, mesh, rules, tx, schedule, shardings, batch_sh)
+        compiled = fn.lower(state, batch).compile(harness.FAST)
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_activation_memory_divides_along_the_sequence():
+    """cp=4 against one device running the memory-efficient blocked attention (the plain
+    one would keep the full 2048² scores and flatter the ratio)."""
+    one = _temp_bytes("model.attention=blocked")
+    four = _temp_bytes("mesh.sequence=4")
+    assert four <= 0.35 * one, (four, one)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["mesh.sequence=4", "model.seq_len=36"], "2 x mesh.sequence"),
+        (["mesh.sequence=2", "model.seq_len=64", "model.loss_chunk=64"], "loss_chunk"),
+        (["parallel.context=rings"], "parallel.context"),
+    ],
+)
+def test_bad_context_config_is_one_clear_error(overrides, match):
+    with pytest.raises(config.ConfigError, match=match):
+        harness.make(*overrides)

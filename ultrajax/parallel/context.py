@@ -1,0 +1,408 @@
+"""Context parallelism over the `sequence` mesh axis: ring attention, the all-gather
+variant, and zig-zag load balancing (the playbook's "Context parallelism" section).
+
+With `mesh.sequence = cp`, every sequence is cut into 2·cp equal chunks and each device
+holds two of them. Everything outside attention is per token (norms, MLP, LM head, loss),
+so only attention ever sees another device's tokens:
+
+- ring (`parallel.context: ring`; Liu et al. 2023, "Ring Attention"): each device keeps
+  its queries and passes its keys and values (with their segment ids) to the next device,
+  cp - 1 times. Each block's partial output is merged into the running one with its
+  log-sum-exp (an online softmax across devices). The next block's transfer is issued
+  before the current block is computed, so the two can overlap. The backward pass is a
+  second ring in which dK and dV travel with their blocks and arrive home after the last
+  hop, so a device only ever holds its own activations (O(seq/cp) memory).
+- all-gather (`parallel.context: allgather`; Llama 3 training, Dubey et al. 2024): K, V
+  and their segment ids are all-gathered once (small under GQA), the local queries attend
+  to all of them, and dK, dV are reduce-scattered home in the backward pass.
+
+Zig-zag (`parallel.context_zigzag`, Brandon et al. 2023 "Striped Attention" and the
+ring-flash-attention zig-zag layout): under a causal mask the device holding the last
+chunks has the most work. Device i holds chunks i and 2·cp-1-i instead of 2i and 2i+1,
+so every device computes the same number of (query chunk, key chunk) pairs. The batch is
+permuted when it is built (`order`), so the loss, a sum over tokens, never notices.
+
+Work is skipped, not masked: a (query chunk, key chunk) pair is computed only if some
+query may see some key. A key chunk after the query chunk is in the causal future (skip);
+before it, every key is in the past (no causal mask); the same chunk is the causal
+diagonal. Packed documents: a pair with no common segment id is skipped too.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from ultrajax.attention import NEG_INF, attend
+from ultrajax.weights import vma
+
+AXIS = "sequence"
+SKIP, FULL, CAUSAL = 0, 1, 2  # what a (query chunk, key chunk) pair needs
+
+
+def chunks(cp: int, zigzag: bool) -> np.ndarray:
+    """(cp, 2): the global chunk index of each device's two chunks, in the order held."""
+    r = np.arange(cp)
+    if zigzag:
+        return np.stack([r, 2 * cp - 1 - r], axis=1)
+    return np.stack([2 * r, 2 * r + 1], axis=1)
+
+
+def order(seq_len: int, cp: int, zigzag: bool) -> np.ndarray | None:
+    """The token order the batch is laid out in along the sequence (device after device),
+    or None where it is the natural one (cp == 1 or no zig-zag)."""
+    if cp == 1 or not zigzag:
+        return None
+    size = seq_len // (2 * cp)
+    return np.concatenate([np.arange(c * size, (c + 1) * size) for c in chunks(cp, True).ravel()])
+
+
+def token_order(cfg) -> np.ndarray | None:
+    """`order` for a run's config: what the batch builder applies."""
+    return order(cfg.model.seq_len, cfg.mesh.sequence, cfg.parallel.context_zigzag)
+
+
+def pair_kind(q_chunk, k_chunk):
+    """SKIP, FULL or CAUSAL for a (query chunk, key chunk) pair of a causal mask."""
+    return jnp.where(k_chunk == q_chunk, CAUSAL, jnp.where(k_chunk < q_chunk, FULL, SKIP))
+
+
+def work(cp: int, zigzag: bool) -> np.ndarray:
+    """Attention work of each device in (chunk x chunk) pairs, a causal diagonal counting
+    half: the FLOPs per device are this times 4·b·(s/2cp)²·a·hd (forward). Contiguous:
+    device i does 4i + 2, so the last one does 2·cp - 1 times the first; zig-zag: 2·cp each."""
+    table = chunks(cp, zigzag)
+    weight = {SKIP: 0.0, FULL: 1.0, CAUSAL: 0.5}
+    out = np.zeros(cp)
+    for r in range(cp):
+        for qc in table[r]:
+            for kc in table.ravel():
+                out[r] += weight[int(pair_kind(qc, kc))]
+    return out
+
+
+def attention_flops(cfg) -> dict:
+    """Causal attention FLOPs per device per step (forward + backward = 3 x forward), for
+    this run's layout and for the other zig-zag setting: {zigzag: [per device]}."""
+    m, cp = cfg.model, cfg.mesh.sequence
+    chunk = m.seq_len // (2 * cp)
+    per_pair = 3 * 4 * cfg.train.micro_batch_size * chunk**2 * m.n_heads * m.hd
+    per_pair *= m.n_layers * cfg.train.grad_accum // cfg.mesh.tensor
+    return {z: (work(cp, z) * per_pair).tolist() for z in (True, False)}
+
+
+def permute_bytes(cfg) -> dict:
+    """Bytes one device sends per step for context parallelism, by collective kind (the
+    playbook: K/V sent cp - 1 times per attention forward and again in the backward ring,
+    where dK, dV travel too, in fp32, cp hops)."""
+    from ultrajax.memory import dtype_bytes  # local: memory imports this module
+
+    m, t, cp = cfg.model, cfg.train, cfg.mesh.sequence
+    if cp == 1:
+        return {}
+    local = t.micro_batch_size * (m.seq_len // cp)
+    kv = local * (m.n_kv_heads // cfg.mesh.tensor) * m.hd
+    block = 2 * kv * dtype_bytes(m.dtype) + 4 * local  # K, V and their segment ids
+    forwards = 2 if m.remat == "full" else 1  # full remat repeats the forward ring
+    times = m.n_layers * t.grad_accum
+    if cfg.parallel.context == "ring":
+        per_layer = (forwards + 1) * (cp - 1) * block + cp * 2 * kv * 4
+        return {"collective-permute": times * per_layer}
+    # an all-gather's traffic is (n - 1)/n of the whole; the segment ids are the same in
+    # every layer, so XLA gathers them once per micro-batch
+    gathered = times * (forwards + 1) * (cp - 1) * (block - 4 * local)
+    return {
+        "all-gather": gathered + t.grad_accum * (cp - 1) * 4 * local,
+        "reduce-scatter": times * (cp - 1) * 2 * kv * 4,
+    }
+
+
+# ----------------------------------------------------------------- one pair of chunks
+
+
+def _visible(qs, ks, causal):
+    """(b, 1, 1, t, s): same document, and (if `causal`, a traced flag) not in the future."""
+    t = qs.shape[1]
+    past = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    return ((qs[:, :, None] == ks[:, None, :]) & (past | ~causal))[:, None, None]
+
+
+def _scores(q, k, qs, ks, causal):
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * d**-0.5
+    visible = _visible(qs, ks, causal)
+    return qg, jnp.where(visible, s, NEG_INF), visible
+
+
+def pair_forward(q, k, v, qs, ks, causal):
+    """(out (b, t, h, d) fp32, lse (b, h, t) fp32) of queries against one key chunk."""
+    b, t, h, d = q.shape
+    _, s, visible = _scores(q, k, qs, ks, causal)
+    m = s.max(-1)
+    p = jnp.where(visible, jnp.exp(s - m[..., None]), 0.0)
+    den = p.sum(-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    safe = jnp.where(den > 0, den, 1.0)
+    o = o / jnp.moveaxis(safe, 3, 1)[..., None]
+    lse = jnp.where(den > 0, m + jnp.log(safe), NEG_INF)
+    return o.reshape(b, t, h, d), lse.reshape(b, h, t)
+
+
+def pair_backward(q, k, v, qs, ks, o, lse, do, causal):
+    """This pair's share of (dq, dk, dv), fp32, from the *final* output and lse (the
+    flash-attention backward: probabilities recomputed from the saved log-sum-exp)."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    g = h // kv
+    qg, s, visible = _scores(q, k, qs, ks, causal)
+    dog = do.reshape(b, t, kv, g, d)
+    delta = jnp.einsum("btkgd,btkgd->bkgt", dog.astype(jnp.float32),
+                       o.reshape(b, t, kv, g, d).astype(jnp.float32))  # fmt: skip
+    p = jnp.where(visible, jnp.exp(s - lse.reshape(b, kv, g, t)[..., None]), 0.0)
+    f32 = jnp.float32
+    dv = jnp.einsum("bkgts,btkgd->bskd", p.astype(do.dtype), dog, preferred_element_type=f32)
+    dp = jnp.einsum("btkgd,bskd->bkgts", dog, v, preferred_element_type=f32)
+    ds = p * (dp - delta[..., None]) * d**-0.5
+    dq = jnp.einsum("bkgts,bskd->btkgd", ds.astype(k.dtype), k, preferred_element_type=f32)
+    dk = jnp.einsum("bkgts,btkgd->bskd", ds.astype(q.dtype), qg, preferred_element_type=f32)
+    return dq.reshape(b, t, h, d), dk, dv
+
+
+def _merge(o, lse, o_new, lse_new):
+    """Online softmax across blocks: two normalised partial results -> one."""
+    both = jnp.logaddexp(lse, lse_new)
+    w_old = jnp.exp(lse - both).transpose(0, 2, 1)[..., None]
+    w_new = jnp.exp(lse_new - both).transpose(0, 2, 1)[..., None]
+    return o * w_old + o_new * w_new, both
+
+
+def _vary_like(x, axes):
+    missing = tuple(sorted(a for a in axes if a not in vma(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _kind(q_chunk, k_chunk, qs, ks):
+    """Which branch a pair takes; a pair with no common document is skipped."""
+    shared = jnp.any(qs[:, :, None] == ks[:, None, :])
+    return jnp.where(shared, pair_kind(q_chunk, k_chunk), SKIP)
+
+
+def _halves(x, axis=1):
+    n = x.shape[axis] // 2
+    return jax.lax.slice_in_dim(x, 0, n, axis=axis), jax.lax.slice_in_dim(x, n, 2 * n, axis=axis)
+
+
+def _half(x, i, axis=1):
+    """Half i (traced) of x along `axis`."""
+    n = x.shape[axis] // 2
+    return jax.lax.dynamic_slice_in_dim(x, i * n, n, axis=axis)
+
+
+def _add_half(x, i, part, axis=1):
+    """x with `part` added to its half i."""
+    n = x.shape[axis] // 2
+    return jax.lax.dynamic_update_slice_in_dim(x, _half(x, i, axis) + part, i * n, axis=axis)
+
+
+def _set_half(x, i, part, axis=1):
+    n = x.shape[axis] // 2
+    return jax.lax.dynamic_update_slice_in_dim(x, part, i * n, axis=axis)
+
+
+def _pairs(mine, theirs, qs, ks, state, compute):
+    """state = compute(state, qi, ki, causal) for each (query half, key half) pair of two
+    devices' chunks in which some query sees some key; the others are skipped.
+
+    One loop over the pairs that run (0 to 4 trips), the halves picked by index: a single
+    loop body (so one pair's working set at a time), and no lax.cond, whose partial
+    evaluation inside a differentiated layer scan keeps every branch's intermediates."""
+    idx = jnp.arange(4)
+    qi, ki = idx % 2, idx // 2
+    kinds = jnp.stack([_kind(mine[i % 2], theirs[i // 2], _halves(qs)[i % 2],
+                             _halves(ks)[i // 2]) for i in range(4)])  # fmt: skip
+    active = jnp.argsort(kinds == SKIP, stable=True)  # the pairs that run come first
+
+    def body(n, st):
+        p = active[n]
+        return compute(st, qi[p], ki[p], kinds[p] == CAUSAL)
+
+    return jax.lax.fori_loop(0, jnp.sum(kinds != SKIP), body, state)
+
+
+# --------------------------------------------------------------------- the two sweeps
+
+
+@dataclass(frozen=True)
+class Context:
+    """How attention runs across the `sequence` axis, for per-device code in shard_map."""
+
+    size: int = 1
+    mode: str = "ring"  # ring | allgather
+    zigzag: bool = True
+    # code outside runs under the partitioner (parallel.collectives=gspmd): attention
+    # enters its own shard_map, manual over `sequence` only
+    own_shard_map: bool = False
+    axis: str = AXIS
+
+    def attend(self, q, k, v, segment_ids, implementation: str):
+        if self.size == 1:
+            return attend(q, k, v, segment_ids, implementation=implementation)
+        if segment_ids is None:
+            segment_ids = jnp.ones(q.shape[:2], jnp.int32)
+        if not self.own_shard_map:
+            return _context_attention(self, q, k, v, segment_ids)
+        spec = PartitionSpec(None, self.axis)
+        return jax.shard_map(
+            functools.partial(_context_attention, self),
+            in_specs=(spec,) * 4,
+            out_specs=spec,
+            axis_names={self.axis},
+            check_vma=True,
+        )(q, k, v, segment_ids)
+
+    def _send(self, x):
+        """To the next device of the ring."""
+        return jax.lax.ppermute(x, self.axis, [(i, (i + 1) % self.size) for i in range(self.size)])
+
+    def _sweep(self, k, v, ks, carry, step):
+        """carry = step(carry, (k, v, ks) block, chunks it holds) over every device's block.
+
+        ring: a scan of cp - 1 hops, each sending the block in hand on before computing
+        with it (so the transfer can overlap the compute), then the last block. `carry`
+        may hold a "travelling" part (carry[1]) that moves with the block after each step
+        (the backward ring's dK and dV). allgather: K, V, segment ids gathered once and
+        sliced per device."""
+        table = jnp.asarray(chunks(self.size, self.zigzag), jnp.int32)
+        r = jax.lax.axis_index(self.axis)
+        if self.mode == "ring":
+
+            def hop(c, j):
+                blk, state = c
+                nxt = self._send(blk)  # issued first: overlaps the compute below
+                state = step(state, blk, table[(r - j) % self.size])
+                return (nxt, self._travel(state)), None
+
+            blk = tuple(_vary_like(a, {self.axis}) for a in (k, v, ks))  # as after a hop
+            (blk, carry), _ = jax.lax.scan(hop, (blk, carry), jnp.arange(self.size - 1))
+            return self._travel(step(carry, blk, table[(r + 1) % self.size]))
+        full = [jax.lax.all_gather(a, self.axis, axis=1, tiled=True) for a in (k, v, ks)]
+        n = k.shape[1]
+
+        def one(state, j):
+            blk = tuple(jax.lax.dynamic_slice_in_dim(a, j * n, n, axis=1) for a in full)
+            return step(state, blk, table[j]), None
+
+        carry, _ = jax.lax.scan(one, carry, jnp.arange(self.size))
+        return carry
+
+    def _travel(self, state):
+        fixed, moving = state
+        return fixed, (None if moving is None else self._send(moving))
+
+    def forward(self, q, k, v, qs, ks):
+        mine = jnp.asarray(chunks(self.size, self.zigzag))[jax.lax.axis_index(self.axis)]
+        axes = set().union(*(vma(a) for a in (q, k, v, qs, ks)))
+        b, t, h, d = q.shape
+        o = _vary_like(jnp.zeros((b, t, h, d), jnp.float32), axes)
+        lse = _vary_like(jnp.full((b, h, t), NEG_INF, jnp.float32), axes)
+
+        def step(state, blk, theirs):
+            (o, lse), _ = state
+            kb, vb, ksb = blk
+
+            def compute(st, qi, ki, causal):
+                o, lse = st
+                new = pair_forward(_half(q, qi), _half(kb, ki), _half(vb, ki), _half(qs, qi),
+                                   _half(ksb, ki), causal)  # fmt: skip
+                oq, lq = _merge(_half(o, qi), _half(lse, qi, 2), *new)
+                return _set_half(o, qi, oq), _set_half(lse, qi, lq, 2)
+
+            return _pairs(mine, theirs, qs, ksb, (o, lse), compute), None
+
+        (o, lse), _ = self._sweep(k, v, ks, ((o, lse), None), step)
+        return o.astype(q.dtype), lse
+
+    def backward(self, q, k, v, qs, ks, o, lse, do):
+        mine = jnp.asarray(chunks(self.size, self.zigzag))[jax.lax.axis_index(self.axis)]
+        axes = set().union(*(vma(a) for a in (q, k, v, qs, ks, do)))
+        z = lambda a: _vary_like(jnp.zeros(a.shape, jnp.float32), axes)  # noqa: E731
+        ring = self.mode == "ring"
+
+        def step(state, blk, theirs):
+            dq, dkv = state
+            kb, vb, ksb = blk
+            if not ring:
+                dkv = (z(kb), z(vb))
+
+            def compute(st, qi, ki, causal):
+                dq, dk, dv = st
+                g = pair_backward(_half(q, qi), _half(kb, ki), _half(vb, ki), _half(qs, qi),
+                                  _half(ksb, ki), _half(o, qi), _half(lse, qi, 2),
+                                  _half(do, qi), causal)  # fmt: skip
+                return _add_half(dq, qi, g[0]), _add_half(dk, ki, g[1]), _add_half(dv, ki, g[2])
+
+            dq, dk, dv = _pairs(mine, theirs, qs, ksb, (dq, *dkv), compute)
+            return dq, (dk, dv)
+
+        if ring:  # dK, dV travel with their block; the hop after the last step is home
+            dq, (dk, dv) = self._sweep(k, v, ks, (z(q), (z(k), z(v))), step)
+        else:  # each slice's dK, dV go home in one reduce-scatter
+            dq, (dk, dv) = self._gathered_backward(k, v, ks, z(q), step)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    def _gathered_backward(self, k, v, ks, dq, step):
+        table = jnp.asarray(chunks(self.size, self.zigzag), jnp.int32)
+        full = [jax.lax.all_gather(a, self.axis, axis=1, tiled=True) for a in (k, v, ks)]
+        n = k.shape[1]
+
+        def one(dq, j):
+            blk = tuple(jax.lax.dynamic_slice_in_dim(a, j * n, n, axis=1) for a in full)
+            dq, dkv = step((dq, None), blk, table[j])
+            return dq, dkv
+
+        dq, (dk, dv) = jax.lax.scan(one, dq, jnp.arange(self.size))  # (cp, b, n, kv, d)
+        home = functools.partial(
+            jax.lax.psum_scatter, axis_name=self.axis, scatter_dimension=1, tiled=True
+        )
+        merge = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])  # noqa: E731
+        return dq, (home(merge(dk)), home(merge(dv)))
+
+
+LOCAL = Context()  # one device along the sequence: the plain attention interface
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _context_attention(ctx: Context, q, k, v, segment_ids):
+    return ctx.forward(q, k, v, segment_ids, segment_ids)[0]
+
+
+def _fwd(ctx, q, k, v, segment_ids):
+    out, lse = ctx.forward(q, k, v, segment_ids, segment_ids)
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _tie(res, do):
+    """The residuals, made to depend on the cotangent (they gain an exact zero).
+
+    Inside a differentiated layer scan, JAX moves the part of a backward rule that reads
+    only residuals (here every pair's scores and probabilities) into the forward pass and
+    keeps its results for the backward, stacked per hop: O(seq²/cp) memory, not O(seq/cp).
+    Depending on `do` keeps that work in the backward pass, where it belongs."""
+    zero = (do.ravel()[0] != do.ravel()[0]).astype(jnp.int32) * 0
+    return jax.tree.map(lambda x: x + zero.astype(x.dtype), res)
+
+
+def _bwd(ctx, res, do):
+    q, k, v, seg, out, lse = _tie(res, do)
+    dq, dk, dv = ctx.backward(q, k, v, seg, seg, out, lse, do)
+    return dq, dk, dv, None
+
+
+_context_attention.defvjp(_fwd, _bwd)
