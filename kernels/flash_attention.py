@@ -180,6 +180,21 @@ def _compiler_params(interpret: bool):
     return pltriton.CompilerParams(num_warps=4, num_stages=2)
 
 
+def _struct(shape, dtype, *like):
+    """An output's ShapeDtypeStruct, varying over the manual mesh axes its inputs vary over
+    (inside `shard_map` with `check_vma`, as ring attention calls the kernel)."""
+    types = [jax.typeof(x) for x in like]
+    manual = [getattr(t, "manual_axis_type", None) for t in types]
+    if all(m is not None for m in manual):  # jax 0.10
+        most = max(manual, key=lambda m: len(m.varying))
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=most)
+    vma = frozenset().union(*(getattr(t, "vma", frozenset()) for t in types))
+    try:
+        return jax.ShapeDtypeStruct(shape, dtype, vma=vma)
+    except TypeError:  # a jax without varying-axes types
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+
 def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name):
     params = _compiler_params(interpret)
     extra = {} if params is None else {"compiler_params": params}
@@ -225,7 +240,7 @@ def _forward(q, k, v, qs, ks, *, blocks: BlockSizes, causal: bool, interpret: bo
         (b, h, t // bq),
         [qspec, kvspec, kvspec, qsspec, ksspec],
         [qspec, row],
-        [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
+        [_struct(q.shape, q.dtype, q, k), _struct((b, h, t), jnp.float32, q, k)],
         interpret,
         "flash_attention_forward",
     )(q, k, v, qs, ks)
@@ -244,14 +259,14 @@ def _backward(q, k, v, qs, ks, o, lse, do, *, blocks: BlockSizes, causal: bool, 
         (b, h, t // bq),
         [qspec, kvspec, kvspec, qsspec, ksspec, qspec, row, row],
         qspec,
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        _struct(q.shape, q.dtype, q, k),
         interpret,
         "flash_attention_dq",
     )(q, k, v, qs, ks, do, lse, delta)
     qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, False)
     # dK, dV per query head (kv_heads x group), summed over each group afterwards
     per_head = pl.BlockSpec((None, bk, None, d), lambda bi, hi, j: (bi, j, hi, 0))
-    shape = jax.ShapeDtypeStruct((b, s, h, d), jnp.float32)
+    shape = _struct((b, s, h, d), jnp.float32, q, k)
     dk, dv = _call(
         functools.partial(_dkv_kernel, **common),
         (b, h, s // bk),
@@ -328,3 +343,21 @@ def flash_attention(
     ks = _pad(kv_segment_ids.astype(jnp.int32), 1, step, PAD_K)
     o, lse = _flash(qp, kp, vp, qs, ks, blocks, causal, interpret)
     return o[:, :t], lse[:, :, :t].transpose(0, 2, 1)
+
+
+def pair_forward(q, k, v, q_segment_ids, kv_segment_ids, *, causal: bool,
+                 blocks: BlockSizes = BlockSizes(), interpret: bool = False):  # fmt: skip
+    """(out, lse (batch, heads, length)) of queries against one block of keys, lengths
+    already multiples of the block sizes: the per-pair kernel of ring attention
+    (ultrajax/parallel/context.py), which merges pairs with their log-sum-exp. Not
+    differentiable by itself: the ring's backward calls `pair_backward`."""
+    return _forward(q, k, v, q_segment_ids, kv_segment_ids, blocks=blocks, causal=causal,
+                    interpret=interpret)  # fmt: skip
+
+
+def pair_backward(q, k, v, q_segment_ids, kv_segment_ids, o, lse, do, *, causal: bool,
+                  blocks: BlockSizes = BlockSizes(), interpret: bool = False):  # fmt: skip
+    """This pair's (dq, dk, dv), from the final output and log-sum-exp over every pair
+    (the flash backward recomputes the pair's probabilities from them)."""
+    return _backward(q, k, v, q_segment_ids, kv_segment_ids, o, lse, do, blocks=blocks,
+                     causal=causal, interpret=interpret)  # fmt: skip

@@ -67,6 +67,23 @@ def token_order(cfg) -> np.ndarray | None:
     return order(cfg.model.seq_len, cfg.mesh.sequence, cfg.parallel.context_zigzag)
 
 
+def pair_kernel(cfg, platform: str) -> str:
+    """The per-pair attention for a run: our Pallas kernel where `model.attention` means a
+    flash kernel on this platform and the chunk fits its blocks, else plain XLA."""
+    import math
+
+    from ultrajax.attention import resolve
+
+    name = resolve(cfg.model.attention, platform, cfg.data.cross_doc_mask)
+    if name not in ("pallas", "cudnn"):
+        return "xla"
+    from ultrajax.kernels.flash_attention import BlockSizes
+
+    b = BlockSizes()
+    chunk = cfg.model.seq_len // (2 * cfg.mesh.sequence)
+    return "pallas" if chunk % math.lcm(b.q, b.k, b.q_bwd, b.k_bwd) == 0 else "xla"
+
+
 def pair_kind(q_chunk, k_chunk):
     """SKIP, FULL or CAUSAL for a (query chunk, key chunk) pair of a causal mask."""
     return jnp.where(k_chunk == q_chunk, CAUSAL, jnp.where(k_chunk < q_chunk, FULL, SKIP))
@@ -175,6 +192,10 @@ def pair_backward(q, k, v, qs, ks, o, lse, do, causal):
     return dq.reshape(b, t, h, d), dk, dv
 
 
+def _interpret() -> bool:
+    return jax.default_backend() != "gpu"  # Pallas kernels run interpreted off a GPU
+
+
 def _merge(o, lse, o_new, lse_new):
     """Online softmax across blocks: two normalised partial results -> one."""
     both = jnp.logaddexp(lse, lse_new)
@@ -249,6 +270,10 @@ class Context:
     # code outside runs under the partitioner (parallel.collectives=gspmd): attention
     # enters its own shard_map, manual over `sequence` only
     own_shard_map: bool = False
+    # the attention of one pair of chunks: "xla" (plain jnp, fp32 scores of the pair) or
+    # "pallas" (kernels/flash_attention.py; chunk length a multiple of its block sizes)
+    kernel: str = "xla"
+    blocks: object = None  # the Pallas kernel's BlockSizes (None: its defaults)
     axis: str = AXIS
 
     def attend(self, q, k, v, segment_ids, implementation: str):
@@ -266,6 +291,31 @@ class Context:
             axis_names={self.axis},
             check_vma=True,
         )(q, k, v, segment_ids)
+
+    def _pair_forward(self, q, k, v, qs, ks, causal):
+        if self.kernel == "xla":
+            return pair_forward(q, k, v, qs, ks, causal)
+        from ultrajax.kernels import flash_attention as fa
+
+        opts = dict(blocks=self.blocks or fa.BlockSizes(), interpret=_interpret())
+
+        def run(c):
+            return lambda: fa.pair_forward(q, k, v, qs, ks, causal=c, **opts)
+
+        o, lse = jax.lax.cond(causal, run(True), run(False))
+        return o.astype(jnp.float32), lse
+
+    def _pair_backward(self, q, k, v, qs, ks, o, lse, do, causal):
+        if self.kernel == "xla":
+            return pair_backward(q, k, v, qs, ks, o, lse, do, causal)
+        from ultrajax.kernels import flash_attention as fa
+
+        opts = dict(blocks=self.blocks or fa.BlockSizes(), interpret=_interpret())
+
+        def run(c):
+            return lambda: fa.pair_backward(q, k, v, qs, ks, o, lse, do, causal=c, **opts)
+
+        return jax.lax.cond(causal, run(True), run(False))
 
     def _send(self, x):
         """To the next device of the ring."""
@@ -319,8 +369,8 @@ class Context:
 
             def compute(st, qi, ki, causal):
                 o, lse = st
-                new = pair_forward(_half(q, qi), _half(kb, ki), _half(vb, ki), _half(qs, qi),
-                                   _half(ksb, ki), causal)  # fmt: skip
+                new = self._pair_forward(_half(q, qi), _half(kb, ki), _half(vb, ki),
+                                         _half(qs, qi), _half(ksb, ki), causal)  # fmt: skip
                 oq, lq = _merge(_half(o, qi), _half(lse, qi, 2), *new)
                 return _set_half(o, qi, oq), _set_half(lse, qi, lq, 2)
 
@@ -343,9 +393,9 @@ class Context:
 
             def compute(st, qi, ki, causal):
                 dq, dk, dv = st
-                g = pair_backward(_half(q, qi), _half(kb, ki), _half(vb, ki), _half(qs, qi),
-                                  _half(ksb, ki), _half(o, qi), _half(lse, qi, 2),
-                                  _half(do, qi), causal)  # fmt: skip
+                g = self._pair_backward(_half(q, qi), _half(kb, ki), _half(vb, ki),
+                                        _half(qs, qi), _half(ksb, ki), _half(o, qi),
+                                        _half(lse, qi, 2), _half(do, qi), causal)  # fmt: skip
                 return _add_half(dq, qi, g[0]), _add_half(dk, ki, g[1]), _add_half(dv, ki, g[2])
 
             dq, dk, dv = _pairs(mine, theirs, qs, ksb, (dq, *dkv), compute)

@@ -13,7 +13,7 @@ from ultrajax.batch import DATA_AXES, SEQUENCE_AXIS, TOKEN_AXES
 from ultrajax.config import Config
 from ultrajax.mesh import AXES, Rules, only_axes
 from ultrajax.model import logical_axes
-from ultrajax.parallel.context import Context
+from ultrajax.parallel.context import Context, pair_kernel
 from ultrajax.parallel.data import Gradients
 from ultrajax.parallel.partitioned import Partitioned
 from ultrajax.parallel.tensor import TensorParallel
@@ -57,6 +57,7 @@ class Layout:
             cfg.parallel.context,
             cfg.parallel.context_zigzag,
             own_shard_map=SEQUENCE_AXIS not in self.manual,
+            kernel=pair_kernel(cfg, jax.default_backend()) if cfg.mesh.sequence > 1 else "xla",
         )
         # explicit: manual over every axis, the one-wide ones too (their specs name none of
         # them, so nothing varies over them): a partially manual shard_map puts sharding
