@@ -474,7 +474,7 @@ def test_the_step_checks_varying_axes():
 @functools.cache
 def evaluate(name: str | None, mode: str = "explicit"):
     """The eval step's (NLL sum, target count) on the first batch, fresh parameters."""
-    layout = dict(LAYOUTS[name] if name else {}, **{"parallel.collectives": mode})
+    layout = dict({**LAYOUTS, **CONTEXT}[name] if name else {}, **{"parallel.collectives": mode})
     cfg = make_cfg(layout)
     mesh, rules, tx, _, shardings, batch_sh = setup(cfg)
     with jax.set_mesh(mesh):
@@ -483,12 +483,14 @@ def evaluate(name: str | None, mode: str = "explicit"):
         fn = jax.jit(
             step_lib.make_eval_step(cfg, mesh, rules), in_shardings=(shardings["params"], batch_sh)
         )
-        total, count = fn(params, batch_lib.place(batches()[0], batch_sh))
+        total, count = fn(params, batch_lib.place(batches(cfg=cfg)[0], batch_sh))
     return float(total), int(count)
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ["data8", "fsdp8-zero3", "dp2-fsdp2-tp2-zero3-sp"])
+@pytest.mark.parametrize(
+    "name", ["data8", "fsdp8-zero3", "dp2-fsdp2-tp2-zero3-sp", "cp4-ring-data2"]
+)
 def test_eval_step_matches_single_device(name, mode):
     total, count = evaluate(name, mode)
     ref_total, ref_count = evaluate(None)

@@ -392,6 +392,11 @@ def layer_work(cfg: Config) -> float:
     d = dims(cfg)
     norms = layer_weight_elements(cfg)["norm"]
     attn = 0.0 if _flash(cfg) else ATTN_S * 4 * d.S
+    if cfg.mesh.sequence > 1:  # context parallelism: one pair of chunks' fp32 scores at a
+        # time, (s / 2cp)² = S / 4 with d.s = s / cp, unless a flash kernel runs the pair
+        from ultrajax.parallel.context import pair_kernel
+
+        attn = ATTN_S * d.S if pair_kernel(cfg, "cpu") == "xla" else 0.0
     base = sum(coef[k] * v for k, v in common.items()) + d.c * norms
     return base + max(sum(coef[k] * v for k, v in mlp.items()), attn)
 
