@@ -59,6 +59,12 @@ CONTEXT = {
         "parallel.context": "allgather",
         "parallel.context_zigzag": False,
     },
+    "cp2-fsdp2-tp2-zero2": {  # ZeRO-2, and tensor parallelism without SP
+        "mesh.sequence": 2,
+        "mesh.fsdp": 2,
+        "mesh.tensor": 2,
+        "parallel.zero": 2,
+    },
     "cp2-fsdp2-tp2-zero3-sp": {
         "mesh.sequence": 2,
         "mesh.fsdp": 2,
@@ -186,6 +192,7 @@ CAUSAL_ONLY = "data.cross_doc_mask=false"
         ("cp4-ring-data2", "explicit", (CAUSAL_ONLY,)),
         ("cp4-ring-data2", "gspmd", ()),
         ("cp2-fsdp2-tp2-zero3-sp", "gspmd", ()),
+        ("cp2-fsdp2-tp2-zero2", "gspmd", ()),
         ("cp2-allgather", "gspmd", ()),
     ],
 )
