@@ -63,9 +63,11 @@ def size_overrides(name: str, platform: str, user: list[str]) -> list[str]:
 def random_batch(cfg, batch_sh, rng):
     """A Batch of random tokens, one document a row, on the devices."""
     from ultrajax import batch
+    from ultrajax.parallel.context import token_order
 
     packed = batch.random_packed(cfg.global_batch, cfg.model.seq_len, cfg.model.vocab_size, rng)
-    return batch.place(batch.make(packed, cfg.data.cross_doc_mask, cfg.train.grad_accum), batch_sh)
+    b = batch.make(packed, cfg.data.cross_doc_mask, cfg.train.grad_accum, token_order(cfg))
+    return batch.place(b, batch_sh)
 
 
 def bench(name: str, cfg, steps: int, warmup: int) -> dict:
@@ -106,7 +108,9 @@ def bench(name: str, cfg, steps: int, warmup: int) -> dict:
         "compile_s": compile_s,
         "memory": metrics.peak_memory_bytes(),  # GPU: the process's peak so far
         "layout": f"{cfg.train.micro_batch_size}x{cfg.model.seq_len}, dp={cfg.dp},"
-        f" {cfg.model.dtype}, remat={cfg.model.remat}",
+        + (f" cp={cfg.mesh.sequence}," if cfg.mesh.sequence > 1 else "")
+        + (f" tp={cfg.mesh.tensor}," if cfg.mesh.tensor > 1 else "")
+        + f" {cfg.model.dtype}, remat={cfg.model.remat}",
     }
 
 
