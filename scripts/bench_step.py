@@ -3,6 +3,7 @@
     python scripts/bench_step.py                      # CPU: tiny, small; GPU: 125m, 350m, 1b
     python scripts/bench_step.py --sizes 125m,1b --steps 20
     python scripts/bench_step.py --cpu-devices 4 parallel.zero=1   # overrides apply to every size
+    python scripts/bench_step.py --compare-torch      # and transformers + torch, same shape
 
 The step is built exactly as `python -m ultrajax.train` builds it
 (`ultrajax.train.prepare`: mesh, rules, sharded state created inside jit, the
@@ -29,6 +30,10 @@ SIZES = {
     "small": dict(
         vocab_size=384, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=768,
         seq_len=256, micro_batch_size=8,
+    ),
+    "cpu256": dict(  # the shape of the CPU speed issue (17): torch side by side there
+        vocab_size=384, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, d_ff=688,
+        seq_len=256, micro_batch_size=16, tie_embeddings=False,
     ),
     "125m": dict(
         vocab_size=32768, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=2048,
@@ -140,6 +145,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per size (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after compiling")
     p.add_argument("--cpu-devices", type=int, default=None, metavar="N", help="simulate N CPUs")
+    p.add_argument(
+        "--compare-torch",
+        action="store_true",
+        help="also time transformers' Llama + torch AdamW at each size (scripts/torch_step.py)",
+    )
     p.add_argument("overrides", nargs="*", help="config overrides for every size, e.g. a=b")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
@@ -184,6 +194,18 @@ def main(argv=None) -> int:
             cli.fail(f"size {name}: {e}")
         print(f"  {name}: {rows[-1]['step_ms']:.1f} ms/step", file=sys.stderr, flush=True)
     print(table(rows))
+    if args.compare_torch:
+        import torch_step
+
+        print("\n| model | ultrajax tokens/s | torch tokens/s (eager) | ultrajax / torch |")
+        print("|---|---|---|---|")
+        for (name, cfg), row in zip(cfgs, rows, strict=True):
+            ref = torch_step.tokens_per_s(cfg, args.steps, args.warmup)
+            print(
+                f"| {name} | {row['tokens_per_s']:,.0f} | {ref['tokens_per_s']:,.0f} "
+                f"({ref['threads']} threads, torch {ref['torch']}) |"
+                f" {row['tokens_per_s'] / ref['tokens_per_s']:.2f} |"
+            )
     return 0
 
 

@@ -163,6 +163,8 @@ def test_attention_with_offset_equals_the_last_rows_of_full_attention():
 
 def test_auto_resolves_from_the_table():
     assert attention.resolve("auto", "cpu", packed=True) == "blocked"
+    assert attention.resolve("auto", "cpu", packed=True, seq_len=attention.BLOCK) == "xla"
+    assert attention.resolve("auto", "cpu", packed=True, seq_len=4 * attention.BLOCK) == "blocked"
     assert attention.resolve("auto", "gpu", packed=False) == "cudnn"
     assert attention.resolve("auto", "gpu", packed=True) == "pallas"  # no dense mask
     assert attention.resolve("xla", "gpu", packed=True) == "xla"

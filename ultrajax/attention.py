@@ -210,17 +210,19 @@ BACKENDS = {
 CHOICES = ("auto", *BACKENDS)
 
 
-def resolve(name: str, platform: str, packed: bool) -> str:
+def resolve(name: str, platform: str, packed: bool, seq_len: int | None = None) -> str:
     """The backend `model.attention` means on `platform` ("gpu", "cpu", ...).
 
     auto, on a GPU: cuDNN for causal-only masks, our Pallas kernel for packed documents
-    (cuDNN needs a dense mask there and was slower: benchmarks/RESULTS.md); elsewhere the
-    blocked XLA attention, which never holds the full scores."""
+    (cuDNN needs a dense mask there and was slower: benchmarks/RESULTS.md). Elsewhere the
+    blocked XLA attention, which never holds the full scores; but up to one block of keys
+    (`seq_len <= BLOCK`) the plain one, whose scores are then no larger than one block's
+    and which XLA:CPU runs faster (benchmarks/RESULTS.md, the CPU step)."""
     if name != "auto":
         return name
     if platform == "gpu":
         return "pallas" if packed else "cudnn"
-    return "blocked"
+    return "xla" if seq_len is not None and seq_len <= BLOCK else "blocked"
 
 
 def problem(name: str, platform: str) -> str | None:
@@ -234,7 +236,9 @@ def problem(name: str, platform: str) -> str | None:
 def attend(q, k, v, segment_ids=None, *, implementation: str = "xla", q_offset=0):
     """Dispatch to a backend of the table; `auto` resolves for the platform compiling."""
     if implementation == "auto":
-        implementation = resolve("auto", jax.default_backend(), segment_ids is not None)
+        implementation = resolve(
+            "auto", jax.default_backend(), segment_ids is not None, seq_len=k.shape[1]
+        )
     try:
         backend = BACKENDS[implementation]
     except KeyError:

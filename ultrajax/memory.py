@@ -446,7 +446,9 @@ def concrete(cfg: Config, platform: str | None = None) -> Config:
     """The config with `model.attention` resolved for `platform` (default: this process's
     backend): the memory model needs to know whether the scores are stored."""
     platform = platform or jax.default_backend()
-    name = attention_lib.resolve(cfg.model.attention, platform, cfg.data.cross_doc_mask)
+    name = attention_lib.resolve(
+        cfg.model.attention, platform, cfg.data.cross_doc_mask, cfg.model.seq_len
+    )
     if name == cfg.model.attention:
         return cfg
     cfg = copy.deepcopy(cfg)

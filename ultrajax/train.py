@@ -37,7 +37,9 @@ from ultrajax.step import (
 def check_backend(cfg: Config) -> None:
     """Options that need hardware this process does not have."""
     backend = jax.default_backend()
-    name = attention.resolve(cfg.model.attention, backend, cfg.data.cross_doc_mask)
+    name = attention.resolve(
+        cfg.model.attention, backend, cfg.data.cross_doc_mask, cfg.model.seq_len
+    )
     if attention.problem(name, backend):
         raise ConfigError(attention.problem(name, backend))
     problem = unsupported(cfg, backend)
