@@ -38,10 +38,14 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     # none | full | selective | offload, or a list of checkpoint_name tags to keep
     remat: str | list[str] = "none"
-    # auto: cuDNN (causal) or our Pallas kernel (packed documents) on a GPU, blocked elsewhere
+    # auto: cuDNN (causal) or our Pallas kernel (packed documents) on a GPU; elsewhere xla up
+    # to 512 tokens and blocked beyond
     attention: Literal["auto", "xla", "cudnn", "pallas", "blocked"] = "auto"
     # LM head and loss over this many tokens of the sequence at a time (0: all at once)
     loss_chunk: int = 0
+    # layers per iteration of the layer loop (lax.scan's unroll): 1 keeps one compiled
+    # layer; more lets XLA slice the stacked weights statically (faster on a CPU)
+    scan_unroll: int = 1
 
     @property
     def hd(self) -> int:
@@ -331,6 +335,7 @@ def validate(cfg: Config) -> None:
         f"model.loss_chunk ({m.loss_chunk}) must be 0 (off) or divide model.seq_len ({m.seq_len})",
     )
     _check(m.norm_eps > 0, "model.norm_eps must be positive")
+    _check(m.scan_unroll >= 1, f"model.scan_unroll must be >= 1, got {m.scan_unroll}")
     remat = [m.remat] if isinstance(m.remat, str) else m.remat
     if isinstance(m.remat, str):
         _check(

@@ -168,7 +168,9 @@ def layers(
         policy = _all_but_gathered_weights
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-    x, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), x, stack)
+    n = jax.tree.leaves(stack)[0].shape[0]
+    unroll = max(1, min(cfg.scan_unroll, n))  # model.scan_unroll layers per loop iteration
+    x, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), x, stack, unroll=unroll)
     return x
 
 
