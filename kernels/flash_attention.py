@@ -246,12 +246,17 @@ def _forward(q, k, v, qs, ks, *, blocks: BlockSizes, causal: bool, interpret: bo
     )(q, k, v, qs, ks)
 
 
-def _backward(q, k, v, qs, ks, o, lse, do, *, blocks: BlockSizes, causal: bool, interpret: bool):
+def _delta(o, do):
+    """rowsum(dout * out) per query and head, (b, h, t) fp32: the backward's softmax term."""
+    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+
+
+def _backward(q, k, v, qs, ks, delta, lse, do, *, blocks: BlockSizes, causal: bool,
+              interpret: bool):  # fmt: skip
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
     bq, bk = blocks.q_bwd, blocks.k_bwd
     scale = d**-0.5
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
     common = dict(scale=scale, bq=bq, bk=bk, causal=causal)
     qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, True)
     dq = _call(
@@ -297,7 +302,7 @@ def _flash_bwd(blocks, causal, interpret, res, cts):
     q, k, v, qs, ks, o, lse = res
     do, _ = cts  # the log-sum-exp output is for merging blocks; its gradient is not used
     dq, dk, dv = _backward(
-        q, k, v, qs, ks, o, lse, do, blocks=blocks, causal=causal, interpret=interpret
+        q, k, v, qs, ks, _delta(o, do), lse, do, blocks=blocks, causal=causal, interpret=interpret
     )
     return dq, dk, dv, None, None
 
@@ -355,9 +360,10 @@ def pair_forward(q, k, v, q_segment_ids, kv_segment_ids, *, causal: bool,
                     interpret=interpret)  # fmt: skip
 
 
-def pair_backward(q, k, v, q_segment_ids, kv_segment_ids, o, lse, do, *, causal: bool,
+def pair_backward(q, k, v, q_segment_ids, kv_segment_ids, lse, delta, do, *, causal: bool,
                   blocks: BlockSizes = BlockSizes(), interpret: bool = False):  # fmt: skip
-    """This pair's (dq, dk, dv), from the final output and log-sum-exp over every pair
-    (the flash backward recomputes the pair's probabilities from them)."""
-    return _backward(q, k, v, q_segment_ids, kv_segment_ids, o, lse, do, blocks=blocks,
+    """This pair's (dq, dk, dv), from the log-sum-exp over every pair and delta =
+    rowsum(dout * out), both (b, h, t) and computed once by the caller (the flash
+    backward recomputes the pair's probabilities from them)."""
+    return _backward(q, k, v, q_segment_ids, kv_segment_ids, delta, lse, do, blocks=blocks,
                      causal=causal, interpret=interpret)  # fmt: skip

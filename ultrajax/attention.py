@@ -92,6 +92,20 @@ def _block_scores(qg, seg, kb, ks, kpos, scale):
     return s, visible[:, None, None]
 
 
+def block_grads(qg, kb, vb, dog, p, delta, scale):
+    """The flash-attention backward of one block of keys, fp32: (dq (b, t, kv, g, d), dk,
+    dv) from the block's probabilities p (b, kv, g, t, s), recomputed from the final
+    log-sum-exp, and delta = rowsum(dout * out) (b, kv, g, t). Blocked attention and ring
+    attention's pairs (parallel/context.py) both run it."""
+    f32 = jnp.float32
+    dv = jnp.einsum("bkgts,btkgd->bskd", p.astype(dog.dtype), dog, preferred_element_type=f32)
+    dp = jnp.einsum("btkgd,bskd->bkgts", dog, vb, preferred_element_type=f32)
+    ds = p * (dp - delta[..., None]) * scale
+    dq = jnp.einsum("bkgts,bskd->btkgd", ds.astype(kb.dtype), kb, preferred_element_type=f32)
+    dk = jnp.einsum("bkgts,btkgd->bskd", ds.astype(qg.dtype), qg, preferred_element_type=f32)
+    return dq, dk, dv
+
+
 @jax.custom_vjp
 def blocked_attention(q, k, v, segment_ids=None):
     """Memory-efficient attention in plain XLA: keys in blocks of BLOCK with an online
@@ -150,15 +164,8 @@ def _blocked_bwd(res, dout):
         kb, vb, ks, kpos = blk
         s, visible = _block_scores(qg, seg, kb, ks, kpos, scale)
         p = jnp.where(visible, jnp.exp(s - lse[..., None]), 0.0)
-        dv = jnp.einsum("bkgts,btkgd->bskd", p.astype(dout.dtype), dog,
-                        preferred_element_type=jnp.float32)  # fmt: skip
-        dp = jnp.einsum("btkgd,bskd->bkgts", dog, vb, preferred_element_type=jnp.float32)
-        ds = p * (dp - delta[..., None]) * scale
-        dq = dq + jnp.einsum("bkgts,bskd->btkgd", ds.astype(kb.dtype), kb,
-                             preferred_element_type=jnp.float32)  # fmt: skip
-        dk = jnp.einsum("bkgts,btkgd->bskd", ds.astype(q.dtype), qg,
-                        preferred_element_type=jnp.float32)  # fmt: skip
-        return dq, (dk, dv)
+        dq_b, dk, dv = block_grads(qg, kb, vb, dog, p, delta, scale)
+        return dq + dq_b, (dk, dv)
 
     dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(qg.shape, jnp.float32), blocks)
     n = dk.shape[0]

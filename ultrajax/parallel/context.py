@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ultrajax.attention import NEG_INF, attend
+from ultrajax.attention import NEG_INF, attend, block_grads
+from ultrajax.parallel.data import vary
 from ultrajax.weights import vma
 
 AXIS = "sequence"
@@ -174,23 +175,16 @@ def pair_forward(q, k, v, qs, ks, causal):
     return o.reshape(b, t, h, d), lse.reshape(b, h, t)
 
 
-def pair_backward(q, k, v, qs, ks, o, lse, do, causal):
-    """This pair's share of (dq, dk, dv), fp32, from the *final* output and lse (the
-    flash-attention backward: probabilities recomputed from the saved log-sum-exp)."""
+def pair_backward(q, k, v, qs, ks, lse, delta, do, causal):
+    """This pair's share of (dq, dk, dv), fp32, from the *final* log-sum-exp and delta =
+    rowsum(dout * out), both (b, h, t): the flash backward, probabilities recomputed."""
     b, t, h, d = q.shape
     kv = k.shape[2]
     g = h // kv
     qg, s, visible = _scores(q, k, qs, ks, causal)
-    dog = do.reshape(b, t, kv, g, d)
-    delta = jnp.einsum("btkgd,btkgd->bkgt", dog.astype(jnp.float32),
-                       o.reshape(b, t, kv, g, d).astype(jnp.float32))  # fmt: skip
     p = jnp.where(visible, jnp.exp(s - lse.reshape(b, kv, g, t)[..., None]), 0.0)
-    f32 = jnp.float32
-    dv = jnp.einsum("bkgts,btkgd->bskd", p.astype(do.dtype), dog, preferred_element_type=f32)
-    dp = jnp.einsum("btkgd,bskd->bkgts", dog, v, preferred_element_type=f32)
-    ds = p * (dp - delta[..., None]) * d**-0.5
-    dq = jnp.einsum("bkgts,bskd->btkgd", ds.astype(k.dtype), k, preferred_element_type=f32)
-    dk = jnp.einsum("bkgts,btkgd->bskd", ds.astype(q.dtype), qg, preferred_element_type=f32)
+    dog = do.reshape(b, t, kv, g, d)
+    dq, dk, dv = block_grads(qg, k, v, dog, p, delta.reshape(b, kv, g, t), d**-0.5)
     return dq.reshape(b, t, h, d), dk, dv
 
 
@@ -204,11 +198,6 @@ def _merge(o, lse, o_new, lse_new):
     w_old = jnp.exp(lse - both).transpose(0, 2, 1)[..., None]
     w_new = jnp.exp(lse_new - both).transpose(0, 2, 1)[..., None]
     return o * w_old + o_new * w_new, both
-
-
-def _vary_like(x, axes):
-    missing = tuple(sorted(a for a in axes if a not in vma(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _kind(q_chunk, k_chunk, qs, ks):
@@ -307,15 +296,15 @@ class Context:
         o, lse = jax.lax.cond(causal, run(True), run(False))
         return o.astype(jnp.float32), lse
 
-    def _pair_backward(self, q, k, v, qs, ks, o, lse, do, causal):
+    def _pair_backward(self, q, k, v, qs, ks, lse, delta, do, causal):
         if self.kernel == "xla":
-            return pair_backward(q, k, v, qs, ks, o, lse, do, causal)
+            return pair_backward(q, k, v, qs, ks, lse, delta, do, causal)
         from ultrajax.kernels import flash_attention as fa
 
         opts = dict(blocks=self.blocks or fa.BlockSizes(), interpret=_interpret())
 
         def run(c):
-            return lambda: fa.pair_backward(q, k, v, qs, ks, o, lse, do, causal=c, **opts)
+            return lambda: fa.pair_backward(q, k, v, qs, ks, lse, delta, do, causal=c, **opts)
 
         return jax.lax.cond(causal, run(True), run(False))
 
@@ -341,18 +330,22 @@ class Context:
                 state = step(state, blk, table[(r - j) % self.size])
                 return (nxt, self._travel(state)), None
 
-            blk = tuple(_vary_like(a, {self.axis}) for a in (k, v, ks))  # as after a hop
+            blk = tuple(vary(a, (self.axis,)) for a in (k, v, ks))  # as after a hop
             (blk, carry), _ = jax.lax.scan(hop, (blk, carry), jnp.arange(self.size - 1))
             return self._travel(step(carry, blk, table[(r + 1) % self.size]))
-        full = [jax.lax.all_gather(a, self.axis, axis=1, tiled=True) for a in (k, v, ks)]
-        n = k.shape[1]
+        block = self._gathered(k, v, ks)
 
         def one(state, j):
-            blk = tuple(jax.lax.dynamic_slice_in_dim(a, j * n, n, axis=1) for a in full)
-            return step(state, blk, table[j]), None
+            return step(state, block(j), table[j]), None
 
         carry, _ = jax.lax.scan(one, carry, jnp.arange(self.size))
         return carry
+
+    def _gathered(self, k, v, ks):
+        """All-gather K, V and segment ids over `sequence`; block(j) is device j's part."""
+        full = [jax.lax.all_gather(a, self.axis, axis=1, tiled=True) for a in (k, v, ks)]
+        n = k.shape[1]
+        return lambda j: tuple(jax.lax.dynamic_slice_in_dim(a, j * n, n, axis=1) for a in full)
 
     def _travel(self, state):
         fixed, moving = state
@@ -360,10 +353,10 @@ class Context:
 
     def forward(self, q, k, v, qs, ks):
         mine = jnp.asarray(chunks(self.size, self.zigzag))[jax.lax.axis_index(self.axis)]
-        axes = set().union(*(vma(a) for a in (q, k, v, qs, ks)))
+        axes = tuple(sorted(set().union(*(vma(a) for a in (q, k, v, qs, ks)))))
         b, t, h, d = q.shape
-        o = _vary_like(jnp.zeros((b, t, h, d), jnp.float32), axes)
-        lse = _vary_like(jnp.full((b, h, t), NEG_INF, jnp.float32), axes)
+        o = vary(jnp.zeros((b, t, h, d), jnp.float32), axes)
+        lse = vary(jnp.full((b, h, t), NEG_INF, jnp.float32), axes)
 
         def step(state, blk, theirs):
             (o, lse), _ = state
@@ -383,9 +376,11 @@ class Context:
 
     def backward(self, q, k, v, qs, ks, o, lse, do):
         mine = jnp.asarray(chunks(self.size, self.zigzag))[jax.lax.axis_index(self.axis)]
-        axes = set().union(*(vma(a) for a in (q, k, v, qs, ks, do)))
-        z = lambda a: _vary_like(jnp.zeros(a.shape, jnp.float32), axes)  # noqa: E731
+        axes = tuple(sorted(set().union(*(vma(a) for a in (q, k, v, qs, ks, do)))))
+        z = lambda a: vary(jnp.zeros(a.shape, jnp.float32), axes)  # noqa: E731
         ring = self.mode == "ring"
+        # rowsum(dout * out), once for every pair: (b, h, t) like the log-sum-exp
+        delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), -1).transpose(0, 2, 1)
 
         def step(state, blk, theirs):
             dq, dkv = state
@@ -396,8 +391,8 @@ class Context:
             def compute(st, qi, ki, causal):
                 dq, dk, dv = st
                 g = self._pair_backward(_half(q, qi), _half(kb, ki), _half(vb, ki),
-                                        _half(qs, qi), _half(ksb, ki), _half(o, qi),
-                                        _half(lse, qi, 2), _half(do, qi), causal)  # fmt: skip
+                                        _half(qs, qi), _half(ksb, ki), _half(lse, qi, 2),
+                                        _half(delta, qi, 2), _half(do, qi), causal)  # fmt: skip
                 return _add_half(dq, qi, g[0]), _add_half(dk, ki, g[1]), _add_half(dv, ki, g[2])
 
             dq, dk, dv = _pairs(mine, theirs, qs, ksb, (dq, *dkv), compute)
@@ -411,13 +406,10 @@ class Context:
 
     def _gathered_backward(self, k, v, ks, dq, step):
         table = jnp.asarray(chunks(self.size, self.zigzag), jnp.int32)
-        full = [jax.lax.all_gather(a, self.axis, axis=1, tiled=True) for a in (k, v, ks)]
-        n = k.shape[1]
+        block = self._gathered(k, v, ks)
 
         def one(dq, j):
-            blk = tuple(jax.lax.dynamic_slice_in_dim(a, j * n, n, axis=1) for a in full)
-            dq, dkv = step((dq, None), blk, table[j])
-            return dq, dkv
+            return step((dq, None), block(j), table[j])
 
         dq, (dk, dv) = jax.lax.scan(one, dq, jnp.arange(self.size))  # (cp, b, n, kv, d)
         home = functools.partial(
@@ -440,19 +432,8 @@ def _fwd(ctx, q, k, v, segment_ids):
     return out, (q, k, v, segment_ids, out, lse)
 
 
-def _tie(res, do):
-    """The residuals, made to depend on the cotangent (they gain an exact zero).
-
-    Inside a differentiated layer scan, JAX moves the part of a backward rule that reads
-    only residuals (here every pair's scores and probabilities) into the forward pass and
-    keeps its results for the backward, stacked per hop: O(seq²/cp) memory, not O(seq/cp).
-    Depending on `do` keeps that work in the backward pass, where it belongs."""
-    zero = (do.ravel()[0] != do.ravel()[0]).astype(jnp.int32) * 0
-    return jax.tree.map(lambda x: x + zero.astype(x.dtype), res)
-
-
 def _bwd(ctx, res, do):
-    q, k, v, seg, out, lse = _tie(res, do)
+    q, k, v, seg, out, lse = res
     dq, dk, dv = ctx.backward(q, k, v, seg, seg, out, lse, do)
     return dq, dk, dv, None
 
