@@ -56,6 +56,9 @@ def main(argv=None) -> int:
         "data.cross_doc_mask=true",
         "optim.warmup_steps=0",
         "model.dtype=float32",
+        # the rolled layer loop, where the formula's counts hold: unrolled (tiny.yaml's
+        # scan_unroll), XLA may reuse the forward ring's blocks in the backward and send less
+        "model.scan_unroll=1",
         *args.overrides,
     ]
     print(f"backend {jax.default_backend()}, {jax.device_count()} devices; tiny.yaml with")
