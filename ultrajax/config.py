@@ -122,6 +122,9 @@ class ParallelConfig:
     # context parallelism over mesh.sequence (parallel/context.py, docs/context.md)
     context: Literal["ring", "allgather"] = "ring"
     context_zigzag: bool = True  # balance causal attention work across the sequence axis
+    # pipeline parallelism over mesh.pipeline (parallel/pipeline.py, docs/pipeline.md)
+    pipeline_schedule: Literal["afab", "1f1b", "interleaved", "zb-h1"] = "1f1b"
+    virtual_stages: int = 1  # model chunks per device (interleaved only)
     # GPU: overlap collectives with compute, bucket them up to these sizes (overlap.py)
     overlap: bool = True
     # GPU: let XLA pipeline a layer loop's collectives across iterations (overlap.py).
@@ -430,7 +433,43 @@ def validate_layout(cfg: Config) -> None:
             f"model.loss_chunk ({m.loss_chunk}) must divide the tokens per device along the "
             f"sequence (model.seq_len / mesh.sequence = {m.seq_len // cp})",
         )
-    _check(mesh.pipeline == 1, "mesh.pipeline > 1: pipeline parallelism is not implemented yet")
+    _validate_pipeline(cfg)
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    """mesh.pipeline > 1: the stages, the schedule and what composes with them."""
+    from ultrajax.parallel import schedule
+
+    p, par = cfg.mesh.pipeline, cfg.parallel
+    v = par.virtual_stages
+    _check(v >= 1, f"parallel.virtual_stages must be >= 1, got {v}")
+    _check(
+        v == 1 or par.pipeline_schedule == "interleaved",
+        f"parallel.virtual_stages={v} needs parallel.pipeline_schedule=interleaved "
+        f"(got {par.pipeline_schedule})",
+    )
+    if p == 1:
+        return
+    n = cfg.model.n_layers
+    _check(
+        n % (p * v) == 0,
+        f"model.n_layers ({n}) must be divisible by mesh.pipeline x parallel.virtual_stages "
+        f"({p} x {v}): every stage holds the same number of layers",
+    )
+    _check(
+        cfg.mesh.sequence == 1,
+        "mesh.pipeline > 1 with mesh.sequence > 1: pipeline and context parallelism do not "
+        "compose yet; use one of them",
+    )
+    _check(
+        not (par.zero == 3 and cfg.mesh.fsdp > 1),
+        "parallel.zero=3 with mesh.pipeline > 1: ZeRO-3 would all-gather every stage's "
+        "weights again at every micro-batch tick; use parallel.zero=1 or 2 (docs/pipeline.md)",
+    )
+    try:
+        schedule.build(par.pipeline_schedule, p, cfg.train.grad_accum, v)
+    except ValueError as e:
+        raise ConfigError(f"parallel.pipeline_schedule={par.pipeline_schedule}: {e}") from None
 
 
 def resolve_mesh(cfg: Config, n_devices: int) -> None:

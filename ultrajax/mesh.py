@@ -148,7 +148,7 @@ def rules(cfg: Config) -> Rules:
         "mlp": "tensor",
         "embed": None,
         "head_dim": None,
-        "layers": None,
+        "layers": "pipeline" if cfg.mesh.pipeline > 1 else None,  # a stage: a slice of them
     }
     stored = dict(weights, embed=AXIS if zero.shards_state else None)
     compute = dict(weights, embed=AXIS if zero.shards_params else None)

@@ -32,6 +32,7 @@ from ultrajax.loss import loss_sum
 from ultrajax.mesh import Rules, make_mesh, tree_shardings
 from ultrajax.mesh import rules as mesh_rules
 from ultrajax.model import init_params, logical_axes
+from ultrajax.parallel import pipeline
 from ultrajax.parallel.data import vary
 from ultrajax.parallel.layout import Layout, unsupported
 from ultrajax.weights import vma
@@ -86,6 +87,8 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
         grads, loss = grad_plan.accumulate(micro, acc0, batch)
         return grads, layout.psum(loss), n_targets
 
+    if layout.pipeline > 1:
+        per_device = _pipelined(cfg, layout)
     grad_kind = "stored" if layout.zero.shards_state else "compute"
     batch_spec = batch_specs()
     if layout.gspmd:  # the compute copy is laid out by the partitioner, outside
@@ -95,12 +98,16 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
     out_specs = (layout.specs[grad_kind], PartitionSpec(), PartitionSpec())
     sharded = layout.shard_map(fn, in_specs=in_specs, out_specs=out_specs)
 
+    order = pipeline.Order(cfg, mesh, layout)
+
     def train_step(state, batch):
         params = state["params"]
+        held = order.to_stages(params)  # interleaved: each device's chunks, in turn
         if layout.gspmd:
-            grads, loss, n_targets = sharded(params, layout.compute_copy(params), batch)
+            grads, loss, n_targets = sharded(held, layout.compute_copy(held), batch)
         else:
-            grads, loss, n_targets = sharded(params, batch)
+            grads, loss, n_targets = sharded(held, batch)
+        grads = order.to_model(grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new = {
@@ -117,6 +124,26 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
         return new, metrics
 
     return train_step
+
+
+def _pipelined(cfg: Config, layout: Layout):
+    """per_device for mesh.pipeline > 1: the schedule's executor (parallel/pipeline.py),
+    then each gradient reduced once."""
+    par = cfg.parallel
+    plan = pipeline.make_plan(
+        par.pipeline_schedule, layout.pipeline, cfg.train.grad_accum, par.virtual_stages
+    )
+
+    def per_device(params, cparams, batch: Batch):
+        if cparams is None:
+            cparams = layout.compute_copy(params)
+        n_targets = layout.psum(batch.loss_mask.sum())
+        scale = 1.0 / jnp.maximum(n_targets, 1).astype(jnp.float32)
+        grads, loss = pipeline.run(plan, cfg, layout, cparams, batch, scale)
+        grads = pipeline.reduce(cfg, layout, grads, params)
+        return grads, jax.lax.psum(layout.psum(loss), pipeline.AXIS), n_targets
+
+    return per_device
 
 
 def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
@@ -142,9 +169,12 @@ def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
         return layout.psum(total), layout.psum(batch.loss_mask.sum())
 
     batch_spec = batch_specs()
+    # mesh.pipeline > 1: every device evaluates the whole stack, gathered on the way in
+    # (a forward-only schedule would save the memory; docs/pipeline.md)
+    specs = layout.specs["stored"] if layout.pipeline == 1 else layout.whole_stack
     return layout.shard_map(
         per_device,
-        in_specs=(layout.specs["stored"], batch_spec),
+        in_specs=(specs, batch_spec),
         out_specs=(PartitionSpec(), PartitionSpec()),
     )
 

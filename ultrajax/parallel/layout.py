@@ -16,6 +16,7 @@ from ultrajax.model import logical_axes
 from ultrajax.parallel.context import Context, pair_kernel
 from ultrajax.parallel.data import Gradients
 from ultrajax.parallel.partitioned import Partitioned
+from ultrajax.parallel.pipeline import AXIS as PIPELINE_AXIS
 from ultrajax.parallel.tensor import TensorParallel
 from ultrajax.parallel.zero import Zero
 
@@ -51,6 +52,9 @@ class Layout:
         # (Shardy rejects that nested shard_map inside one manual over the data axes)
         defer = grads and self.zero.active <= 1
         needed = big & frozenset(TOKEN_AXES) if defer and big & set(DATA_AXES) else frozenset()
+        self.pipeline = mesh.shape[PIPELINE_AXIS]
+        if self.pipeline > 1:  # the schedule runs per device; its data reductions wait
+            needed = big & frozenset((*TOKEN_AXES, PIPELINE_AXIS))
         self.manual = needed if self.gspmd else big
         self.cp = Context(
             mesh.shape[SEQUENCE_AXIS],
@@ -66,6 +70,7 @@ class Layout:
         self.axis_names = self.manual if self.gspmd else frozenset(AXES)
         self.specs = {k: self._specs(k) for k in ("stored", "compute")}
         self.gathered = self._specs("compute", drop="fsdp")
+        self.whole_stack = self._specs("stored", drop=PIPELINE_AXIS)  # every stage's layers
         inner = rules.inside(self.manual) if self.manual else rules
         self.tp = (
             Partitioned(inner)

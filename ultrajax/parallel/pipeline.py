@@ -1,0 +1,466 @@
+"""Pipeline parallelism over `mesh.pipeline`: one executor for any schedule table.
+
+The layer stack is cut into S = v·p virtual stages along `layers`; device d holds the
+stages d, d + p, ... (its v chunks). A schedule (parallel/schedule.py) says what every
+device does at every tick: a forward, a backward (or zero-bubble's input and weight
+halves) of one micro-batch on one chunk, or nothing. The executor is one `lax.scan`
+over the ticks inside the step's `shard_map`; at each tick every device takes its own
+branch of a `lax.switch`, then one `ppermute` moves activations down the ring and one
+moves gradients up. It is a single SPMD program: no per-device programs, no host loop.
+
+Between a forward and its backward the residuals `jax.vjp` would keep (the activations;
+`model.remat` decides which) wait in buffers of fixed size, whose slots this file
+assigns on the host from the table; so does every arriving activation and gradient.
+The backward never recomputes the forward unless `model.remat` asks for it.
+
+The first stage also embeds, the last also runs the final norm, the LM head and the
+loss (its forward tick makes the loss gradient, its backward tick reads it back). Every
+device holds the embedding, the final norm and the LM head (replicated over
+`pipeline`); the gradients of those are summed over `pipeline` at the end, which is
+where a tied embedding's two halves (lookup on the first stage, head on the last) meet.
+All weight gradients stay unreduced over the data axes until the last micro-batch is
+done, then each is reduced once (parallel.zero's reduce-scatter where it shards them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ultrajax.batch import TOKEN_AXES
+from ultrajax.config import Config
+from ultrajax.loss import head_nll
+from ultrajax.model import block, embed, final_norm, remat_policy
+from ultrajax.parallel import residuals
+from ultrajax.parallel import schedule as sched
+from ultrajax.parallel.data import vary
+from ultrajax.weights import Reduce, Weight, finish, vma
+
+AXIS = "pipeline"
+
+# lax.switch branches, picked per device and tick on the host
+IDLE, FWD, FWD_FIRST, FWD_LAST, BWD, BWD_FIRST, BWD_IN, BWD_IN_FIRST, BWD_W = range(9)
+# columns of the per-tick plan
+COLUMNS = ("branch", "micro", "chunk", "res", "act", "grad", "cot", "act_in", "grad_in")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A schedule table turned into what the executor reads each tick, per device.
+
+    rows: (ticks, p, len(COLUMNS)) int32. res/act/grad/cot: the slot of the residual,
+    input activation, input gradient and (zero-bubble) per-layer cotangent buffers the
+    op uses; act_in/grad_in: the slot an arriving activation / gradient goes to (the
+    last slot of each buffer is a sink for "nothing arrives"). sends: (ticks, 2) bool,
+    whether any device sends an activation / a gradient at that tick."""
+
+    kind: str
+    p: int
+    m: int
+    v: int
+    table: np.ndarray
+    rows: np.ndarray
+    sends: np.ndarray
+    slots: dict  # buffer -> number of real slots
+
+    @property
+    def ticks(self) -> int:
+        return self.table.shape[0]
+
+
+class _Pool:
+    """Slots of one buffer on one device: take the lowest free, give back when read."""
+
+    def __init__(self):
+        self.held: dict = {}
+        self.peak = 0
+
+    def take(self, key) -> int:
+        used = set(self.held.values())
+        slot = next(i for i in range(len(used) + 1) if i not in used)
+        self.held[key] = slot
+        self.peak = max(self.peak, len(self.held))
+        return slot
+
+    def give(self, key) -> int:
+        return self.held.pop(key)
+
+    def get(self, key) -> int:
+        return self.held[key]
+
+
+def make_plan(kind: str, p: int, m: int, v: int = 1) -> Plan:
+    """The table of `kind` and every buffer slot it needs, assigned on the host."""
+    table = sched.build(kind, p, m, v)
+    sched.check(table, p, m, v)
+    ticks, n_stages = table.shape[0], v * p
+    pools = {k: [_Pool() for _ in range(p)] for k in ("res", "act", "grad", "cot")}
+    rows = np.zeros((ticks, p, len(COLUMNS)), np.int32)
+    sends = np.zeros((ticks, 2), bool)
+    col = {c: i for i, c in enumerate(COLUMNS)}
+    for t in range(ticks):
+        arrivals = []
+        for d in range(p):
+            op, i, j = (int(x) for x in table[t, d])
+            s = j * p + d
+            r = rows[t, d]
+            r[col["act_in"]] = r[col["grad_in"]] = -1
+            r[col["act"]] = r[col["grad"]] = r[col["res"]] = r[col["cot"]] = -1
+            r[col["micro"]], r[col["chunk"]] = i, j
+            first, last = s == 0, s == n_stages - 1
+            if op == sched.IDLE:
+                r[col["branch"]] = IDLE
+                continue
+            if op == sched.FORWARD:
+                r[col["branch"]] = FWD_FIRST if first else FWD_LAST if last else FWD
+                if not first:
+                    r[col["act"]] = pools["act"][d].give((s, i))
+                r[col["res"]] = pools["res"][d].take((s, i))
+                if last:  # the loss gradient, made now, read by this stage's backward
+                    r[col["grad"]] = pools["grad"][d].take((s, i))
+                else:
+                    arrivals.append(("act", (d + 1) % p, (s + 1, i)))
+                    sends[t, 0] = True
+                continue
+            if op != sched.BACKWARD_WEIGHT:
+                r[col["grad"]] = pools["grad"][d].give((s, i))
+            if op == sched.BACKWARD:
+                r[col["branch"]] = BWD_FIRST if first else BWD
+                r[col["res"]] = pools["res"][d].give((s, i))
+            elif op == sched.BACKWARD_INPUT:
+                r[col["branch"]] = BWD_IN_FIRST if first else BWD_IN
+                r[col["res"]] = pools["res"][d].get((s, i))
+                r[col["cot"]] = pools["cot"][d].take((s, i))
+            else:  # BACKWARD_WEIGHT
+                r[col["branch"]] = BWD_W
+                r[col["res"]] = pools["res"][d].give((s, i))
+                r[col["cot"]] = pools["cot"][d].give((s, i))
+            if op != sched.BACKWARD_WEIGHT and not first:
+                arrivals.append(("grad", (d - 1) % p, (s - 1, i)))
+                sends[t, 1] = True
+        for buf, dest, key in arrivals:  # after this tick's reads: slots may be reused
+            rows[t, dest, col[f"{buf}_in"]] = pools[buf][dest].take(key)
+    # a slot nobody uses (-1) becomes the buffer's extra last slot: written, never read
+    slots = {k: max(1, max(pl.peak for pl in pools[k])) for k in pools}
+    for k in slots:
+        for c in (k, f"{k}_in") if k in ("act", "grad") else (k,):
+            column = rows[..., col[c]]
+            column[column < 0] = slots[k]
+    for k, pool in pools.items():
+        leftover = [pl.held for pl in pool if pl.held]
+        if leftover:
+            raise RuntimeError(f"schedule {kind}: {k} slots still held at the end: {leftover}")
+    return Plan(kind, p, m, v, table, rows, sends, slots)
+
+
+def layer_order(n_layers: int, p: int, v: int) -> np.ndarray:
+    """Model layer index of each row of the stack as the executor holds it: device d's
+    rows are its chunks d, d + p, ... in turn (the identity unless interleaved)."""
+    per = n_layers // (p * v)
+    order = [(j * p + d) * per + k for d in range(p) for j in range(v) for k in range(per)]
+    return np.asarray(order, np.int32)
+
+
+def _cast(x, dtype):
+    return jax.tree.map(lambda a: a.astype(dtype), x)
+
+
+def _like(tree, like):
+    """tree typed as varying over the axes `like` varies over (branch outputs must agree)."""
+    return jax.tree.map(lambda x, t: vary(x, tuple(sorted(vma(t)))), tree, like)
+
+
+def _zeros(struct, axes, lead=()):
+    z = jnp.zeros((*lead, *struct.shape), struct.dtype)
+    return vary(z, tuple(sorted(axes)))
+
+
+def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
+    """Per device, inside the step's shard_map: (unreduced fp32 gradients of `cparams`'
+    shape, varying over the data axes and `pipeline`; this device's share of the loss).
+
+    `cparams` is this device's compute copy: its `layers` hold the v chunks of this
+    device in `layer_order`."""
+    m, tp = cfg.model, layout.tp
+    p, v = plan.p, plan.v
+    d = jax.lax.axis_index(AXIS)
+    red = Reduce(cfg.parallel.grad_reduce_dtype)
+    token_axes = tuple(a for a in TOKEN_AXES if a in layout.manual)
+    grad_axes = (*token_axes, AXIS)
+    # everything the ticks touch varies over `pipeline` (the branch differs per device)
+    batch = jax.tree.map(lambda a: vary(a, (AXIS,)), batch)
+    cparams = jax.tree.map(lambda a: vary(a, (AXIS,)), cparams)
+    segments = batch.segment_ids if cfg.data.cross_doc_mask else None
+
+    def sink(w):
+        """fp32 zeros typed like w's gradient before any data reduction."""
+        return vary(jnp.zeros(w.shape, jnp.float32), tuple(sorted(vma(w) | set(grad_axes))))
+
+    layer_w = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), cparams["layers"])
+    per_layer = jax.tree.map(lambda a: a[0, 0], layer_w)
+    layer_sink = jax.tree.map(sink, per_layer)
+    head_keys = ("final_norm", "embed" if m.tie_embeddings else "lm_head")
+    head_sink = {k: sink(cparams[k]) for k in head_keys}
+    embed_sink = sink(cparams["embed"])
+
+    def weights(values, sinks):
+        return {k: Weight.make(values[k], sinks[k], None, red) for k in sinks}
+
+    def layer(given, sink_, x):
+        w, pos, seg = given
+        return block(weights(w, sink_), x, pos, seg, cfg=m, tp=tp)
+
+    policy = remat_policy(m.remat)
+    if policy is not None:
+        layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+
+    def micro_batch(i):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), batch)
+
+    def given(i):
+        mb = micro_batch(i)
+        seg = None if segments is None else jax.lax.dynamic_index_in_dim(segments, i, 0, False)
+        return mb, seg
+
+    mb0, seg0 = given(0)
+    x0 = jax.eval_shape(lambda: embed(m, cparams, mb0.inputs, tp=tp))
+    act_axes = residuals.varying(x0) | {AXIS}
+    act = jax.ShapeDtypeStruct(x0.shape, x0.dtype)
+    x_probe = _zeros(act, act_axes)
+    split = residuals.probe(layer, (per_layer, mb0.positions, seg0), layer_sink, x_probe)
+    n_per = jax.tree.leaves(layer_w)[0].shape[1]
+    unroll = max(1, min(m.scan_unroll, n_per))
+
+    # ----------------------------------------------------------------- tick bodies
+
+    def chunk_w(j):
+        if v == 1:
+            return jax.tree.map(lambda a: a[0], layer_w)
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, False), layer_w)
+
+    def stage_forward(j, x, mb, seg):
+        def body(x, w):
+            y, res = residuals.forward(split, layer, (w, mb.positions, seg), layer_sink, x)
+            return vary(y, tuple(sorted(act_axes))), res
+
+        return jax.lax.scan(body, x, chunk_w(j), unroll=unroll)
+
+    def stage_backward(j, res, g, mb, seg, *, weights_too=True, keep_cot=False):
+        def body(g, xs):
+            w, r = xs
+            ds, dx = residuals.backward(split, (w, mb.positions, seg), r, g)
+            out = (ds if weights_too else None, g if keep_cot else None)
+            return vary(dx, tuple(sorted(act_axes))), out
+
+        return jax.lax.scan(body, g, (chunk_w(j), res), reverse=True, unroll=unroll)
+
+    def stage_weights(j, res, cots, mb, seg):
+        def body(_, xs):
+            w, r, g = xs
+            ds, _dx = residuals.backward(split, (w, mb.positions, seg), r, g)
+            return None, ds
+
+        return jax.lax.scan(body, None, (chunk_w(j), res, cots), unroll=unroll)[1]
+
+    def head_loss(sinks, y, mb):
+        w = weights(cparams, sinks)
+        xn = final_norm(m, w, y, tp=tp)
+        return head_nll(cfg, w, xn, mb.targets, mb.loss_mask, tp) * scale
+
+    def read(buf, slot):
+        return jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, slot, 0, False), buf)
+
+    def write(buf, slot, value):
+        return jax.tree.map(
+            lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x.astype(b.dtype), slot, 0),
+            buf,
+            value,
+        )
+
+    def add_layers(gw, j, ds):
+        if v == 1:
+            return jax.tree.map(lambda a, b: a.at[0].add(b), gw, ds)
+        return jax.tree.map(
+            lambda a, b: jax.lax.dynamic_update_index_in_dim(
+                a, jax.lax.dynamic_index_in_dim(a, j, 0, False) + b, j, 0
+            ),
+            gw,
+            ds,
+        )
+
+    def forward(state, r, *, first, last):
+        i, j = r["micro"], r["chunk"]
+        mb, seg = given(i)
+        if first:
+            x = embed(m, cparams, mb.inputs, tp=tp)
+        else:
+            x = read(state["act"], r["act"])
+        x = vary(x, tuple(sorted(act_axes)))
+        y, res = stage_forward(j, x, mb, seg)
+        state = dict(state, res=write(state["res"], r["res"], res))
+        if last:
+            loss, pull = jax.vjp(lambda s, y: head_loss(s, y, mb), head_sink, y)
+            dhead, dy = pull(jnp.ones_like(loss))
+            state["grad"] = write(state["grad"], r["grad"], dy)
+            state["head"] = jax.tree.map(jnp.add, state["head"], dhead)
+            state["loss"] = state["loss"] + loss
+            y = jnp.zeros_like(y)
+        return state, y, jnp.zeros_like(y)
+
+    def backward(state, r, *, first, split_weights=False):
+        i, j = r["micro"], r["chunk"]
+        mb, seg = given(i)
+        g = read(state["grad"], r["grad"])
+        res = read(state["res"], r["res"])
+        dx, (ds, cots) = stage_backward(
+            j, res, g, mb, seg, weights_too=not split_weights, keep_cot=split_weights
+        )
+        if split_weights:
+            state = dict(state, cot=write(state["cot"], r["cot"], cots))
+        else:
+            state = dict(state, layers=add_layers(state["layers"], j, ds))
+        if first:  # the embedding's gradient: its lookup, differentiated at the input
+            _, pull = jax.vjp(
+                lambda s: embed(
+                    m, {"embed": Weight.make(cparams["embed"], s, None, red)}, mb.inputs, tp=tp
+                ),  # fmt: skip
+                embed_sink,
+            )
+            (de,) = pull(dx.astype(act.dtype))
+            state["embed"] = state["embed"] + de
+            dx = jnp.zeros_like(dx)
+        return state, jnp.zeros_like(dx), dx
+
+    def weight_step(state, r):
+        i, j = r["micro"], r["chunk"]
+        mb, seg = given(i)
+        res = read(state["res"], r["res"])
+        cots = read(state["cot"], r["cot"])
+        ds = stage_weights(j, res, cots, mb, seg)
+        zero = _zeros(act, act_axes)
+        return dict(state, layers=add_layers(state["layers"], j, ds)), zero, zero
+
+    def idle(state, r):
+        zero = _zeros(act, act_axes)
+        return state, zero, zero
+
+    branches = [
+        idle,
+        lambda s, r: forward(s, r, first=False, last=False),
+        lambda s, r: forward(s, r, first=True, last=False),
+        lambda s, r: forward(s, r, first=False, last=True),
+        lambda s, r: backward(s, r, first=False),
+        lambda s, r: backward(s, r, first=True),
+        lambda s, r: backward(s, r, first=False, split_weights=True),
+        lambda s, r: backward(s, r, first=True, split_weights=True),
+        weight_step,
+    ]
+
+    # ----------------------------------------------------------------- buffers
+
+    slots = plan.slots
+    res_axes = [residuals.varying(s) | {AXIS} for s in split.stored]
+    state = {
+        "res": [
+            _zeros(s, ax, (slots["res"] + 1, n_per))
+            for s, ax in zip(split.stored, res_axes, strict=True)
+        ],
+        "act": _zeros(act, act_axes, (slots["act"] + 1,)),
+        "grad": _zeros(act, act_axes, (slots["grad"] + 1,)),
+        "cot": _zeros(act, act_axes, (slots["cot"] + 1, n_per))
+        if plan.kind == "zb-h1"
+        else _zeros(act, act_axes, (1, n_per)),
+        "layers": jax.tree.map(
+            lambda s: vary(jnp.zeros((v, n_per, *s.shape), s.dtype), tuple(sorted(vma(s)))),
+            layer_sink,
+        ),  # fmt: skip
+        "head": head_sink,
+        "embed": embed_sink,
+        "loss": vary(jnp.zeros((), jnp.float32), grad_axes),
+    }
+    template = state
+    down = [(k, (k + 1) % p) for k in range(p)]
+    up = [(k, (k - 1) % p) for k in range(p)]
+
+    def tick(state, xs):
+        row, sends = xs
+        mine = jax.lax.dynamic_index_in_dim(row, d, 0, False)
+        r = {c: mine[k] for k, c in enumerate(COLUMNS)}
+        outs = [lambda st, f=f: (lambda out: (_like(out[0], template), *out[1:]))(f(st, r))
+                for f in branches]  # fmt: skip
+        state, y, dx = jax.lax.switch(r["branch"], outs, state)
+        y = jax.lax.cond(sends[0], lambda a: jax.lax.ppermute(a, AXIS, down), lambda a: a, y)
+        dx = jax.lax.cond(sends[1], lambda a: jax.lax.ppermute(a, AXIS, up), lambda a: a, dx)
+        state = dict(state, act=write(state["act"], r["act_in"], y))
+        state = dict(state, grad=write(state["grad"], r["grad_in"], dx))
+        return _like(state, template), None
+
+    state, _ = jax.lax.scan(tick, state, (jnp.asarray(plan.rows), jnp.asarray(plan.sends)))
+    grads = {k: state["head"][k] for k in head_keys}
+    grads["embed"] = grads.get("embed", 0) + state["embed"]
+    grads["layers"] = jax.tree.map(lambda a: a.reshape(v * n_per, *a.shape[2:]), state["layers"])
+    return grads, state["loss"]
+
+
+def reduce(cfg: Config, layout, grads: dict, params: dict) -> dict:
+    """Each accumulated gradient reduced once: over the data axes (ZeRO >= 1: scattered
+    into this rank's shard of `params`), and the replicated weights over `pipeline`."""
+    dtype = cfg.parallel.grad_reduce_dtype
+    out = {}
+    for k, g in grads.items():
+        names = layout.names[k]
+        if k == "layers":
+            out[k] = {
+                kk: _finish(layout, gg, params[k][kk], names[kk], dtype) for kk, gg in g.items()
+            }
+        else:
+            out[k] = _finish(layout, g, params[k], names, dtype)
+    return out
+
+
+def _finish(layout, g, param, names, dtype):
+    scatter = layout.zero.scatter(names, last=True) if layout.zero.shards_state else None
+    if scatter is not None and scatter[0] not in layout.manual:
+        scatter = None
+    return finish(g, None, Reduce(dtype, scatter, varying=vma(param), shape=param.shape))
+
+
+class Order:
+    """The layer stack in the order the devices hold it (`layer_order`) and back.
+
+    The train state and checkpoints keep the model's order whatever the schedule, so a
+    checkpoint moves between pipeline layouts unchanged. With interleaving each device's
+    chunks are not contiguous in that order: the step gathers them (a permutation along
+    `layers`, which the partitioner turns into point-to-point copies) and puts the
+    gradients back. Without interleaving both are the identity."""
+
+    def __init__(self, cfg: Config, mesh, layout):
+        p, v = mesh.shape[AXIS], cfg.parallel.virtual_stages
+        self.layout, self.perm, self.inverse = layout, None, None
+        if p > 1 and v > 1:
+            self.perm = layer_order(cfg.model.n_layers, p, v)
+            self.inverse = np.argsort(self.perm).astype(np.int32)
+
+    def _permute(self, tree, index, kind):
+        if self.perm is None:
+            return tree
+        specs = self.layout.specs[kind]["layers"]
+        mesh = self.layout.mesh
+        out = dict(tree)
+        out["layers"] = {
+            k: jax.lax.with_sharding_constraint(
+                jnp.take(w, index, axis=0), jax.sharding.NamedSharding(mesh, specs[k])
+            )
+            for k, w in tree["layers"].items()
+        }
+        return out
+
+    def to_stages(self, params):
+        return self._permute(params, self.perm, "stored")
+
+    def to_model(self, grads):
+        kind = "stored" if self.layout.zero.shards_state else "compute"
+        return self._permute(grads, self.inverse, kind)

@@ -1,0 +1,72 @@
+"""A layer's backward pass split from its forward, with `jax.vjp`'s residuals as arrays.
+
+A pipeline runs a micro-batch's forward at one tick and its backward many ticks later,
+inside another branch of the same loop. Between the two, what the backward needs (the
+activations autodiff would keep) must live in buffers of fixed shape: this file turns
+`jax.vjp`'s closure into a flat list of arrays and back.
+
+Inputs the backward can be handed again (the layer's weights, the positions and
+segment ids of the micro-batch) are not stored: each residual that *is* one of them is
+re-supplied at the backward, so a buffer of k micro-batches holds k sets of activations
+and no copy of the weights. `model.remat` still decides what the activations are: under
+`jax.checkpoint` the residuals are what its policy saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one function's vjp closure maps onto (given inputs, stored arrays)."""
+
+    treedef: object  # of the vjp closure (holds the backward's program, static)
+    reuse: tuple[int, ...]  # per closure leaf: index into the given leaves, or -1 (stored)
+    stored: tuple  # ShapeDtypeStructs of the stored leaves (with their varying axes)
+
+
+def _split(fn, given, diff):
+    out, pullback = jax.vjp(lambda *d: fn(given, *d), *diff)
+    leaves, treedef = jax.tree.flatten(pullback)
+    known = jax.tree.leaves(given)
+    reuse = tuple(next((i for i, g in enumerate(known) if leaf is g), -1) for leaf in leaves)
+    return out, leaves, treedef, reuse
+
+
+def probe(fn, given, *diff) -> Split:
+    """Trace `fn(given, *diff)` abstractly once: the residuals' structure and types."""
+    found = {}
+
+    def run(given, *diff):
+        _, leaves, treedef, reuse = _split(fn, given, diff)
+        found.update(treedef=treedef, reuse=reuse)
+        return [x for x, r in zip(leaves, reuse, strict=True) if r < 0]
+
+    stored = jax.eval_shape(run, given, *diff)
+    return Split(found["treedef"], found["reuse"], tuple(stored))
+
+
+def forward(split: Split, fn, given, *diff):
+    """(fn's output, the residual arrays to store) for `backward`."""
+    out, leaves, treedef, reuse = _split(fn, given, diff)
+    if reuse != split.reuse:
+        raise RuntimeError("the layer's residuals changed between two traces of it")
+    return out, [x for x, r in zip(leaves, reuse, strict=True) if r < 0]
+
+
+def backward(split: Split, given, stored, cotangent):
+    """The cotangents of `diff` from the stored residuals and the re-supplied inputs."""
+    known, it = jax.tree.leaves(given), iter(stored)
+    leaves = [known[r] if r >= 0 else next(it) for r in split.reuse]
+    return jax.tree.unflatten(split.treedef, leaves)(cotangent)
+
+
+def varying(struct) -> frozenset:
+    """The manual axes a probed residual varies over."""
+    manual = getattr(struct, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(struct, "vma", ()))
