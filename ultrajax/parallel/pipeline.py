@@ -37,6 +37,7 @@ from ultrajax.model import block, embed, final_norm, remat_policy
 from ultrajax.parallel import residuals
 from ultrajax.parallel import schedule as sched
 from ultrajax.parallel.data import vary
+from ultrajax.parallel.partitioned import RESIDUAL
 from ultrajax.weights import Reduce, Weight, finish, vma
 
 AXIS = "pipeline"
@@ -227,14 +228,19 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
 
     mb0, seg0 = given(0)
     x0 = jax.eval_shape(lambda: embed(m, cparams, mb0.inputs, tp=tp))
-    act_axes = residuals.varying(x0) | {AXIS}
+    act_axes = tuple(sorted(residuals.varying(x0) | {AXIS}))
     act = jax.ShapeDtypeStruct(x0.shape, x0.dtype)
     x_probe = _zeros(act, act_axes)
     split = residuals.probe(layer, (per_layer, mb0.positions, seg0), layer_sink, x_probe)
     n_per = jax.tree.leaves(layer_w)[0].shape[1]
     unroll = max(1, min(m.scan_unroll, n_per))
 
-    # ----------------------------------------------------------------- tick bodies
+    # ----------------------------------------------------------------- stage pieces
+
+    def residual(x):
+        """The residual stream's type and (under the partitioner) layout, wherever it
+        comes from: both branches of a conditional must agree."""
+        return tp.constrain(vary(x, act_axes), RESIDUAL)
 
     def chunk_w(j):
         if v == 1:
@@ -244,7 +250,7 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
     def stage_forward(j, x, mb, seg):
         def body(x, w):
             y, res = residuals.forward(split, layer, (w, mb.positions, seg), layer_sink, x)
-            return vary(y, tuple(sorted(act_axes))), res
+            return vary(y, act_axes), res
 
         return jax.lax.scan(body, x, chunk_w(j), unroll=unroll)
 
@@ -253,7 +259,7 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
             w, r = xs
             ds, dx = residuals.backward(split, (w, mb.positions, seg), r, g)
             out = (ds if weights_too else None, g if keep_cot else None)
-            return vary(dx, tuple(sorted(act_axes))), out
+            return vary(dx, act_axes), out
 
         return jax.lax.scan(body, g, (chunk_w(j), res), reverse=True, unroll=unroll)
 
@@ -291,75 +297,82 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
             ds,
         )
 
-    def forward(state, r, *, first, last):
-        i, j = r["micro"], r["chunk"]
-        mb, seg = given(i)
-        if first:
-            x = embed(m, cparams, mb.inputs, tp=tp)
-        else:
-            x = read(state["act"], r["act"])
-        x = vary(x, tuple(sorted(act_axes)))
-        y, res = stage_forward(j, x, mb, seg)
-        state = dict(state, res=write(state["res"], r["res"], res))
-        if last:
-            loss, pull = jax.vjp(lambda s, y: head_loss(s, y, mb), head_sink, y)
-            dhead, dy = pull(jnp.ones_like(loss))
-            state["grad"] = write(state["grad"], r["grad"], dy)
-            state["head"] = jax.tree.map(jnp.add, state["head"], dhead)
-            state["loss"] = state["loss"] + loss
-            y = jnp.zeros_like(y)
-        return state, y, jnp.zeros_like(y)
+    def when(pred, update, *operands):
+        """update(*operands) where pred holds, else the operands unchanged. The unchanged
+        case is branch 0 of the conditional: XLA forwards a pass-through operand of
+        branch 0 in place, but copies one of any later branch (every tick, whole
+        buffers), so each buffer is only ever updated under its own two-way `when`."""
+        first = operands[0]
 
-    def backward(state, r, *, first, split_weights=False):
+        def apply(*ops):
+            out = update(*ops)
+            return (_like(out[0], first), *out[1:])
+
+        def keep(*ops):
+            out = jax.eval_shape(apply, *ops)
+            zeros = [vary(jnp.zeros(s.shape, s.dtype), tuple(sorted(residuals.varying(s))))
+                     for s in out[1:]]  # fmt: skip
+            return (ops[0], *zeros)
+
+        return jax.lax.cond(pred, apply, keep, *operands)
+
+    # ----------------------------------------------------------------- one tick
+
+    def forward(res_buf, act_buf, r, b):
         i, j = r["micro"], r["chunk"]
         mb, seg = given(i)
-        g = read(state["grad"], r["grad"])
-        res = read(state["res"], r["res"])
-        dx, (ds, cots) = stage_backward(
-            j, res, g, mb, seg, weights_too=not split_weights, keep_cot=split_weights
+        x = jax.lax.cond(
+            b == FWD_FIRST,
+            lambda: residual(embed(m, cparams, mb.inputs, tp=tp)),
+            lambda: residual(read(act_buf, r["act"])),
         )
-        if split_weights:
-            state = dict(state, cot=write(state["cot"], r["cot"], cots))
-        else:
-            state = dict(state, layers=add_layers(state["layers"], j, ds))
-        if first:  # the embedding's gradient: its lookup, differentiated at the input
-            _, pull = jax.vjp(
-                lambda s: embed(
-                    m, {"embed": Weight.make(cparams["embed"], s, None, red)}, mb.inputs, tp=tp
-                ),  # fmt: skip
-                embed_sink,
-            )
-            (de,) = pull(dx.astype(act.dtype))
-            state["embed"] = state["embed"] + de
-            dx = jnp.zeros_like(dx)
-        return state, jnp.zeros_like(dx), dx
+        y, res = stage_forward(j, x, mb, seg)
+        return write(res_buf, r["res"], res), y
 
-    def weight_step(state, r):
+    def head(acc, y, r):
+        mb, _ = given(r["micro"])
+        loss, pull = jax.vjp(lambda s, y: head_loss(s, y, mb), head_sink, y)
+        dhead, dy = pull(jnp.ones_like(loss))
+        return jax.tree.map(jnp.add, acc, dhead), vary(dy, act_axes), loss
+
+    def backward_weights(gw, res_buf, grad_buf, cot_buf, r, b):
+        """BACKWARD (both halves) or zero-bubble's weight step: the layer gradients."""
         i, j = r["micro"], r["chunk"]
         mb, seg = given(i)
-        res = read(state["res"], r["res"])
-        cots = read(state["cot"], r["cot"])
-        ds = stage_weights(j, res, cots, mb, seg)
-        zero = _zeros(act, act_axes)
-        return dict(state, layers=add_layers(state["layers"], j, ds)), zero, zero
+        res = read(res_buf, r["res"])
 
-    def idle(state, r):
-        zero = _zeros(act, act_axes)
-        return state, zero, zero
+        def full():
+            dx, (ds, _) = stage_backward(j, res, read(grad_buf, r["grad"]), mb, seg)
+            return ds, dx
 
-    branches = [
-        idle,
-        lambda s, r: forward(s, r, first=False, last=False),
-        lambda s, r: forward(s, r, first=True, last=False),
-        lambda s, r: forward(s, r, first=False, last=True),
-        lambda s, r: backward(s, r, first=False),
-        lambda s, r: backward(s, r, first=True),
-        lambda s, r: backward(s, r, first=False, split_weights=True),
-        lambda s, r: backward(s, r, first=True, split_weights=True),
-        weight_step,
-    ]
+        def weight_half():
+            ds = stage_weights(j, res, read(cot_buf, r["cot"]), mb, seg)
+            return ds, _zeros(act, act_axes)
 
-    # ----------------------------------------------------------------- buffers
+        ds, dx = jax.lax.cond(b == BWD_W, weight_half, full)
+        return add_layers(gw, j, ds), dx
+
+    def backward_input(cot_buf, res_buf, grad_buf, r):
+        """Zero-bubble's input step: the gradient to send, and each layer's cotangent."""
+        i, j = r["micro"], r["chunk"]
+        mb, seg = given(i)
+        res = read(res_buf, r["res"])
+        dx, (_, cots) = stage_backward(
+            j, res, read(grad_buf, r["grad"]), mb, seg, weights_too=False, keep_cot=True
+        )
+        return write(cot_buf, r["cot"], cots), dx
+
+    def embed_backward(acc, dx, r):
+        """The first stage's input gradient is the embedding's: its lookup, differentiated."""
+        mb, _ = given(r["micro"])
+        _, pull = jax.vjp(
+            lambda s: embed(
+                m, {"embed": Weight.make(cparams["embed"], s, None, red)}, mb.inputs, tp=tp
+            ),  # fmt: skip
+            embed_sink,
+        )
+        (de,) = pull(dx.astype(act.dtype))
+        return (acc + de,)
 
     slots = plan.slots
     res_axes = [residuals.varying(s) | {AXIS} for s in split.stored]
@@ -370,9 +383,7 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
         ],
         "act": _zeros(act, act_axes, (slots["act"] + 1,)),
         "grad": _zeros(act, act_axes, (slots["grad"] + 1,)),
-        "cot": _zeros(act, act_axes, (slots["cot"] + 1, n_per))
-        if plan.kind == "zb-h1"
-        else _zeros(act, act_axes, (1, n_per)),
+        "cot": _zeros(act, act_axes, ((slots["cot"] if plan.kind == "zb-h1" else 0) + 1, n_per)),
         "layers": jax.tree.map(
             lambda s: vary(jnp.zeros((v, n_per, *s.shape), s.dtype), tuple(sorted(vma(s)))),
             layer_sink,
@@ -384,19 +395,34 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
     template = state
     down = [(k, (k + 1) % p) for k in range(p)]
     up = [(k, (k - 1) % p) for k in range(p)]
+    junk_grad = slots["grad"]
 
-    def tick(state, xs):
+    def tick(st, xs):
         row, sends = xs
         mine = jax.lax.dynamic_index_in_dim(row, d, 0, False)
         r = {c: mine[k] for k, c in enumerate(COLUMNS)}
-        outs = [lambda st, f=f: (lambda out: (_like(out[0], template), *out[1:]))(f(st, r))
-                for f in branches]  # fmt: skip
-        state, y, dx = jax.lax.switch(r["branch"], outs, state)
+        b = r["branch"]
+        is_fwd = (b == FWD) | (b == FWD_FIRST) | (b == FWD_LAST)
+        st = dict(st)
+        st["res"], y = when(is_fwd, forward, st["res"], st["act"], r, b)
+        st["head"], dy, loss = when(b == FWD_LAST, head, st["head"], y, r)
+        st["loss"] = st["loss"] + vary(loss, grad_axes)
+        st["grad"] = write(st["grad"], jnp.where(b == FWD_LAST, r["grad"], junk_grad), dy)
+        both = (b == BWD) | (b == BWD_FIRST) | (b == BWD_W)
+        st["layers"], dx = when(
+            both, backward_weights, st["layers"], st["res"], st["grad"], st["cot"], r, b
+        )
+        if plan.kind == "zb-h1":
+            is_bi = (b == BWD_IN) | (b == BWD_IN_FIRST)
+            st["cot"], dx_in = when(is_bi, backward_input, st["cot"], st["res"], st["grad"], r)
+            dx = dx + dx_in
+        (st["embed"],) = when((b == BWD_FIRST) | (b == BWD_IN_FIRST), embed_backward,
+                              st["embed"], dx, r)  # fmt: skip
         y = jax.lax.cond(sends[0], lambda a: jax.lax.ppermute(a, AXIS, down), lambda a: a, y)
         dx = jax.lax.cond(sends[1], lambda a: jax.lax.ppermute(a, AXIS, up), lambda a: a, dx)
-        state = dict(state, act=write(state["act"], r["act_in"], y))
-        state = dict(state, grad=write(state["grad"], r["grad_in"], dx))
-        return _like(state, template), None
+        st["act"] = write(st["act"], r["act_in"], y)
+        st["grad"] = write(st["grad"], r["grad_in"], dx)
+        return _like(st, template), None
 
     state, _ = jax.lax.scan(tick, state, (jnp.asarray(plan.rows), jnp.asarray(plan.sends)))
     grads = {k: state["head"][k] for k in head_keys}
