@@ -53,7 +53,7 @@ class Layout:
         defer = grads and self.zero.active <= 1
         needed = big & frozenset(TOKEN_AXES) if defer and big & set(DATA_AXES) else frozenset()
         self.pipeline = mesh.shape[PIPELINE_AXIS]
-        if self.pipeline > 1:  # the schedule runs per device; its data reductions wait
+        if self.pipeline > 1 and grads:  # the schedule runs per device; data reductions wait
             needed = big & frozenset((*TOKEN_AXES, PIPELINE_AXIS))
         self.manual = needed if self.gspmd else big
         self.cp = Context(
