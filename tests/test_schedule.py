@@ -138,3 +138,14 @@ def test_draw(tmp_path):
         path = schedule_plot.draw(sched.build(kind, 4, 8, v), tmp_path / f"{kind}.png")
         assert path.stat().st_size > 1000
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_lockstep_time_counts_the_slowest_op_of_each_tick():
+    """One SPMD program: a tick lasts its slowest op. p=4, m=8: AFAB's forwards and
+    backwards never share a tick (33 forward-times); 1F1B's steady state pairs forwards
+    on some devices with backwards on others, each such tick a backward long (40); ZB-H1's
+    ops are all one forward long (27 = 3m + p - 1)."""
+    times = {k: sched.lockstep(sched.build(k, 4, 8))[0] for k in ("afab", "1f1b", "zb-h1")}
+    assert times == {"afab": 33.0, "1f1b": 40.0, "zb-h1": 27.0}
+    time, bubble = sched.lockstep(sched.build("zb-h1", 4, 8))
+    assert bubble == pytest.approx(3 / 27)

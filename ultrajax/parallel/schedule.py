@@ -282,6 +282,29 @@ def formula(kind: str, p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (work + p - 1)
 
 
+# Relative cost of each op when the stage's forward costs 1: a backward does two matmuls
+# per forward matmul; zero bubble splits it in halves (Qi et al. 2023's assumption).
+COSTS = {IDLE: 0.0, FORWARD: 1.0, BACKWARD: 2.0, BACKWARD_INPUT: 1.0, BACKWARD_WEIGHT: 1.0}
+
+
+def lockstep(table: np.ndarray, costs: dict | None = None) -> tuple[float, float]:
+    """(time, bubble) of a table run as one SPMD program, in units of a stage forward.
+
+    The devices exchange activations and gradients every tick, so a tick lasts as long
+    as the slowest op in it: time = sum over ticks of the most expensive op that tick
+    (a chunk's op costs 1/v). The bubble is the share of that time a device would not
+    need alone: 1 - (its work) / time. Unit-time tables hide this: in 1F1B's steady
+    state half the devices run a forward while the others run a backward, so every
+    such tick costs a backward."""
+    costs = COSTS if costs is None else costs
+    ops = np.asarray(table)[..., 0]
+    v = _chunks(table)
+    cost = np.vectorize(lambda o: costs[int(o)])(ops) / v
+    time = float(cost.max(axis=1).sum())
+    work = float(cost.sum(axis=0).max())
+    return time, 1.0 - work / time
+
+
 def in_flight(table: np.ndarray) -> int:
     """The most micro-batch activations (one per micro-batch and chunk) any device holds
     at once: a FORWARD stores one; BACKWARD frees it, and for zero bubble
