@@ -48,6 +48,46 @@ class Reduce:
     spec: object = None  # a PartitionSpec for the result (gspmd: the partitioner reduces)
     varying: frozenset = frozenset()  # the sink's varying axes: where the result may vary
     shape: tuple = ()  # the sink's shape
+    defer: Deferred | None = None  # zero bubble: hand out (input, cotangent), see Deferred
+
+
+class Deferred:
+    """Zero bubble's split backward for one weight (parallel/pipeline.py).
+
+    The input step (B) needs only the activation gradients; the weight step (W) later
+    needs, per matmul, its input and its output's cotangent, nothing else. A weight whose
+    `reduce.defer` is set has a backward rule that computes the input gradient and hands
+    out (input, cotangent) as the cotangent of its `acc` (a pair of zeros shaped like
+    them) instead of the weight gradient; `weight_gradient` turns the pair into the same
+    gradient the ordinary rule computes. A first trace with `acc=None` records the op
+    and the pair's shapes (`seen`), so the zeros can be made."""
+
+    def __init__(self):
+        self.seen = None  # (op: an einsum equation or "scale", input struct, output struct)
+
+    def zeros(self):
+        """The pair of zeros to pass as the weight's `acc` (types included)."""
+        _, x, out = self.seen
+        return tuple(_typed_zeros(a) for a in (x, out))
+
+    def weight_gradient(self, pair, red: Reduce):
+        """The weight's gradient from its (input, cotangent): the ordinary rule's math."""
+        x, g = pair
+        red = dataclasses.replace(red, defer=None)
+        op = self.seen[0]
+        if op == "scale":
+            return finish(_scale_dw(x, g), None, red)
+        return finish(_dense_dw(op, x, g, red), None, red)
+
+
+def _struct(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype), vma(x)
+
+
+def _typed_zeros(struct):
+    shape_dtype, axes = struct
+    z = jnp.zeros(shape_dtype.shape, shape_dtype.dtype)
+    return jax.lax.pcast(z, tuple(sorted(axes)), to="varying") if axes else z
 
 
 @jax.tree_util.register_dataclass
@@ -131,16 +171,22 @@ def _dense(eq, out_dtype, x, value, sink, acc, red):
 
 
 def _dense_fwd(eq, out_dtype, x, value, sink, acc, red):
-    return _dense(eq, out_dtype, x, value, sink, acc, red), (x, value, acc)
+    keep = None if red.defer is not None else acc  # deferred: acc is only the pair's zeros
+    return _dense(eq, out_dtype, x, value, sink, acc, red), (x, value, keep)
+
+
+def _dense_dw(eq, x, g, red):
+    return jnp.einsum(_transposes(eq)[1], x, g, preferred_element_type=jnp.dtype(red.dtype))
 
 
 def _dense_bwd(eq, out_dtype, red, res, g):
     x, value, acc = res
-    eq_dx, eq_dw = _transposes(eq)
+    eq_dx, _ = _transposes(eq)
     g = g.astype(x.dtype)
     dx = jnp.einsum(eq_dx, g, value).astype(x.dtype)
-    dw = jnp.einsum(eq_dw, x, g, preferred_element_type=jnp.dtype(red.dtype))
-    return dx, None, finish(dw, acc, red), None
+    if red.defer is not None:
+        return dx, None, None, (x, g)
+    return dx, None, finish(_dense_dw(eq, x, g, red), acc, red), None
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
@@ -150,7 +196,10 @@ def dense(x, w, eq: str, out_dtype=None):
     """einsum(eq, x, w) in x's dtype (or `out_dtype`), w cast to x's dtype."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if isinstance(w, Weight):
-        return _dense(eq, out_dtype, x, w.value.astype(x.dtype), w.sink, w.acc, w.reduce)
+        out = _dense(eq, out_dtype, x, w.value.astype(x.dtype), w.sink, w.acc, w.reduce)
+        if w.reduce.defer is not None and w.acc is None:  # the shape trace
+            w.reduce.defer.seen = (eq, _struct(x), _struct(out.astype(x.dtype)))
+        return out
     return jnp.einsum(eq, x, w.astype(x.dtype), preferred_element_type=out_dtype).astype(out_dtype)
 
 
@@ -163,13 +212,20 @@ def _scale(y, value, sink, acc, red):
 
 
 def _scale_fwd(y, value, sink, acc, red):
-    return _scale(y, value, sink, acc, red), (y, value, acc)
+    keep = None if red.defer is not None else acc
+    return _scale(y, value, sink, acc, red), (y, value, keep)
+
+
+def _scale_dw(y, g):
+    return jnp.sum((g * y).reshape(-1, y.shape[-1]), axis=0)
 
 
 def _scale_bwd(red, res, g):
     y, value, acc = res
-    dw = jnp.sum((g * y).reshape(-1, y.shape[-1]), axis=0)
-    return g * value.astype(g.dtype), None, finish(dw, acc, red), None
+    dy = g * value.astype(g.dtype)
+    if red.defer is not None:
+        return dy, None, None, (y, g)
+    return dy, None, finish(_scale_dw(y, g), acc, red), None
 
 
 _scale.defvjp(_scale_fwd, _scale_bwd)
@@ -178,7 +234,10 @@ _scale.defvjp(_scale_fwd, _scale_bwd)
 def scale(y, w):
     """y * w along the last axis (RMSNorm's learned scale), in y's dtype."""
     if isinstance(w, Weight):
-        return _scale(y, w.value, w.sink, w.acc, w.reduce)
+        out = _scale(y, w.value, w.sink, w.acc, w.reduce)
+        if w.reduce.defer is not None and w.acc is None:  # the shape trace
+            w.reduce.defer.seen = ("scale", _struct(y), _struct(out))
+        return out
     return y * w.astype(y.dtype)
 
 

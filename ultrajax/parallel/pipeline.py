@@ -38,7 +38,7 @@ from ultrajax.parallel import residuals
 from ultrajax.parallel import schedule as sched
 from ultrajax.parallel.data import vary
 from ultrajax.parallel.partitioned import RESIDUAL
-from ultrajax.weights import Reduce, Weight, finish, vma
+from ultrajax.weights import Deferred, Reduce, Weight, finish, vma
 
 AXIS = "pipeline"
 
@@ -131,13 +131,12 @@ def make_plan(kind: str, p: int, m: int, v: int = 1) -> Plan:
             if op == sched.BACKWARD:
                 r[col["branch"]] = BWD_FIRST if first else BWD
                 r[col["res"]] = pools["res"][d].give((s, i))
-            elif op == sched.BACKWARD_INPUT:
+            elif op == sched.BACKWARD_INPUT:  # the residuals are done with: W reads pairs
                 r[col["branch"]] = BWD_IN_FIRST if first else BWD_IN
-                r[col["res"]] = pools["res"][d].get((s, i))
+                r[col["res"]] = pools["res"][d].give((s, i))
                 r[col["cot"]] = pools["cot"][d].take((s, i))
             else:  # BACKWARD_WEIGHT
                 r[col["branch"]] = BWD_W
-                r[col["res"]] = pools["res"][d].give((s, i))
                 r[col["cot"]] = pools["cot"][d].give((s, i))
             if op != sched.BACKWARD_WEIGHT and not first:
                 arrivals.append(("grad", (d - 1) % p, (s - 1, i)))
@@ -210,9 +209,22 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
     def weights(values, sinks):
         return {k: Weight.make(values[k], sinks[k], None, red) for k in sinks}
 
-    def layer(given, sink_, x):
+    # zero bubble: the layer's weights hand out (input, cotangent) pairs in the input step
+    # and the weight step computes their gradients from those alone (weights.Deferred);
+    # the other schedules differentiate the layer with respect to its sinks
+    split_backward = plan.kind == "zb-h1"
+    deferred = {k: Deferred() for k in per_layer}
+
+    def deferring(w, pairs):
+        return {
+            k: Weight.make(w[k], layer_sink[k], pairs[k], Reduce(red.dtype, defer=deferred[k]))
+            for k in w
+        }
+
+    def layer(given, diff, x):
         w, pos, seg = given
-        return block(weights(w, sink_), x, pos, seg, cfg=m, tp=tp)
+        ws = deferring(w, diff) if split_backward else weights(w, diff)
+        return block(ws, x, pos, seg, cfg=m, tp=tp)
 
     policy = remat_policy(m.remat)
     if policy is not None:
@@ -231,7 +243,13 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
     act_axes = tuple(sorted(residuals.varying(x0) | {AXIS}))
     act = jax.ShapeDtypeStruct(x0.shape, x0.dtype)
     x_probe = _zeros(act, act_axes)
-    split = residuals.probe(layer, (per_layer, mb0.positions, seg0), layer_sink, x_probe)
+    given0 = (per_layer, mb0.positions, seg0)
+    if split_backward:  # a shape trace records each weight's (input, cotangent) pair
+        pairs_none = {k: None for k in per_layer}
+        jax.eval_shape(lambda: block(deferring(per_layer, pairs_none), x_probe, *given0[1:],
+                                     cfg=m, tp=tp))  # fmt: skip
+    diff0 = {k: deferred[k].zeros() for k in per_layer} if split_backward else layer_sink
+    split = residuals.probe(layer, given0, diff0, x_probe)
     n_per = jax.tree.leaves(layer_w)[0].shape[1]
     unroll = max(1, min(m.scan_unroll, n_per))
 
@@ -247,29 +265,38 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
             return jax.tree.map(lambda a: a[0], layer_w)
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, False), layer_w)
 
+    def diff():
+        if split_backward:
+            return {k: deferred[k].zeros() for k in per_layer}
+        return layer_sink
+
     def stage_forward(j, x, mb, seg):
         def body(x, w):
-            y, res = residuals.forward(split, layer, (w, mb.positions, seg), layer_sink, x)
+            y, res = residuals.forward(split, layer, (w, mb.positions, seg), diff(), x)
             return vary(y, act_axes), res
 
         return jax.lax.scan(body, x, chunk_w(j), unroll=unroll)
 
-    def stage_backward(j, res, g, mb, seg, *, weights_too=True, keep_cot=False):
+    def stage_backward(j, res, g, mb, seg):
+        """(input gradient, per layer: the weight gradients, or zero bubble's pairs)."""
+
         def body(g, xs):
             w, r = xs
-            ds, dx = residuals.backward(split, (w, mb.positions, seg), r, g)
-            out = (ds if weights_too else None, g if keep_cot else None)
+            out, dx = residuals.backward(split, (w, mb.positions, seg), r, g)
             return vary(dx, act_axes), out
 
         return jax.lax.scan(body, g, (chunk_w(j), res), reverse=True, unroll=unroll)
 
-    def stage_weights(j, res, cots, mb, seg):
-        def body(_, xs):
-            w, r, g = xs
-            ds, _dx = residuals.backward(split, (w, mb.positions, seg), r, g)
-            return None, ds
+    def stage_weights(pairs):
+        """Zero bubble's weight step: every layer's weight gradients from its pairs."""
+        reduce_ = {
+            k: Reduce(red.dtype, varying=vma(s_), shape=s_.shape) for k, s_ in layer_sink.items()
+        }
 
-        return jax.lax.scan(body, None, (chunk_w(j), res, cots), unroll=unroll)[1]
+        def body(_, pair):
+            return None, {k: deferred[k].weight_gradient(pair[k], reduce_[k]) for k in pair}
+
+        return jax.lax.scan(body, None, pairs, unroll=unroll)[1]
 
     def head_loss(sinks, y, mb):
         w = weights(cparams, sinks)
@@ -338,29 +365,19 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
     def backward_weights(gw, res_buf, grad_buf, cot_buf, r, b):
         """BACKWARD (both halves) or zero-bubble's weight step: the layer gradients."""
         i, j = r["micro"], r["chunk"]
+        if split_backward:  # W: from the pairs the input step kept
+            return add_layers(gw, j, stage_weights(read(cot_buf, r["cot"]))), _zeros(act, act_axes)
         mb, seg = given(i)
-        res = read(res_buf, r["res"])
-
-        def full():
-            dx, (ds, _) = stage_backward(j, res, read(grad_buf, r["grad"]), mb, seg)
-            return ds, dx
-
-        def weight_half():
-            ds = stage_weights(j, res, read(cot_buf, r["cot"]), mb, seg)
-            return ds, _zeros(act, act_axes)
-
-        ds, dx = jax.lax.cond(b == BWD_W, weight_half, full)
+        dx, ds = stage_backward(j, read(res_buf, r["res"]), read(grad_buf, r["grad"]), mb, seg)
         return add_layers(gw, j, ds), dx
 
     def backward_input(cot_buf, res_buf, grad_buf, r):
-        """Zero-bubble's input step: the gradient to send, and each layer's cotangent."""
+        """Zero-bubble's input step: the gradient to send, and every layer's pairs."""
         i, j = r["micro"], r["chunk"]
         mb, seg = given(i)
         res = read(res_buf, r["res"])
-        dx, (_, cots) = stage_backward(
-            j, res, read(grad_buf, r["grad"]), mb, seg, weights_too=False, keep_cot=True
-        )
-        return write(cot_buf, r["cot"], cots), dx
+        dx, pairs = stage_backward(j, res, read(grad_buf, r["grad"]), mb, seg)
+        return write(cot_buf, r["cot"], pairs), dx
 
     def embed_backward(acc, dx, r):
         """The first stage's input gradient is the embedding's: its lookup, differentiated."""
@@ -383,7 +400,12 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
         ],
         "act": _zeros(act, act_axes, (slots["act"] + 1,)),
         "grad": _zeros(act, act_axes, (slots["grad"] + 1,)),
-        "cot": _zeros(act, act_axes, ((slots["cot"] if plan.kind == "zb-h1" else 0) + 1, n_per)),
+        "cot": {  # zero bubble: each layer's (input, cotangent) pairs, input step to W
+            k: tuple(_zeros(a, ax | {AXIS}, (slots["cot"] + 1, n_per)) for a, ax in dk.seen[1:])
+            for k, dk in deferred.items()
+        }
+        if split_backward
+        else _zeros(act, act_axes, (1,)),
         "layers": jax.tree.map(
             lambda s: vary(jnp.zeros((v, n_per, *s.shape), s.dtype), tuple(sorted(vma(s)))),
             layer_sink,
@@ -408,14 +430,17 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
         st["head"], dy, loss = when(b == FWD_LAST, head, st["head"], y, r)
         st["loss"] = st["loss"] + vary(loss, grad_axes)
         st["grad"] = write(st["grad"], jnp.where(b == FWD_LAST, r["grad"], junk_grad), dy)
+        # a buffer is written before it is read within a tick: the other order makes XLA
+        # copy it whole (its read in one conditional outlives the update in the next)
+        dx_in = 0
+        if split_backward:
+            is_bi = (b == BWD_IN) | (b == BWD_IN_FIRST)
+            st["cot"], dx_in = when(is_bi, backward_input, st["cot"], st["res"], st["grad"], r)
         both = (b == BWD) | (b == BWD_FIRST) | (b == BWD_W)
         st["layers"], dx = when(
             both, backward_weights, st["layers"], st["res"], st["grad"], st["cot"], r, b
         )
-        if plan.kind == "zb-h1":
-            is_bi = (b == BWD_IN) | (b == BWD_IN_FIRST)
-            st["cot"], dx_in = when(is_bi, backward_input, st["cot"], st["res"], st["grad"], r)
-            dx = dx + dx_in
+        dx = dx + dx_in
         (st["embed"],) = when((b == BWD_FIRST) | (b == BWD_IN_FIRST), embed_backward,
                               st["embed"], dx, r)  # fmt: skip
         y = jax.lax.cond(sends[0], lambda a: jax.lax.ppermute(a, AXIS, down), lambda a: a, y)
