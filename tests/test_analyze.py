@@ -94,6 +94,19 @@ def test_parser_reports_unknown_trip_counts():
     assert {c.name: c.count for c in found}["ar"] == 1
 
 
+def test_parser_reads_a_trip_count_behind_copies():
+    """The partitioned module of a scan under gspmd compares the counter with a copy of
+    the bound, and carries no known_trip_count: the pipeline's tick loop looks so."""
+    bound = "  %n = s32[] constant(3)\n  ROOT %lt = pred[] compare(%i, %n), direction=LT"
+    copied = (
+        "  %n0 = s32[] constant(3)\n  %n = s32[] copy(%n0)\n"
+        "  ROOT %lt = pred[] compare(%i, %n), direction=LT"
+    )
+    assert bound in SYNTHETIC
+    found, notes = comms.collectives(SYNTHETIC.replace(bound, copied))
+    assert {c.name: c.count for c in found}["ag"] == 15 and notes == []
+
+
 def test_shape_bytes_and_group_size_forms():
     assert comms.shape_bytes("(f32[2,3]{1,0}, /*index=1*/bf16[4], pred[8])") == 24 + 8 + 8
     assert comms.group_size("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == 2
@@ -232,6 +245,7 @@ def test_cli_json_llama_8b_shape_without_allocating():
         (("mesh.fsdp=4",), "--cpu-devices 4 simulates"),
         (("--plot", "out.txt"), "should end in .png"),
         (("model.remat=offload", "--compile"), "model.remat=offload needs host offloading"),
+        (("--plot-schedule", "s.png"), "mesh.pipeline=1, so there is no pipeline schedule"),
     ],
 )
 def test_cli_errors_are_one_line_exit_2(args, message):
@@ -253,3 +267,51 @@ def test_cli_compile_plots_and_tables(tmp_path):
     for needle in ("= peak", "XLA memory_analysis", "compiled dots", "all-reduce", "verdict"):
         assert needle in out, out
     assert bars.stat().st_size > 10_000 and sweep.stat().st_size > 10_000
+
+
+# --------------------------------------------------------------------------- pipeline
+
+PIPELINE = (
+    "mesh.pipeline=4", "model.n_layers=4", "model.seq_len=128", "train.micro_batch_size=4",
+    "train.grad_accum=8", "model.remat=none", "parallel.pipeline_schedule=1f1b",
+)  # fmt: skip
+
+
+def test_cli_plot_schedule_compiles_nothing(tmp_path):
+    """--plot-schedule draws the configured table; the report stays analytic (no
+    "compiled" column) and has the pipeline section, here 1F1B at p=4, m=8."""
+    png = tmp_path / "schedule.png"
+    r = run_cli("--config", TINY, "--cpu-devices", "8", *BASE, *PIPELINE, "mesh.data=2",
+                "--plot-schedule", str(png), "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert png.stat().st_size > 10_000
+    assert report["plot_schedule_title"] == "1f1b: p=4, m=8, v=1, bubble 27.3% (formula 27.3%)"
+    assert "compiled" not in report and "communication" not in report
+    pp = report["pipeline"]
+    assert (pp["ticks"], pp["in_flight"], pp["in_flight_per_device"]) == (22, 4, [4, 3, 2, 1])
+    message = 4 * 128 * 64 * 4  # rows x seq_len x d_model x fp32
+    assert pp["message"]["bytes"] == message
+    assert pp["p2p"]["formula"]["bytes"] == 2 * 8 * 3 / 4 * message  # 2 m (p - 1) / p
+    assert pp["p2p"]["executor"]["bytes"] == (15 + 17) * message  # ticks with a send
+
+
+def test_pipeline_report_against_the_compiled_sends():
+    """One compile (p=4 x data=2): the permutes in the tick loop are the executor's two
+    sends, counted statically at every tick; at the ticks with a send they are what the
+    executor sends. The gradient all-reduces (layers over data, the replicated
+    embedding and head over data x pipeline) match their formula."""
+    cfg, devices = make(*PIPELINE, "mesh.data=2")
+    report = analyze.analyze(cfg, communication=True, devices=devices, compiler_options=FAST)
+    pp = report["pipeline"]
+    message, compiled = pp["message"]["bytes"], pp["p2p"]["compiled"]
+    assert compiled["ops"] == 2 and compiled["bytes_per_op"] == [message, message]
+    assert compiled["static_bytes"] == 2 * pp["ticks"] * message
+    assert compiled["at_send_ticks_bytes"] == pp["p2p"]["executor"]["bytes"]
+    kinds = report["communication"]["kinds"]
+    assert kinds["all-reduce"]["ratio"] == pytest.approx(1.0, abs=0.01)
+    assert kinds["collective-permute"]["expected"] == pp["p2p"]["formula"]["bytes"]
+    assert any("pipeline" in n for n in report["communication"]["notes"])
+    text = analyze.format_report(report)
+    for needle in ("pipeline: 1f1b, p=4", "formula 2·m·(v·p-1)/p = 12 messages", "static count"):
+        assert needle in text, text

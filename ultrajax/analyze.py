@@ -19,6 +19,13 @@ Options:
                          default: the device's own where known
   --plot FILE.png        predicted vs compiled memory, stacked bars
   --plot-sweep FILE.png  activation memory against sequence length per remat policy
+  --plot-schedule FILE.png
+                         the pipeline schedule (mesh.pipeline > 1), devices by ticks;
+                         compiles nothing (the report stays analytic unless --compile)
+
+With mesh.pipeline > 1 the report has a pipeline section: the schedule's ticks, bubble
+and activations in flight read off the very table the executor runs, and the
+point-to-point bytes the executor sends beside the textbook count and the compiled HLO.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import json
 import sys
 
 import jax
+import numpy as np
 
 from ultrajax import attention, cli, comms, memory, metrics, optim
 from ultrajax import batch as batch_lib
@@ -37,6 +45,7 @@ from ultrajax import mesh as mesh_lib
 from ultrajax.config import Config, ConfigError, resolve_mesh
 from ultrajax.memory import fmt_bytes
 from ultrajax.model import param_count
+from ultrajax.parallel import schedule
 
 KNOWN_ACCELERATORS = ("H100", "H200", "A100-SXM4-80GB")
 
@@ -181,6 +190,12 @@ def flops_report(cfg: Config, compiled=None, hlo_text: str | None = None) -> dic
     if hlo_text is not None:
         out["hlo_dots"], out["hlo_dots_once"] = comms.matmul_flops(hlo_text)
         out["ratio"] = out["hardware"] / out["hlo_dots"] if out["hlo_dots"] else None
+        if cfg.mesh.pipeline > 1:  # each tick's branches are all counted: no like for like
+            out["ratio"] = None
+            out["note"] = (
+                "pipeline: the compiled count takes every branch of every tick (forward, "
+                "backward, head, ...) as run at every tick; a device runs one per tick"
+            )
     return out
 
 
@@ -247,6 +262,8 @@ def analyze(
             "grad_accum": cfg.train.grad_accum,
             "seq_len": cfg.model.seq_len,
             "tokens_per_step": cfg.tokens_per_step,
+            "pipeline_schedule": cfg.parallel.pipeline_schedule if cfg.mesh.pipeline > 1 else None,
+            "virtual_stages": cfg.parallel.virtual_stages,
         },
         "notes": notes,
         "predicted": est.to_dict(),
@@ -274,6 +291,10 @@ def analyze(
             "peak": est.peak / c["peak"] if c["peak"] else None,
         }
     report["flops"] = flops_report(analysed, compiled, text)
+    if cfg.mesh.pipeline > 1:
+        source = "partitioned" if partitioned is not None else "compiled"
+        hlo = partitioned if partitioned is not None else text
+        report["pipeline"] = pipeline_report(analysed, hlo, source)
     if communication and text is not None:
         report["communication"] = communication_report(analysed, text, partitioned)
         report["communication_modes"] = {analysed.parallel.collectives: report["communication"]}
@@ -308,6 +329,176 @@ def communication_report(cfg: Config, text: str, partitioned: str | None = None)
     return rep
 
 
+# --------------------------------------------------------------------------- pipeline
+
+BUBBLE_FORMULA = {
+    "afab": "(p-1)/(m+p-1)",
+    "1f1b": "(p-1)/(m+p-1)",
+    "interleaved": "(p-1)/(v·m+p-1)",
+    "zb-h1": "(p-1)/(3m+p-1)",
+}
+
+
+def _in_flight_per_device(table: np.ndarray) -> list[int]:
+    """schedule.in_flight's count, per device: the most micro-batch chunks each holds."""
+    ops = table[..., 0]
+    stored = (ops == schedule.FORWARD).astype(np.int64)
+    stored -= (ops == schedule.BACKWARD) | (ops == schedule.BACKWARD_WEIGHT)
+    return [int(x) for x in np.cumsum(stored, axis=0).max(axis=0, initial=0)]
+
+
+def pipeline_report(cfg: Config, hlo_text: str | None = None, source: str = "") -> dict | None:
+    """The schedule the executor runs (mesh.pipeline > 1), read off its own table, and its
+    point-to-point bytes per step per device three ways: what the executor sends, the
+    textbook count, and (given the HLO) the compiled collective-permutes."""
+    p, v, m = cfg.mesh.pipeline, cfg.parallel.virtual_stages, cfg.train.grad_accum
+    if p == 1:
+        return None
+    plan = memory.pipeline_plan(cfg)
+    table, kind = plan.table, plan.kind
+    message = comms.pipeline_message_bytes(cfg)
+    act_ticks, grad_ticks = (int(x) for x in plan.sends.sum(axis=0))
+    activations, gradients = schedule.p2p_messages(table)
+    d = memory.dims(cfg)
+    out = {
+        "schedule": kind,
+        "p": p,
+        "m": m,
+        "v": v,
+        "ticks": plan.ticks,
+        "layers_per_chunk": cfg.model.n_layers // (p * v),
+        "bubble": schedule.bubble(table),
+        "bubble_formula": schedule.formula(kind, p, m, v),
+        "bubble_formula_text": BUBBLE_FORMULA[kind],
+        "in_flight": schedule.in_flight(table),
+        "in_flight_per_device": _in_flight_per_device(table),
+        "slots": dict(plan.slots),
+        "message": {
+            "bytes": message,
+            "shape": [d.b, d.s_res, d.h],
+            "dtype": cfg.model.dtype,
+        },
+        "p2p": {
+            "executor": {
+                "activation_ticks": act_ticks,
+                "gradient_ticks": grad_ticks,
+                "bytes": (act_ticks + grad_ticks) * message,
+                "what": "every device sends one message down the ring at each tick where "
+                "any device sends an activation, and one up where any sends a gradient "
+                "(a collective: devices with nothing to send send a spare slot)",
+            },
+            "formula": {
+                "messages": [activations, gradients],
+                "per_device": (activations + gradients) / p,
+                "bytes": (activations + gradients) / p * message,
+                "what": "2·m·(v·p-1)/p messages per device: each micro-batch crosses each "
+                "of the v·p-1 stage boundaries once forward (its activation) and once "
+                "backward (its gradient)",
+            },
+        },
+    }
+    if hlo_text is not None:
+        found, _ = comms.collectives(hlo_text)
+        ops = [
+            c
+            for c in found
+            if c.kind == "collective-permute" and c.count and c.count % plan.ticks == 0
+        ]
+        compiled = {
+            "source": source or "compiled",
+            "ops": len(ops),
+            "bytes_per_op": [c.bytes for c in ops],
+            "runs": sum(c.count for c in ops),
+            "static_bytes": sum(c.bytes * c.count for c in ops),
+            "at_send_ticks_bytes": None,
+            "what": "collective-permutes inside the tick loop; each sits in a conditional "
+            "taken only at ticks with a send, so the static count (each one x the loop's "
+            f"{plan.ticks} ticks) is an upper bound",
+        }
+        if len(ops) == 2 and ops[0].bytes == ops[1].bytes:  # one each way
+            compiled["at_send_ticks_bytes"] = ops[0].bytes * (act_ticks + grad_ticks)
+        out["p2p"]["compiled"] = compiled
+    return out
+
+
+def _p2p_row(label: str, nbytes: float, note: str = "") -> str:
+    return f"    {label:<58}{fmt_bytes(nbytes):>12}  {note}".rstrip()
+
+
+def _pipeline_lines(pp: dict) -> list[str]:
+    p2p, msg = pp["p2p"], pp["message"]
+    ex, fo = p2p["executor"], p2p["formula"]
+    per_device = ", ".join(str(k) for k in pp["in_flight_per_device"])
+    slots = pp["slots"]
+    shape = " x ".join(str(k) for k in msg["shape"])
+    lines = [
+        "",
+        f"pipeline: {pp['schedule']}, p={pp['p']} stages, v={pp['v']} chunk(s) of "
+        f"{pp['layers_per_chunk']} layer(s) per device, m={pp['m']} micro-batches, "
+        f"{pp['ticks']} ticks",
+        f"  bubble (idle device-ticks, from the table)  {pp['bubble']:.1%}   formula "
+        f"{pp['bubble_formula_text']} = {pp['bubble_formula']:.1%}",
+        f"  micro-batch activations in flight          {pp['in_flight']} (per device: "
+        f"{per_device}{'; one per micro-batch and chunk' if pp['v'] > 1 else ''})",
+        f"  buffer slots (+1 spare each)               residuals {slots['res']}, activations "
+        f"{slots['act']}, gradients {slots['grad']}"
+        + (f", cotangents {slots['cot']}" if pp["schedule"] == "zb-h1" else ""),
+        f"  point-to-point per step per device: message {shape} {msg['dtype']} = "
+        f"{fmt_bytes(msg['bytes'])}",
+        _p2p_row(
+            f"executor: {ex['activation_ticks'] + ex['gradient_ticks']} sends "
+            f"({ex['activation_ticks']} activation, {ex['gradient_ticks']} gradient ticks)",
+            ex["bytes"],
+        ),
+        _p2p_row(
+            f"formula 2·m·(v·p-1)/p = {fo['per_device']:g} messages",
+            fo["bytes"],
+            f"executor / formula {ex['bytes'] / fo['bytes']:.2f}",
+        ),
+    ]
+    c = p2p.get("compiled")
+    if c:
+        each = sorted({fmt_bytes(b) for b in c["bytes_per_op"]})
+        lines.append(
+            _p2p_row(
+                f"compiled: {c['ops']} collective-permutes ({', '.join(each) or '-'}), "
+                f"{c['runs']} runs",
+                c["static_bytes"],
+                "static count: each at every tick",
+            )
+        )
+        if c["at_send_ticks_bytes"] is not None:
+            lines.append(_p2p_row("compiled, at the ticks with a send", c["at_send_ticks_bytes"]))
+        lines.append(
+            "    (each send sits in a conditional of the tick loop, taken at the ticks with "
+            f"a send; read from the {c['source']} program)"
+        )
+    return lines
+
+
+def plot_schedule(cfg: Config, path: str) -> str:
+    """Draw the configured pipeline schedule (schedule_plot.draw); compiles nothing."""
+    from ultrajax import schedule_plot
+
+    p, v, m = cfg.mesh.pipeline, cfg.parallel.virtual_stages, cfg.train.grad_accum
+    kind = cfg.parallel.pipeline_schedule
+    if p == 1:
+        raise ConfigError(
+            "--plot-schedule: mesh.pipeline=1, so there is no pipeline schedule to draw; "
+            "set mesh.pipeline > 1 (and train.grad_accum >= it)"
+        )
+    table = memory.pipeline_plan(cfg).table
+    title = (
+        f"{kind}: p={p}, m={m}, v={v}, bubble {schedule.bubble(table):.1%} "
+        f"(formula {schedule.formula(kind, p, m, v):.1%})"
+    )
+    try:
+        schedule_plot.draw(table, path, title=title)
+    except RuntimeError as e:  # no matplotlib
+        raise ConfigError(f"--plot-schedule: {e}") from None
+    return title
+
+
 def _row(label, predicted=None, compiled=None, indent=2, ratio=True) -> str:
     r = f"{predicted / compiled:6.2f}" if ratio and predicted and compiled else ""
     p = fmt_bytes(predicted) if predicted is not None else ""
@@ -338,9 +529,12 @@ def format_report(r: dict) -> str:
         for k, v in rows.items():
             if k.startswith(name) and v:
                 lines.append(_row(k, v, indent=4))
-    lines.append(
-        _row("activations saved for backward", rows["activations saved for backward"], indent=4)
+    saved = (
+        "activations saved (pipeline buffers)"
+        if r.get("pipeline")
+        else "activations saved for backward"
     )
+    lines.append(_row(saved, rows["activations saved for backward"], indent=4))
     for part, v in p["activations"].items():
         if part.startswith("logits"):
             continue
@@ -353,6 +547,14 @@ def format_report(r: dict) -> str:
             indent=4,
         )
     )
+    if "one chunk's residuals (the tick's own)" in rows:  # mesh.pipeline > 1
+        lines.append(
+            _row(
+                "one chunk's residuals (the tick's own)",
+                rows["one chunk's residuals (the tick's own)"],
+                indent=4,
+            )
+        )
     lines.append(
         _row(
             "one layer's backward (working set)",
@@ -416,11 +618,16 @@ def format_report(r: dict) -> str:
             f"  attention, zig-zag {on} (per device)   max {max(per):.4g}  min {min(per):.4g}"
             f"  (max/min {max(per) / min(per):.2f})"
         )
+    if f.get("note"):
+        lines.append(f"  note: {f['note']}")
     if f.get("cost_analysis") is not None:
         lines.append(
             f"  XLA cost_analysis                      {f['cost_analysis']:.4g}  (reads each loop "
             f"body once: compare {f['hlo_dots_once']:.4g} dots counted once)"
         )
+
+    if r.get("pipeline"):
+        lines += _pipeline_lines(r["pipeline"])
 
     modes = r.get("communication_modes") or (
         {"": r["communication"]} if r.get("communication") else {}
@@ -512,12 +719,14 @@ def plot_breakdown(r: dict, path: str) -> None:
             rows[next(k for k in rows if k.startswith("batch"))] + p["outputs"] + 8,
         ),
     ]
-    if phase == "optimizer update":
+    # mesh.pipeline > 1: the gradients are reduced after the ticks, not during them
+    grads = 0 if r.get("pipeline") else rows[next(k for k in rows if k.startswith("gradients ("))]
+    if phase in ("optimizer update", "gradient reduction"):
         predicted.append(("optimizer temporaries", p["phases"][phase]))
     else:
         predicted += [
             ("compute copy", rows[next(k for k in rows if k.startswith("compute copy"))]),
-            ("gradients", rows[next(k for k in rows if k.startswith("gradients ("))]),
+            ("gradients", grads),
             ("fp32 accumulators", rows["gradient accumulators (fp32)"]),
             ("ZeRO-3 whole embedding gradient", rows.get("ZeRO-3 whole embedding gradient", 0)),
         ]
@@ -649,6 +858,12 @@ def main(argv=None) -> int:
     p.add_argument("--device-memory", default=None, metavar="SIZE", help="e.g. 80GB, 80GiB")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="memory breakdown bars")
     p.add_argument("--plot-sweep", default=None, metavar="FILE.png", help="memory vs seq_len")
+    p.add_argument(
+        "--plot-schedule",
+        default=None,
+        metavar="FILE.png",
+        help="the pipeline schedule (mesh.pipeline > 1); implies no compile unless --compile",
+    )
     args = p.parse_args(argv)
     device_memory = None
     if args.device_memory is not None:
@@ -659,7 +874,7 @@ def main(argv=None) -> int:
                 f"--device-memory: {args.device_memory!r} is not a size; use e.g. 80GB, 80GiB "
                 "or a number of bytes"
             ) from None
-    for flag in ("plot", "plot_sweep"):
+    for flag in ("plot", "plot_sweep", "plot_schedule"):
         path = getattr(args, flag)
         if path is not None and not path.lower().endswith((".png", ".pdf", ".svg")):
             raise ConfigError(f"--{flag.replace('_', '-')}: {path!r} should end in .png")
@@ -673,8 +888,11 @@ def main(argv=None) -> int:
         want = math_prod(sizes) if -1 not in sizes else "N"
         hint = f" (on a CPU host, --cpu-devices {want} simulates that many devices)"
         raise ConfigError(f"{e}{hint}") from None
+    title = plot_schedule(cfg, args.plot_schedule) if args.plot_schedule else None
     multi = math_prod(cfg.mesh.sizes().values()) > 1
-    do_compile = (args.compile or multi) and not args.no_compile
+    # a multi-device mesh implies --compile (for the communication), unless only the
+    # schedule's picture was asked for
+    do_compile = (args.compile or (multi and not args.plot_schedule)) and not args.no_compile
     report = analyze(
         cfg,
         compile=do_compile,
@@ -688,12 +906,15 @@ def main(argv=None) -> int:
     if args.plot_sweep:
         report["sweep"] = plot_sweep(cfg, args.plot_sweep, report["verdict"]["device_memory"])
         report["plot_sweep"] = args.plot_sweep
+    if title is not None:
+        report["plot_schedule"] = args.plot_schedule
+        report["plot_schedule_title"] = title
     if args.json:
         json.dump(report, sys.stdout, indent=1, default=_jsonable)
         print()
     else:
         print(format_report(report))
-        for key in ("plot", "plot_sweep"):
+        for key in ("plot", "plot_sweep", "plot_schedule"):
             if key in report:
                 print(f"wrote {report[key]}")
     return 0

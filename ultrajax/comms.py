@@ -191,12 +191,16 @@ def _trip_count(rest: str, mod: HloModule, condition: str | None) -> int | None:
     m = _TRIP.search(rest)
     if m:
         return int(m.group(1))
-    # fall back on the loop condition: compare(counter, constant(N)), direction=LT
+    # fall back on the loop condition: compare(counter, constant(N)), direction=LT, the
+    # constant perhaps behind copies (the partitioned module of a scan under gspmd)
     consts = {}
     for name, _shape, op in mod.computations.get(condition, []):
         c = re.match(r"constant\((-?\d+)\)", op)
         if c:
             consts[name] = int(c.group(1))
+        c = re.match(r"copy\(%?([\w.\-]+)\)", op)
+        if c and c.group(1) in consts:
+            consts[name] = consts[c.group(1)]
     for _name, _shape, op in mod.computations.get(condition, []):
         if op.startswith("compare(") and "direction=LT" in op:
             for operand in re.findall(r"%([\w.\-]+)", op.split(")")[0]):
@@ -390,7 +394,10 @@ def expected(cfg: Config) -> list[Term]:
     zero = cfg.parallel.zero if fs > 1 else 0
     terms = []
     dp = dp_d * fs
-    if zero == 0 and dp > 1:
+    pp = mesh.pipeline
+    if pp > 1:  # parallel/pipeline.py: psi counts this stage's layers and the whole rest
+        terms += _pipeline_terms(cfg, grads, psi, dp_d, fs, zero)
+    elif zero == 0 and dp > 1:
         terms.append(
             Term(
                 "all-reduce",
@@ -399,7 +406,7 @@ def expected(cfg: Config) -> list[Term]:
                 _ring(grads, dp, 2.0),
             )
         )
-    if zero >= 1:
+    if zero >= 1 and pp == 1:
         rs_times = accum if zero >= 2 else 1
         terms.append(
             Term(
@@ -466,7 +473,8 @@ def expected(cfg: Config) -> list[Term]:
         # b·s·h of one micro-batch (the device's part of the sequence under CP)
         act = c * t.micro_batch_size * (m.seq_len // mesh.sequence) * m.d_model
         per_block = 6 if m.remat == "full" else 4  # full remat repeats the forward's two
-        n_ops = (per_block * m.n_layers + 2) * accum  # + embedding forward, LM head backward
+        # + embedding forward, LM head backward; a pipeline stage runs its layers
+        n_ops = (per_block * m.n_layers // mesh.pipeline + 2) * accum
         what = f"activations b·s·h, {per_block} per block + embedding and LM head, per micro-batch"
         if cfg.parallel.sequence_parallel:
             for kind in ("all-gather", "reduce-scatter"):
@@ -480,6 +488,79 @@ def expected(cfg: Config) -> list[Term]:
     return terms
 
 
+def pipeline_message_bytes(cfg: Config) -> float:
+    """One point-to-point message of the pipeline: a micro-batch's residual stream on one
+    device, rows x seq_len (/ tensor with SP) x d_model in the compute dtype."""
+    from ultrajax import memory
+
+    d = memory.dims(cfg)
+    return float(d.c * d.X_res)
+
+
+def _pipeline_terms(cfg: Config, grads: float, psi: int, dp_d: int, fs: int, zero: int):
+    """mesh.pipeline > 1 (parallel/pipeline.py): every gradient is reduced once, after the
+    last micro-batch (ZeRO-2 too); the embedding, final norm and LM head, which every
+    stage holds, sum over `pipeline` in the same all-reduce as over the data axes; and
+    the activations and gradients cross the stage boundaries point to point."""
+    from ultrajax import memory
+    from ultrajax.parallel import schedule
+
+    p = cfg.mesh.pipeline
+    psi_rest = memory.param_elements(
+        cfg, kind="compute", ignore=("fsdp",), where=lambda w: not w.startswith("['layers']")
+    )
+    rest = grads * psi_rest / psi  # grads: bytes of the psi weights' gradients
+    layers = grads - rest
+    terms = []
+    if zero >= 1:
+        terms.append(
+            Term(
+                "reduce-scatter",
+                f"gradients over fsdp (ZeRO-{zero}, once per step)",
+                "Ψ(N-1)/N",
+                _ring(grads, fs),
+            )
+        )
+    shard = fs if zero >= 1 else 1
+    over = "gradient shards" if zero >= 1 else "gradients"
+    n = dp_d * (fs if zero == 0 else 1)
+    if n > 1:
+        terms.append(
+            Term(
+                "all-reduce",
+                f"layer {over} over the data axes",
+                "2Ψ_layers(N-1)/N",
+                _ring(layers / shard, n, 2.0),
+            )
+        )
+    terms.append(
+        Term(
+            "all-reduce",
+            f"embedding, final norm, LM head {over} over data x pipeline",
+            "2Ψ_rest(N·p-1)/(N·p)",
+            _ring(rest / shard, n * p, 2.0),
+        )
+    )
+    if zero >= 1:
+        weights = grads / memory.dtype_bytes(cfg.parallel.grad_reduce_dtype)
+        weights *= memory.dtype_bytes(cfg.model.dtype)
+        terms.append(
+            Term("all-gather", "parameters over fsdp (updated)", "Ψ(N-1)/N", _ring(weights, fs))
+        )
+    table = memory.pipeline_plan(cfg).table
+    sends = sum(schedule.p2p_messages(table))
+    terms.append(
+        Term(
+            "collective-permute",
+            "activations down, gradients up the pipeline (each micro-batch crosses each "
+            "stage boundary once each way)",
+            "2·m·(v·p-1)/p·bsh",
+            sends / p * pipeline_message_bytes(cfg),
+        )
+    )
+    return terms
+
+
 def expected_by_kind(terms: list[Term]) -> dict[str, float]:
     out = {k: 0.0 for k in KINDS}
     for term in terms:
@@ -490,6 +571,13 @@ def expected_by_kind(terms: list[Term]) -> dict[str, float]:
 def report(cfg: Config, hlo_text: str) -> dict:
     """Measured (from the HLO) beside expected (the formulas), per kind, JSON-ready."""
     found, notes = collectives(hlo_text)
+    if cfg.mesh.pipeline > 1:
+        notes = [
+            *notes,
+            "pipeline: a collective in a branch of the tick loop (the sends; tensor "
+            "parallelism's inside the stage) is counted at every tick, as if every branch "
+            "ran at every tick: an upper bound (the pipeline section has the sends' ticks)",
+        ]
     measured = summarize(found)
     terms = expected(cfg)
     want = expected_by_kind(terms)

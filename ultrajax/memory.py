@@ -15,6 +15,11 @@ Adam moments, the batch) plus the largest of its phases' temporaries:
     logits' working set (exp(logits), their gradient and its transposed copy);
   - optimizer update: the fp32 gradients and the update's temporaries.
 
+With mesh.pipeline > 1 the executor's fixed buffers (parallel/pipeline.py) replace the
+saved activations: per device, (slots + 1) micro-batch chunks of n_layers / (p v) layers'
+residuals, the slots read off the schedule's own plan, and the phases are one tick's
+(`_pipelined`).
+
 The saved activations are exact (tested against `print_saved_residuals`); the
 working sets are counted in copies of an activation, coefficients measured on
 XLA:CPU in fp32 (the `WORK` table), since they depend on the compiler's fusion and
@@ -52,10 +57,14 @@ WORK = {
     "full": {"X": 4.5, "R": 7.0, "K": 10.2, "Wm": 3.1, "Wa": 0.1, "Z": 0.0, "S": 2.5, "F": 5.2},
     "selective": {"X": 2.7, "R": 4.8, "K": 0.0, "Wm": 3.7, "Wa": 1.8, "Z": 0.1, "S": 3.0, "F": 3.0},
 }
+BATCH_ROW = "batch (int32, 5 fields)"
 ATTN_S = 3.75  # fitted: scores, probabilities, their gradient, a transposed copy (fp32)
 HEAD_WORK_V = 2.0  # exp(logits) and d logits: fp32 b·s·v each
 HEAD_WORK_X = 3.0  # final norm input, output and their gradient: b·s·h
 OPT_WORK = 1.0  # fp32 parameter-sized temporaries of the AdamW update beyond the gradients
+# mesh.pipeline > 1: the share of one layer's backward working set (layer_work) live at a
+# tick beside the chunk's residuals; fitted on XLA:CPU, fp32 (tests/test_memory.py)
+PIPE_WORK = {"none": 0.75, "full": 0.9, "selective": 0.9}
 
 # Total device memory (nvidia-smi's MiB) of the accelerators we know by name.
 DEVICE_MEMORY = {
@@ -401,6 +410,104 @@ def layer_work(cfg: Config) -> float:
     return base + max(sum(coef[k] * v for k, v in mlp.items()), attn)
 
 
+# --------------------------------------------------------------------------- pipeline
+
+# The layer weights a checkpointed layer's recomputation reads, each with the saved name
+# that makes it unnecessary (None: always read; w_down's output is never needed again).
+_RECOMPUTE_READS = {
+    "attn_norm": None,
+    "mlp_norm": None,
+    "wo": None,
+    "wq": "query",
+    "wk": "key",
+    "wv": "value",
+    "w_gate": "mlp_in",
+    "w_up": "mlp_in",
+}
+
+
+def _saved_names(m: ModelConfig) -> set[str]:
+    """The named activations a checkpointed layer keeps (offload: keeps on the host)."""
+    pol = _policy(m)
+    if pol in ("selective", "offload"):
+        return {"query", "key", "value", "attn_out", "mlp_in", "mlp_out"}
+    return set(m.remat) if pol == "list" else set()
+
+
+def pipeline_plan(cfg: Config):
+    """The executor's plan (parallel/pipeline.py) of this config: its table and slots."""
+    from ultrajax.parallel import pipeline
+
+    par = cfg.parallel
+    return pipeline.make_plan(
+        par.pipeline_schedule, cfg.mesh.pipeline, cfg.train.grad_accum, par.virtual_stages
+    )
+
+
+def pipeline_saved_per_layer(cfg: Config) -> dict[str, float]:
+    """Bytes of one layer's residuals in the pipeline's buffer, by part, per device: what
+    one layer's `jax.vjp` keeps (parallel/residuals.py) and the compiled program does not
+    drop (tests/test_memory.py reads them off the tick loop's carry).
+
+    saved_per_layer's parts (the RMSNorm scale as a scalar, not broadcast), and:
+      no recompute: the mask (bool b·a·s², both `where`s keep their own broadcast) and
+        rotary cos/sin for q and k apart (fp32 4·b·s·hd/2 each), in every layer: the
+        layer scan keeps these once (invariant_activations), one layer's vjp cannot
+        share them, so 2 x invariant_activations per layer;
+      under jax.checkpoint: the layer weights its recomputation reads (both norms, wo,
+        and wq, wk, wv, w_gate, w_up unless their outputs are saved), copied into every
+        slot: the executor re-supplies a weight where the residual *is* the input, and
+        the checkpoint's residuals are fresh copies of them (wasteful: a stage's weights
+        once per slot; the prediction follows what runs).
+    """
+    m = cfg.model
+    parts = dict(saved_per_layer(cfg))
+    pol = _policy(m)
+    if pol == "none":
+        parts["norms"] -= 2 * 4 * m.d_model  # the scale stays a scalar residual
+        parts["masks and rotary tables"] = 2 * invariant_activations(cfg)
+        return parts
+    saved = _saved_names(m)
+    kept = 0
+    for path, shape, names in _leaves(m):
+        key = path.removeprefix("['layers']['").removesuffix("']")
+        if path.startswith("['layers']") and key in _RECOMPUTE_READS:
+            if _RECOMPUTE_READS[key] not in saved:
+                kept += shard_elements(cfg, shape[1:], names[1:], "compute", ("fsdp",))
+    parts["layer weights (recomputation's copies)"] = dims(cfg).c * kept
+    return parts
+
+
+def zero_bubble_pairs_per_layer(cfg: Config) -> float:
+    """Bytes per layer zero bubble's input step keeps for its weight step: each weight's
+    (input, output cotangent) (weights.Deferred). The seven matmuls' in the compute
+    dtype: wq (X, Q), wk and wv (X, K), wo (Q, X), w_gate and w_up (X, F), w_down (F, X);
+    the two RMSNorm scales' (y, dy) in fp32 on the residual stream."""
+    d = dims(cfg)
+    return d.c * (7 * d.X + 2 * d.Q + 2 * d.K + 3 * d.F) + 2 * 2 * 4 * d.X_res
+
+
+def pipeline_buffers(cfg: Config) -> dict[str, float]:
+    """Bytes per device of the executor's buffers (parallel/pipeline.py `run`), each with
+    its spare slot: the residuals of (slots + 1) micro-batch chunks of n_layers / (p v)
+    layers, the arriving activations and gradients (b·s·h each, compute dtype), and
+    zero bubble's (input, cotangent) pairs per chunk (one b·s·h slot otherwise)."""
+    m, plan = cfg.model, pipeline_plan(cfg)
+    d = dims(cfg)
+    per_chunk = m.n_layers // (plan.p * plan.v)
+    x = d.c * d.X_res
+    layers = (plan.slots["res"] + 1) * per_chunk
+    out = {k: layers * v for k, v in pipeline_saved_per_layer(cfg).items()}
+    out["arriving activations"] = (plan.slots["act"] + 1) * x
+    out["arriving gradients"] = (plan.slots["grad"] + 1) * x
+    if plan.kind == "zb-h1":
+        pairs = zero_bubble_pairs_per_layer(cfg)
+        out["weight-step pairs (zb-h1)"] = (plan.slots["cot"] + 1) * per_chunk * pairs
+    else:
+        out["unused cotangent slot"] = x
+    return out
+
+
 # --------------------------------------------------------------------------- the estimate
 
 
@@ -476,12 +583,13 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
     stored = param_elements(cfg, "stored")
     compute = param_elements(cfg, "compute")  # ZeRO-3: sharded over fsdp
     head_elems = param_elements(cfg, "compute", where=lambda p: "lm_head" in p)
-    batch = 3 * 4 * t.grad_accum * d.b * (m.seq_len + 1)  # tokens, segment ids, positions
+    # the five int32 fields of batch.Batch, (grad_accum, rows, seq_len) each
+    batch = 5 * 4 * t.grad_accum * d.b * (m.seq_len // cfg.mesh.sequence)
 
     e = Estimate()
     e.rows["parameters (master, " + m.param_dtype + ")"] = pb * stored
     e.rows["optimizer state (Adam mu, nu)"] = (4 + pb) * stored  # mu is fp32 (optim.py)
-    e.rows["batch (int32 tokens, segments, positions)"] = batch
+    e.rows[BATCH_ROW] = batch
     e.arguments = (2 * pb + 4) * stored + batch + 8  # + step counter and Adam's count
     e.outputs = 4 * 4  # loss, grad_norm, lr, n_targets
 
@@ -489,6 +597,9 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
     # all-gather the (sharded) masters into a whole copy
     z = Zero(zero, fsdp)
     copy = c * compute if (c != pb or (z.active in (1, 2))) else 0.0
+    e.rows["compute copy (" + m.dtype + ")"] = copy
+    if cfg.mesh.pipeline > 1:
+        return _pipelined(cfg, e, copy)
     # gradients leave each weight's backward rule in fp32, reduced (ultrajax/weights.py):
     # ZeRO >= 1 scatters them per layer, so only shards are kept; before the last
     # micro-batch ZeRO-0/1 accumulate whole, unreduced gradients (parallel/data.py)
@@ -497,7 +608,6 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
     acc_elems = stored if z.active >= 2 else whole
     grads = 4.0 * final
     accum = 4.0 * acc_elems if t.grad_accum > 1 else 0.0
-    e.rows["compute copy (" + m.dtype + ")"] = copy
     e.rows["gradients (fp32, reduced)"] = grads
     e.rows["gradient accumulators (fp32)"] = accum
 
@@ -542,17 +652,61 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
     return e
 
 
+def _pipelined(cfg: Config, e: Estimate, copy: float) -> Estimate:
+    """mesh.pipeline > 1 (parallel/pipeline.py): the executor's buffers replace the saved
+    activations, every device holds one stage's layers and the whole embedding, final
+    norm and LM head, and no gradient is reduced before the last micro-batch is done.
+
+    Phases: a tick (the buffers, the fp32 accumulators, one chunk's residuals being read
+    or written, and PIPE_WORK of one layer's backward working set); the last stage's
+    head (the logits' working set instead of the chunk's); then the reduction and the
+    optimizer."""
+    m, d = cfg.model, dims(cfg)
+    z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
+    plan = pipeline_plan(cfg)
+    stored = param_elements(cfg, "stored")
+    whole = param_elements(cfg, "compute", ignore=("fsdp",))
+    tied = param_elements(cfg, "compute", ignore=("fsdp",), where=lambda p: p == "['embed']")
+    # fp32 sums of every weight this device holds, whole over fsdp; a tied embedding has
+    # two (its lookup on the first stage, the LM head on the last)
+    accum = 4.0 * (whole + (tied if m.tie_embeddings else 0))
+    grads = 4.0 * (stored if z.active >= 1 else whole)
+    e.rows["gradient accumulators (fp32)"] = accum
+    e.rows["gradients (fp32, reduced after the ticks)"] = grads
+    e.activations.update(pipeline_buffers(cfg))
+    saved = sum(e.activations.values())
+    per_chunk = m.n_layers // (plan.p * plan.v)
+    e.host = (plan.slots["res"] + 1) * per_chunk * offloaded_per_layer(cfg)
+    # a chunk of several layers stacks its residuals before they go into their slot
+    chunk_res = per_chunk * sum(pipeline_saved_per_layer(cfg).values()) if per_chunk > 1 else 0
+    loss_chunk = m.loss_chunk / m.seq_len if 0 < m.loss_chunk < m.seq_len else 1.0
+    head_work = HEAD_WORK_V * 4 * d.V * loss_chunk + HEAD_WORK_X * d.c * d.X
+    e.activations["logits and loss (working set)"] = head_work
+    work = PIPE_WORK[work_features(cfg)[0]] * layer_work(cfg)
+    e.rows["one chunk's residuals (the tick's own)"] = chunk_res
+    e.rows["one layer's backward (working set)"] = work
+    e.rows["activations saved for backward"] = saved
+    kept = copy + accum
+    e.phases["pipeline tick"] = saved + kept + chunk_res + work
+    e.phases["head backward"] = saved + kept + head_work
+    e.phases["gradient reduction"] = accum + grads
+    e.phases["optimizer update"] = 4.0 * stored + OPT_WORK * 4 * stored
+    return e
+
+
 def summary_lines(cfg: Config, measured_peak: int | None = None) -> list[str]:
     """Lines for train.py's summary: the predicted per-device breakdown beside the
     backend's measured peak (device.memory_stats on GPU), where there is one."""
     e = estimate(cfg)
     r = e.rows
-    weights = e.arguments - r["batch (int32 tokens, segments, positions)"]
-    grads = sum(
-        v for k, v in r.items() if k.startswith(("compute copy", "gradient", "whole embedding"))
-    )
+    weights = e.arguments - r[BATCH_ROW]
+    during = ("compute copy", "gradient", "whole embedding")
+    if cfg.mesh.pipeline > 1:  # the reduced gradients come after the ticks
+        during = ("compute copy", "gradient accumulators")
+    grads = sum(v for k, v in r.items() if k.startswith(during))
     saved = r["activations saved for backward"]
-    work = e.temp - saved - grads if e.peak_phase != "optimizer update" else e.temp
+    after = ("optimizer update", "gradient reduction")
+    work = e.temp - saved - grads if e.peak_phase not in after else e.temp
     lines = [
         f"  predicted    {fmt_bytes(e.peak)} per device at the {e.peak_phase}: weights + Adam "
         f"{fmt_bytes(weights)}, gradients and copies {fmt_bytes(grads)}, saved activations "
