@@ -84,6 +84,7 @@ SCHEDULES = {
     ),
     "p4-m8-zb-h1-tied": (pp(4, "zb-h1"), 8, ("model.n_layers=4", "model.tie_embeddings=true")),
     "p2-m8-1f1b-remat-full": (pp(2, "1f1b"), 8, ("model.remat=full",)),
+    "p2-m4-zb-h1-blocked-attention": (pp(2, "zb-h1"), 4, ("model.attention=blocked",)),
 }
 TP_SP = (("mesh.data", 2), ("mesh.tensor", 2), ("parallel.zero", 1))
 TP_SP += (("parallel.sequence_parallel", True),)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from ultrajax.weights import vma
+
 NEG_INF = -1e30  # finite, so a fully masked row (padding) gives zeros, not NaN
 
 
@@ -114,6 +116,15 @@ def blocked_attention(q, k, v, segment_ids=None):
     return _blocked_forward(q, k, v, segment_ids)[0]
 
 
+def _typed(tree, *inputs):
+    """Loop-carry zeros typed as varying wherever the inputs do (inside shard_map: the
+    data, sequence or pipeline axes), so the carry keeps one type through the loop."""
+    axes = tuple(sorted(set().union(*(vma(x) for x in inputs if x is not None))))
+    if not axes:
+        return tree
+    return jax.tree.map(lambda z: jax.lax.pcast(z, axes, to="varying"), tree)
+
+
 def _blocked_forward(q, k, v, segment_ids):
     b, t, h, d = q.shape
     qg, seg, blocks = _blocked_parts(q, k, v, segment_ids, BLOCK)
@@ -131,11 +142,14 @@ def _blocked_forward(q, k, v, segment_ids):
                         preferred_element_type=jnp.float32)  # fmt: skip
         return (acc * corr[..., None] + pv, m_new, den * corr + p.sum(-1)), None
 
-    init = (
-        jnp.zeros((b, kv, g, t, d), jnp.float32),
-        jnp.full((b, kv, g, t), NEG_INF, jnp.float32),
-        jnp.zeros((b, kv, g, t), jnp.float32),
-    )
+    init = _typed(
+        (
+            jnp.zeros((b, kv, g, t, d), jnp.float32),
+            jnp.full((b, kv, g, t), NEG_INF, jnp.float32),
+            jnp.zeros((b, kv, g, t), jnp.float32),
+        ),
+        q, k, v, segment_ids,
+    )  # fmt: skip
     (acc, m, den), _ = jax.lax.scan(body, init, blocks)
     seen = den > 0
     safe = jnp.where(seen, den, 1.0)
@@ -167,7 +181,8 @@ def _blocked_bwd(res, dout):
         dq_b, dk, dv = block_grads(qg, kb, vb, dog, p, delta, scale)
         return dq + dq_b, (dk, dv)
 
-    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(qg.shape, jnp.float32), blocks)
+    zero = _typed(jnp.zeros(qg.shape, jnp.float32), q, k, v, segment_ids, dout)
+    dq, (dk, dv) = jax.lax.scan(body, zero, blocks)
     n = dk.shape[0]
     dk = dk.transpose(1, 0, 2, 3, 4).reshape(b, n * BLOCK, kv, d)[:, : k.shape[1]]
     dv = dv.transpose(1, 0, 2, 3, 4).reshape(b, n * BLOCK, kv, d)[:, : k.shape[1]]

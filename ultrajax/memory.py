@@ -412,28 +412,6 @@ def layer_work(cfg: Config) -> float:
 
 # --------------------------------------------------------------------------- pipeline
 
-# The layer weights a checkpointed layer's recomputation reads, each with the saved name
-# that makes it unnecessary (None: always read; w_down's output is never needed again).
-_RECOMPUTE_READS = {
-    "attn_norm": None,
-    "mlp_norm": None,
-    "wo": None,
-    "wq": "query",
-    "wk": "key",
-    "wv": "value",
-    "w_gate": "mlp_in",
-    "w_up": "mlp_in",
-}
-
-
-def _saved_names(m: ModelConfig) -> set[str]:
-    """The named activations a checkpointed layer keeps (offload: keeps on the host)."""
-    pol = _policy(m)
-    if pol in ("selective", "offload"):
-        return {"query", "key", "value", "attn_out", "mlp_in", "mlp_out"}
-    return set(m.remat) if pol == "list" else set()
-
-
 def pipeline_plan(cfg: Config):
     """The executor's plan (parallel/pipeline.py) of this config: its table and slots."""
     from ultrajax.parallel import pipeline
@@ -454,11 +432,8 @@ def pipeline_saved_per_layer(cfg: Config) -> dict[str, float]:
         rotary cos/sin for q and k apart (fp32 4·b·s·hd/2 each), in every layer: the
         layer scan keeps these once (invariant_activations), one layer's vjp cannot
         share them, so 2 x invariant_activations per layer;
-      under jax.checkpoint: the layer weights its recomputation reads (both norms, wo,
-        and wq, wk, wv, w_gate, w_up unless their outputs are saved), copied into every
-        slot: the executor re-supplies a weight where the residual *is* the input, and
-        the checkpoint's residuals are fresh copies of them (wasteful: a stage's weights
-        once per slot; the prediction follows what runs).
+      under jax.checkpoint: what the policy saves, nothing more (the layer's weights and
+        the zeros it is differentiated at are inputs the executor hands back).
     """
     m = cfg.model
     parts = dict(saved_per_layer(cfg))
@@ -467,14 +442,6 @@ def pipeline_saved_per_layer(cfg: Config) -> dict[str, float]:
         parts["norms"] -= 2 * 4 * m.d_model  # the scale stays a scalar residual
         parts["masks and rotary tables"] = 2 * invariant_activations(cfg)
         return parts
-    saved = _saved_names(m)
-    kept = 0
-    for path, shape, names in _leaves(m):
-        key = path.removeprefix("['layers']['").removesuffix("']")
-        if path.startswith("['layers']") and key in _RECOMPUTE_READS:
-            if _RECOMPUTE_READS[key] not in saved:
-                kept += shard_elements(cfg, shape[1:], names[1:], "compute", ("fsdp",))
-    parts["layer weights (recomputation's copies)"] = dims(cfg).c * kept
     return parts
 
 

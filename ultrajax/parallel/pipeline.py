@@ -282,7 +282,7 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
 
         def body(g, xs):
             w, r = xs
-            out, dx = residuals.backward(split, (w, mb.positions, seg), r, g)
+            out, dx = residuals.backward(split, (w, mb.positions, seg), diff(), r, g)
             return vary(dx, act_axes), out
 
         return jax.lax.scan(body, g, (chunk_w(j), res), reverse=True, unroll=unroll)

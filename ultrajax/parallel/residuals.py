@@ -6,7 +6,7 @@ activations autodiff would keep) must live in buffers of fixed shape: this file 
 `jax.vjp`'s closure into a flat list of arrays and back.
 
 Inputs the backward can be handed again (the layer's weights, the positions and
-segment ids of the micro-batch) are not stored: each residual that *is* one of them is
+segment ids of the micro-batch, the zeros it is differentiated at) are not stored: each residual that *is* one of them is
 re-supplied at the backward, so a buffer of k micro-batches holds k sets of activations
 and no copy of the weights. `model.remat` still decides what the activations are: under
 `jax.checkpoint` the residuals are what its policy saves.
@@ -28,38 +28,42 @@ class Split:
     stored: tuple  # ShapeDtypeStructs of the stored leaves (with their varying axes)
 
 
-def _split(fn, given, diff):
-    out, pullback = jax.vjp(lambda *d: fn(given, *d), *diff)
+def _split(fn, given, const, x):
+    out, pullback = jax.vjp(lambda c, x: fn(given, c, x), const, x)
     leaves, treedef = jax.tree.flatten(pullback)
-    known = jax.tree.leaves(given)
+    known = jax.tree.leaves((given, const))  # under jax.checkpoint the inputs are residuals
     reuse = tuple(next((i for i, g in enumerate(known) if leaf is g), -1) for leaf in leaves)
     return out, leaves, treedef, reuse
 
 
-def probe(fn, given, *diff) -> Split:
-    """Trace `fn(given, *diff)` abstractly once: the residuals' structure and types."""
+def probe(fn, given, const, x) -> Split:
+    """Trace `fn(given, const, x)` abstractly once: the residuals' structure and types.
+
+    The backward differentiates with respect to `const` (values the caller can make
+    again, e.g. zeros) and `x` (the activation, which is stored where it is needed)."""
     found = {}
 
-    def run(given, *diff):
-        _, leaves, treedef, reuse = _split(fn, given, diff)
+    def run(given, const, x):
+        _, leaves, treedef, reuse = _split(fn, given, const, x)
         found.update(treedef=treedef, reuse=reuse)
-        return [x for x, r in zip(leaves, reuse, strict=True) if r < 0]
+        return [leaf for leaf, r in zip(leaves, reuse, strict=True) if r < 0]
 
-    stored = jax.eval_shape(run, given, *diff)
+    stored = jax.eval_shape(run, given, const, x)
     return Split(found["treedef"], found["reuse"], tuple(stored))
 
 
-def forward(split: Split, fn, given, *diff):
+def forward(split: Split, fn, given, const, x):
     """(fn's output, the residual arrays to store) for `backward`."""
-    out, leaves, treedef, reuse = _split(fn, given, diff)
+    out, leaves, _, reuse = _split(fn, given, const, x)
     if reuse != split.reuse:
         raise RuntimeError("the layer's residuals changed between two traces of it")
-    return out, [x for x, r in zip(leaves, reuse, strict=True) if r < 0]
+    return out, [leaf for leaf, r in zip(leaves, reuse, strict=True) if r < 0]
 
 
-def backward(split: Split, given, stored, cotangent):
-    """The cotangents of `diff` from the stored residuals and the re-supplied inputs."""
-    known, it = jax.tree.leaves(given), iter(stored)
+def backward(split: Split, given, const, stored, cotangent):
+    """(cotangent of `const`, of `x`) from the stored residuals and the re-supplied
+    `given` and `const` (the same values the forward had: they are not stored)."""
+    known, it = jax.tree.leaves((given, const)), iter(stored)
     leaves = [known[r] if r >= 0 else next(it) for r in split.reuse]
     return jax.tree.unflatten(split.treedef, leaves)(cotangent)
 
