@@ -412,6 +412,7 @@ def layer_work(cfg: Config) -> float:
 
 # --------------------------------------------------------------------------- pipeline
 
+
 def pipeline_plan(cfg: Config):
     """The executor's plan (parallel/pipeline.py) of this config: its table and slots."""
     from ultrajax.parallel import pipeline

@@ -6,10 +6,11 @@ activations autodiff would keep) must live in buffers of fixed shape: this file 
 `jax.vjp`'s closure into a flat list of arrays and back.
 
 Inputs the backward can be handed again (the layer's weights, the positions and
-segment ids of the micro-batch, the zeros it is differentiated at) are not stored: each residual that *is* one of them is
-re-supplied at the backward, so a buffer of k micro-batches holds k sets of activations
-and no copy of the weights. `model.remat` still decides what the activations are: under
-`jax.checkpoint` the residuals are what its policy saves.
+segment ids of the micro-batch, the zeros it is differentiated at) are not stored: each
+residual that *is* one of them is re-supplied at the backward, so a buffer of k
+micro-batches holds k sets of activations and no copy of the weights. `model.remat` still
+decides what the activations are: under `jax.checkpoint` the residuals are what its
+policy saves.
 """
 
 from __future__ import annotations
