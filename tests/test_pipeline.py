@@ -42,7 +42,7 @@ def batches(m: int, n: int = 3) -> list[batch_lib.Batch]:
 
 @functools.cache
 def run(layout: tuple, m: int, *model: str):
-    """3 steps: (losses, grad norms, params, compiled HLO, eval (total, count))."""
+    """3 steps: (losses, grad norms, params, compiled HLO, eval (total, count, HLO))."""
     cfg = grid.make_cfg(dict(layout), f"train.grad_accum={m}", *model)
     mesh, rules, tx, sched, shardings, batch_sh = harness.setup(cfg)
     with jax.set_mesh(mesh):
@@ -57,9 +57,11 @@ def run(layout: tuple, m: int, *model: str):
             losses.append(float(out["loss"]))
             norms.append(float(out["grad_norm"]))
         evaluate = jax.jit(step_lib.make_eval_step(cfg, mesh, rules))
+        evaluate = evaluate.lower(state["params"], data[0]).compile(harness.FAST)
         total, count = evaluate(state["params"], data[0])
     params = jax.device_get(state["params"])
-    return losses, norms, params, compiled.as_text(), (float(total), int(count))
+    evaluation = (float(total), int(count), evaluate.as_text())
+    return losses, norms, params, compiled.as_text(), evaluation
 
 
 def pp(p, kind, *extra, v=1, collectives="explicit"):
@@ -119,9 +121,18 @@ def test_pipeline_matches_single_device(name):
     got, ref = run(layout, m, *model), run((), m, *model)
     grid.assert_same_training(got, ref)
     assert min(ref[1]) > 0.1  # gradients that move the weights (random data: the loss may not)
-    total, count = got[4]  # evaluation gathers the stages: the same sum
+    total, count, _ = got[4]  # evaluation runs the stages forwards: the same sum
     assert count == ref[4][1] > 0
     np.testing.assert_allclose(total, ref[4][0], rtol=2e-6)
+
+
+def test_evaluation_runs_the_stages_forwards_without_gathering_them():
+    """The eval step sends activations down the stages (collective-permutes) and never
+    all-gathers the layers: no device holds another stage's weights."""
+    layout, m, model = SCHEDULES["p4-m8-interleaved-v2-tied"]
+    found, _ = comms.collectives(run(layout, m, *model)[4][2])
+    kinds = {c.kind for c in found}
+    assert "collective-permute" in kinds and "all-gather" not in kinds, kinds
 
 
 def test_data_reductions_run_once_per_step_outside_the_schedule():

@@ -98,16 +98,12 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
     out_specs = (layout.specs[grad_kind], PartitionSpec(), PartitionSpec())
     sharded = layout.shard_map(fn, in_specs=in_specs, out_specs=out_specs)
 
-    order = pipeline.Order(cfg, mesh, layout)
-
     def train_step(state, batch):
         params = state["params"]
-        held = order.to_stages(params)  # interleaved: each device's chunks, in turn
         if layout.gspmd:
-            grads, loss, n_targets = sharded(held, layout.compute_copy(held), batch)
+            grads, loss, n_targets = sharded(params, layout.compute_copy(params), batch)
         else:
-            grads, loss, n_targets = sharded(held, batch)
-        grads = order.to_model(grads)
+            grads, loss, n_targets = sharded(params, batch)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new = {
@@ -134,16 +130,54 @@ def _pipelined(cfg: Config, layout: Layout):
         par.pipeline_schedule, layout.pipeline, cfg.train.grad_accum, par.virtual_stages
     )
 
+    p, v = layout.pipeline, par.virtual_stages
+
     def per_device(params, cparams, batch: Batch):
         if cparams is None:
             cparams = layout.compute_copy(params)
+        # interleaved: this device's chunks, from its slice of the model's order, and back
+        cparams = dict(cparams, layers=pipeline.to_stages(cparams["layers"], p, v))
         n_targets = layout.psum(batch.loss_mask.sum())
         scale = 1.0 / jnp.maximum(n_targets, 1).astype(jnp.float32)
         grads, loss = pipeline.run(plan, cfg, layout, cparams, batch, scale)
         grads = pipeline.reduce(cfg, layout, grads, params)
+        grads = dict(grads, layers=pipeline.to_model(grads["layers"], p, v))
         return grads, jax.lax.psum(layout.psum(loss), pipeline.AXIS), n_targets
 
     return per_device
+
+
+def _pipelined_eval(cfg: Config, layout: Layout):
+    """eval_step for mesh.pipeline > 1: the micro-batches go through the stages forwards
+    only (pipeline.evaluate), so no device ever holds another stage's layers."""
+    par = cfg.parallel
+    plan = pipeline.make_plan(
+        pipeline.FORWARD_ONLY, layout.pipeline, cfg.train.grad_accum, par.virtual_stages
+    )
+    p, v = layout.pipeline, par.virtual_stages
+
+    def per_device(params, cparams, batch: Batch):
+        if cparams is None:
+            cparams = layout.compute_copy(params)
+        cparams = dict(cparams, layers=pipeline.to_stages(cparams["layers"], p, v))
+        total = pipeline.evaluate(plan, cfg, layout, cparams, batch)
+        return jax.lax.psum(layout.psum(total), pipeline.AXIS), layout.psum(batch.loss_mask.sum())
+
+    batch_spec = batch_specs()
+    out_specs = (PartitionSpec(), PartitionSpec())
+    if layout.gspmd:
+        in_specs = (layout.specs["stored"], layout.specs["compute"], batch_spec)
+        sharded = layout.shard_map(per_device, in_specs=in_specs, out_specs=out_specs)
+    else:
+        fn = lambda p, b: per_device(p, None, b)  # noqa: E731
+        sharded = layout.shard_map(fn, (layout.specs["stored"], batch_spec), out_specs)
+
+    def eval_step(params, batch):
+        if layout.gspmd:
+            return sharded(params, layout.compute_copy(params), batch)
+        return sharded(params, batch)
+
+    return eval_step
 
 
 def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
@@ -151,6 +185,8 @@ def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
     if mesh is None:
         mesh, rules = make_mesh(cfg, jax.devices()[:1]), mesh_rules(cfg)
     layout = Layout(cfg, mesh, rules, grads=False)
+    if layout.pipeline > 1:
+        return _pipelined_eval(cfg, layout)
     gather = layout.gather_layer()
 
     def per_device(params, batch: Batch):
@@ -169,12 +205,9 @@ def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
         return layout.psum(total), layout.psum(batch.loss_mask.sum())
 
     batch_spec = batch_specs()
-    # mesh.pipeline > 1: every device evaluates the whole stack, gathered on the way in
-    # (a forward-only schedule would save the memory; docs/pipeline.md)
-    specs = layout.specs["stored"] if layout.pipeline == 1 else layout.whole_stack
     return layout.shard_map(
         per_device,
-        in_specs=(specs, batch_spec),
+        in_specs=(layout.specs["stored"], batch_spec),
         out_specs=(PartitionSpec(), PartitionSpec()),
     )
 

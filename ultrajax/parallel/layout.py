@@ -53,7 +53,7 @@ class Layout:
         defer = grads and self.zero.active <= 1
         needed = big & frozenset(TOKEN_AXES) if defer and big & set(DATA_AXES) else frozenset()
         self.pipeline = mesh.shape[PIPELINE_AXIS]
-        if self.pipeline > 1 and grads:  # the schedule runs per device; data reductions wait
+        if self.pipeline > 1:  # the schedule runs per device; its data reductions wait
             needed = big & frozenset((*TOKEN_AXES, PIPELINE_AXIS))
         self.manual = needed if self.gspmd else big
         self.cp = Context(
@@ -70,7 +70,6 @@ class Layout:
         self.axis_names = self.manual if self.gspmd else frozenset(AXES)
         self.specs = {k: self._specs(k) for k in ("stored", "compute")}
         self.gathered = self._specs("compute", drop="fsdp")
-        self.whole_stack = self._specs("stored", drop=PIPELINE_AXIS)  # every stage's layers
         inner = rules.inside(self.manual) if self.manual else rules
         self.tp = (
             Partitioned(inner)

@@ -33,7 +33,7 @@ import numpy as np
 from ultrajax.batch import TOKEN_AXES
 from ultrajax.config import Config
 from ultrajax.loss import head_nll
-from ultrajax.model import block, embed, final_norm, remat_policy
+from ultrajax.model import block, embed, final_norm, layers, remat_policy
 from ultrajax.parallel import residuals
 from ultrajax.parallel import schedule as sched
 from ultrajax.parallel.data import vary
@@ -93,10 +93,18 @@ class _Pool:
         return self.held[key]
 
 
+FORWARD_ONLY = "forward"  # the evaluation's schedule: forwards only, nothing kept
+
+
 def make_plan(kind: str, p: int, m: int, v: int = 1) -> Plan:
-    """The table of `kind` and every buffer slot it needs, assigned on the host."""
-    table = sched.build(kind, p, m, v)
-    sched.check(table, p, m, v)
+    """The table of `kind` (a schedule, or FORWARD_ONLY) and every buffer slot it needs,
+    assigned on the host."""
+    training = kind != FORWARD_ONLY
+    if training:
+        table = sched.build(kind, p, m, v)
+        sched.check(table, p, m, v)
+    else:
+        table = sched.forward_only(p, m, v)
     ticks, n_stages = table.shape[0], v * p
     pools = {k: [_Pool() for _ in range(p)] for k in ("res", "act", "grad", "cot")}
     rows = np.zeros((ticks, p, len(COLUMNS)), np.int32)
@@ -119,10 +127,11 @@ def make_plan(kind: str, p: int, m: int, v: int = 1) -> Plan:
                 r[col["branch"]] = FWD_FIRST if first else FWD_LAST if last else FWD
                 if not first:
                     r[col["act"]] = pools["act"][d].give((s, i))
-                r[col["res"]] = pools["res"][d].take((s, i))
-                if last:  # the loss gradient, made now, read by this stage's backward
+                if training:
+                    r[col["res"]] = pools["res"][d].take((s, i))
+                if last and training:  # the loss gradient, read by this stage's backward
                     r[col["grad"]] = pools["grad"][d].take((s, i))
-                else:
+                elif not last:
                     arrivals.append(("act", (d + 1) % p, (s + 1, i)))
                     sends[t, 0] = True
                 continue
@@ -456,6 +465,66 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
     return grads, state["loss"]
 
 
+def evaluate(plan: Plan, cfg: Config, layout, cparams: dict, batch):
+    """Per device: this device's share of the summed NLL of every micro-batch, the
+    stages run forwards only (`plan` is FORWARD_ONLY's): each device holds its own
+    layers and the activations in flight, never the whole model."""
+    m, tp, v = cfg.model, layout.tp, plan.v
+    d = jax.lax.axis_index(AXIS)
+    batch = jax.tree.map(lambda a: vary(a, (AXIS,)), batch)
+    cparams = jax.tree.map(lambda a: vary(a, (AXIS,)), cparams)
+    segments = batch.segment_ids if cfg.data.cross_doc_mask else None
+    stack = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), cparams["layers"])
+
+    def given(i):
+        mb = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), batch)
+        seg = None if segments is None else jax.lax.dynamic_index_in_dim(segments, i, 0, False)
+        return mb, seg
+
+    x0 = jax.eval_shape(lambda: embed(m, cparams, given(0)[0].inputs, tp=tp))
+    axes = tuple(sorted(residuals.varying(x0) | {AXIS}))
+    act = jax.ShapeDtypeStruct(x0.shape, x0.dtype)
+
+    def residual(x):
+        return tp.constrain(vary(x, axes), RESIDUAL)
+
+    def forward(act_buf, r):
+        mb, seg = given(r["micro"])
+        x = jax.lax.cond(
+            r["branch"] == FWD_FIRST,
+            lambda: residual(embed(m, cparams, mb.inputs, tp=tp)),
+            lambda: residual(jax.lax.dynamic_index_in_dim(act_buf, r["act"], 0, False)),
+        )
+        chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r["chunk"], 0, False), stack)
+        return residual(layers(m, chunk, x, mb.positions, seg, tp=tp))
+
+    def head(y, r):
+        mb, _ = given(r["micro"])
+        xn = final_norm(m, cparams, y, tp=tp)
+        return vary(head_nll(cfg, cparams, xn, mb.targets, mb.loss_mask, tp), (AXIS,))
+
+    zero_loss = vary(jnp.zeros((), jnp.float32), tuple(sorted(residuals.varying(
+        jax.eval_shape(lambda y: head(y, {"micro": 0}), _zeros(act, axes))) | {AXIS})))  # fmt: skip
+    down = [(k, (k + 1) % plan.p) for k in range(plan.p)]
+
+    def tick(carry, xs):
+        act_buf, total = carry
+        row, sends = xs
+        mine = jax.lax.dynamic_index_in_dim(row, d, 0, False)
+        r = {c: mine[k] for k, c in enumerate(COLUMNS)}
+        b = r["branch"]
+        is_fwd = (b == FWD) | (b == FWD_FIRST) | (b == FWD_LAST)
+        y = jax.lax.cond(is_fwd, lambda: forward(act_buf, r), lambda: residual(_zeros(act, axes)))
+        part = jax.lax.cond(b == FWD_LAST, lambda: head(y, r), lambda: zero_loss)
+        y = jax.lax.cond(sends[0], lambda a: jax.lax.ppermute(a, AXIS, down), lambda a: a, y)
+        act_buf = jax.lax.dynamic_update_index_in_dim(act_buf, y, r["act_in"], 0)
+        return (act_buf, total + vary(part, tuple(sorted(vma(zero_loss))))), None
+
+    init = (_zeros(act, axes, (plan.slots["act"] + 1,)), zero_loss)
+    (_, total), _ = jax.lax.scan(tick, init, (jnp.asarray(plan.rows), jnp.asarray(plan.sends)))
+    return total
+
+
 def reduce(cfg: Config, layout, grads: dict, params: dict) -> dict:
     """Each accumulated gradient reduced once: over the data axes (ZeRO >= 1: scattered
     into this rank's shard of `params`), and the replicated weights over `pipeline`."""
@@ -479,39 +548,47 @@ def _finish(layout, g, param, names, dtype):
     return finish(g, None, Reduce(dtype, scatter, varying=vma(param), shape=param.shape))
 
 
-class Order:
-    """The layer stack in the order the devices hold it (`layer_order`) and back.
+def _moves(p: int, v: int, back: bool = False):
+    """The point-to-point copies that turn each device's contiguous layers (model order:
+    device s holds chunks s·v .. s·v + v - 1) into its interleaved chunks (device t holds
+    chunks t, t + p, ...), or `back`. Per (target slot, source slot): one ppermute whose
+    pairs are distinct sources and targets."""
+    moves = []
+    for b in range(v):  # slot b of device t holds chunk b·p + t (stage order)
+        for a in range(v):  # slot a of device s holds chunk s·v + a (model order)
+            chunks = [c for c in range(b * p, (b + 1) * p) if c % v == a]
+            pairs = [(c // v, c % p) for c in chunks]  # model -> stage
+            if back:
+                moves.append((a, b, [(t, s) for s, t in pairs]))
+            elif pairs:
+                moves.append((b, a, pairs))
+    return moves
 
-    The train state and checkpoints keep the model's order whatever the schedule, so a
-    checkpoint moves between pipeline layouts unchanged. With interleaving each device's
-    chunks are not contiguous in that order: the step gathers them (a permutation along
-    `layers`, which the partitioner turns into point-to-point copies) and puts the
-    gradients back. Without interleaving both are the identity."""
 
-    def __init__(self, cfg: Config, mesh, layout):
-        p, v = mesh.shape[AXIS], cfg.parallel.virtual_stages
-        self.layout, self.perm, self.inverse = layout, None, None
-        if p > 1 and v > 1:
-            self.perm = layer_order(cfg.model.n_layers, p, v)
-            self.inverse = np.argsort(self.perm).astype(np.int32)
+def _reorder(stack, p: int, v: int, back: bool):
+    if v == 1:
+        return stack
 
-    def _permute(self, tree, index, kind):
-        if self.perm is None:
-            return tree
-        specs = self.layout.specs[kind]["layers"]
-        mesh = self.layout.mesh
-        out = dict(tree)
-        out["layers"] = {
-            k: jax.lax.with_sharding_constraint(
-                jnp.take(w, index, axis=0), jax.sharding.NamedSharding(mesh, specs[k])
-            )
-            for k, w in tree["layers"].items()
-        }
-        return out
+    def one(w):
+        local = w.reshape(v, w.shape[0] // v, *w.shape[1:])
+        out = [jnp.zeros_like(local[0]) for _ in range(v)]
+        for dst, src, pairs in _moves(p, v, back):
+            out[dst] = out[dst] + jax.lax.ppermute(local[src], AXIS, pairs)
+        return jnp.concatenate(out, axis=0)
 
-    def to_stages(self, params):
-        return self._permute(params, self.perm, "stored")
+    return jax.tree.map(one, stack)
 
-    def to_model(self, grads):
-        kind = "stored" if self.layout.zero.shards_state else "compute"
-        return self._permute(grads, self.inverse, kind)
+
+def to_stages(stack, p: int, v: int):
+    """Per device: this device's layers (a contiguous slice of the model's order, as the
+    train state and checkpoints keep them, so a checkpoint moves between pipeline layouts
+    unchanged) -> its chunks in `layer_order` (interleaved: chunks d, d + p, ...).
+
+    Point-to-point copies over `pipeline`, once a step: each device sends and receives one
+    stage's weights; nobody gathers the stack. The identity unless v > 1."""
+    return _reorder(stack, p, v, back=False)
+
+
+def to_model(stack, p: int, v: int):
+    """The inverse of `to_stages` (the layer gradients go home before the optimizer)."""
+    return _reorder(stack, p, v, back=True)

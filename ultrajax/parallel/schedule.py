@@ -203,6 +203,16 @@ def zb_h1(p: int, m: int) -> np.ndarray:
     return _list_schedule(p, 1, orders)
 
 
+def forward_only(p: int, m: int, v: int = 1) -> np.ndarray:
+    """Forwards only (evaluation): every micro-batch through every chunk in turn, as soon
+    as its input exists; (m + p - 1) v-ish ticks, nothing held between ticks but the
+    activations in flight."""
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"pipeline schedule needs p, m, v >= 1, got p={p}, m={m}, v={v}")
+    orders = [[(FORWARD, i, j) for j in range(v) for i in range(m)] for _ in range(p)]
+    return _list_schedule(p, v, orders)
+
+
 def build(kind: str, p: int, m: int, v: int = 1) -> np.ndarray:
     """The table of schedule `kind` (one of SCHEDULES) for p devices, m >= p micro-batches
     and v model chunks per device (v > 1 only for interleaved)."""
