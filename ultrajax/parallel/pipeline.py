@@ -4,9 +4,10 @@ The layer stack is cut into S = v·p virtual stages along `layers`; device d hol
 stages d, d + p, ... (its v chunks). A schedule (parallel/schedule.py) says what every
 device does at every tick: a forward, a backward (or zero-bubble's input and weight
 halves) of one micro-batch on one chunk, or nothing. The executor is one `lax.scan`
-over the ticks inside the step's `shard_map`; at each tick every device takes its own
-branch of a `lax.switch`, then one `ppermute` moves activations down the ring and one
-moves gradients up. It is a single SPMD program: no per-device programs, no host loop.
+over the ticks inside the step's `shard_map`; at each tick every device reads its own
+row of the plan and runs its op (each buffer is updated under its own `lax.cond`, see
+`when`), then one `ppermute` moves activations down the ring and one moves gradients
+up. It is a single SPMD program: no per-device programs, no host loop.
 
 Between a forward and its backward the residuals `jax.vjp` would keep (the activations;
 `model.remat` decides which) wait in buffers of fixed size, whose slots this file
@@ -42,7 +43,8 @@ from ultrajax.weights import Deferred, Reduce, Weight, finish, vma
 
 AXIS = "pipeline"
 
-# lax.switch branches, picked per device and tick on the host
+# what a device does at a tick (the op, with the first / last stage's extra work),
+# decided per device and tick on the host
 IDLE, FWD, FWD_FIRST, FWD_LAST, BWD, BWD_FIRST, BWD_IN, BWD_IN_FIRST, BWD_W = range(9)
 # columns of the per-tick plan
 COLUMNS = ("branch", "micro", "chunk", "res", "act", "grad", "cot", "act_in", "grad_in")
@@ -53,10 +55,10 @@ class Plan:
     """A schedule table turned into what the executor reads each tick, per device.
 
     rows: (ticks, p, len(COLUMNS)) int32. res/act/grad/cot: the slot of the residual,
-    input activation, input gradient and (zero-bubble) per-layer cotangent buffers the
-    op uses; act_in/grad_in: the slot an arriving activation / gradient goes to (the
-    last slot of each buffer is a sink for "nothing arrives"). sends: (ticks, 2) bool,
-    whether any device sends an activation / a gradient at that tick."""
+    input activation, input gradient and (zero bubble) W-pair buffers the op uses;
+    act_in/grad_in: the slot an arriving activation / gradient goes to (the last slot of
+    each buffer is a sink for "nothing arrives"). sends: (ticks, 2) bool, whether any
+    device sends an activation / a gradient at that tick."""
 
     kind: str
     p: int
@@ -88,9 +90,6 @@ class _Pool:
 
     def give(self, key) -> int:
         return self.held.pop(key)
-
-    def get(self, key) -> int:
-        return self.held[key]
 
 
 FORWARD_ONLY = "forward"  # the evaluation's schedule: forwards only, nothing kept
