@@ -15,10 +15,9 @@ GPU cluster; memory, bytes and balance do.
 from __future__ import annotations
 
 import argparse
-import functools
-import statistics
 import sys
-import time
+
+from timing import median_step_ms
 
 ROWS = (  # (label, overrides)
     ("cp=1, blocked attention", ["model.attention=blocked"]),
@@ -42,10 +41,8 @@ def main(argv=None) -> int:
     jax.config.update("jax_num_cpu_devices", 8)  # used only where the backend is the CPU
     import numpy as np
 
-    from ultrajax import analyze, comms, config, optim
+    from ultrajax import analyze, comms, config
     from ultrajax import batch as batch_lib
-    from ultrajax import mesh as mesh_lib
-    from ultrajax import step as step_lib
     from ultrajax.parallel import context
 
     base = [
@@ -79,26 +76,10 @@ def main(argv=None) -> int:
         work = context.work(cp, cfg.parallel.context_zigzag)
         ms = float("nan")
         if args.steps:
-            mesh = mesh_lib.make_mesh(cfg, devices)
-            rules = mesh_lib.rules(cfg)
-            tx = optim.optimizer(cfg)
-            shardings = step_lib.state_shardings(cfg, mesh, rules, tx)
-            with jax.set_mesh(mesh):
-                init = jax.jit(
-                    functools.partial(step_lib.init_state, cfg, tx), out_shardings=shardings
-                )
-                state = init(jax.random.key(0))
-                rng = np.random.default_rng(0)
-                packed = batch_lib.random_packed(1, args.seq, cfg.model.vocab_size, rng)
-                b = batch_lib.make(packed, True, 1, context.token_order(cfg))
-                b = batch_lib.place(b, batch_lib.sharding(mesh))
-                times = []
-                for _ in range(args.steps + 1):
-                    t0 = time.perf_counter()
-                    state, m = compiled(state, b)
-                    jax.block_until_ready(m["loss"])
-                    times.append(time.perf_counter() - t0)
-            ms = 1e3 * statistics.median(times[1:])
+            rng = np.random.default_rng(0)
+            packed = batch_lib.random_packed(1, args.seq, cfg.model.vocab_size, rng)
+            b = batch_lib.make(packed, True, 1, context.token_order(cfg))
+            ms = median_step_ms(compiled, cfg, devices, b, args.steps)
         print(
             f"{label:<28}{temp / 2**20:>10.2f}{sent / 2**20:>10.2f}{formula / 2**20:>9.2f}"
             f"{work.max() / work.min():>14.2f}{ms:>10.1f}"

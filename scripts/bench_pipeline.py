@@ -18,10 +18,9 @@ share two cores, so the times say little about GPUs; the bubble and memory do.
 from __future__ import annotations
 
 import argparse
-import functools
-import statistics
 import sys
-import time
+
+from timing import median_step_ms
 
 KINDS = (("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
 
@@ -39,10 +38,8 @@ def main(argv=None) -> int:
     jax.config.update("jax_num_cpu_devices", max(8, args.p))
     import numpy as np
 
-    from ultrajax import analyze, config, optim
+    from ultrajax import analyze, config
     from ultrajax import batch as batch_lib
-    from ultrajax import mesh as mesh_lib
-    from ultrajax import step as step_lib
     from ultrajax.parallel import pipeline, schedule
 
     base = [
@@ -83,26 +80,11 @@ def main(argv=None) -> int:
                 ticks, flight, bubble, formula, lock = m, 1, 0.0, 0.0, 0.0
             ms = float("nan")
             if args.steps:
-                mesh = mesh_lib.make_mesh(cfg, devices)
-                rules = mesh_lib.rules(cfg)
-                tx = optim.optimizer(cfg)
-                shardings = step_lib.state_shardings(cfg, mesh, rules, tx)
-                with jax.set_mesh(mesh):
-                    init = jax.jit(
-                        functools.partial(step_lib.init_state, cfg, tx), out_shardings=shardings
-                    )
-                    state = init(jax.random.key(0))
-                    rng = np.random.default_rng(0)
-                    rows_ = m * cfg.train.micro_batch_size
-                    packed = batch_lib.random_packed(rows_, cfg.model.seq_len, 384, rng)
-                    b = batch_lib.place(batch_lib.make(packed, True, m), batch_lib.sharding(mesh))
-                    times = []
-                    for _ in range(args.steps + 1):
-                        t0 = time.perf_counter()
-                        state, out = compiled(state, b)
-                        jax.block_until_ready(out["loss"])
-                        times.append(time.perf_counter() - t0)
-                ms = 1e3 * statistics.median(times[1:])
+                rng = np.random.default_rng(0)
+                rows_ = m * cfg.train.micro_batch_size
+                packed = batch_lib.random_packed(rows_, cfg.model.seq_len, 384, rng)
+                b = batch_lib.make(packed, True, m)
+                ms = median_step_ms(compiled, cfg, devices, b, args.steps)
             print(
                 f"{label:<18}{m:>4}{ticks:>7}{bubble:>8.1%}{formula:>9.1%}{lock:>10.1%}{flight:>11}"
                 f"{temp / 2**20:>10.1f}{ms:>10.0f}"

@@ -122,26 +122,33 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
     return train_step
 
 
+def _plan(cfg: Config, layout: Layout, kind: str):
+    par = cfg.parallel
+    return pipeline.make_plan(kind, layout.pipeline, cfg.train.grad_accum, par.virtual_stages)
+
+
+def _stage_copy(cfg: Config, layout: Layout, params, cparams):
+    """This device's compute copy with its layers as its chunks (interleaved: moved from
+    its slice of the model's order, in which the state keeps them)."""
+    if cparams is None:
+        cparams = layout.compute_copy(params)
+    v = cfg.parallel.virtual_stages
+    return dict(cparams, layers=pipeline.to_stages(cparams["layers"], layout.pipeline, v))
+
+
 def _pipelined(cfg: Config, layout: Layout):
     """per_device for mesh.pipeline > 1: the schedule's executor (parallel/pipeline.py),
-    then each gradient reduced once."""
-    par = cfg.parallel
-    plan = pipeline.make_plan(
-        par.pipeline_schedule, layout.pipeline, cfg.train.grad_accum, par.virtual_stages
-    )
-
-    p, v = layout.pipeline, par.virtual_stages
+    then each gradient reduced once and its layers sent home."""
+    plan = _plan(cfg, layout, cfg.parallel.pipeline_schedule)
 
     def per_device(params, cparams, batch: Batch):
-        if cparams is None:
-            cparams = layout.compute_copy(params)
-        # interleaved: this device's chunks, from its slice of the model's order, and back
-        cparams = dict(cparams, layers=pipeline.to_stages(cparams["layers"], p, v))
+        cparams = _stage_copy(cfg, layout, params, cparams)
         n_targets = layout.psum(batch.loss_mask.sum())
         scale = 1.0 / jnp.maximum(n_targets, 1).astype(jnp.float32)
         grads, loss = pipeline.run(plan, cfg, layout, cparams, batch, scale)
         grads = pipeline.reduce(cfg, layout, grads, params)
-        grads = dict(grads, layers=pipeline.to_model(grads["layers"], p, v))
+        v = cfg.parallel.virtual_stages
+        grads = dict(grads, layers=pipeline.to_model(grads["layers"], layout.pipeline, v))
         return grads, jax.lax.psum(layout.psum(loss), pipeline.AXIS), n_targets
 
     return per_device
@@ -150,17 +157,12 @@ def _pipelined(cfg: Config, layout: Layout):
 def _pipelined_eval(cfg: Config, layout: Layout):
     """eval_step for mesh.pipeline > 1: the micro-batches go through the stages forwards
     only (pipeline.evaluate), so no device ever holds another stage's layers."""
-    par = cfg.parallel
-    plan = pipeline.make_plan(
-        pipeline.FORWARD_ONLY, layout.pipeline, cfg.train.grad_accum, par.virtual_stages
-    )
-    p, v = layout.pipeline, par.virtual_stages
+    plan = _plan(cfg, layout, pipeline.FORWARD_ONLY)
 
     def per_device(params, cparams, batch: Batch):
-        if cparams is None:
-            cparams = layout.compute_copy(params)
-        cparams = dict(cparams, layers=pipeline.to_stages(cparams["layers"], p, v))
-        total = pipeline.evaluate(plan, cfg, layout, cparams, batch)
+        total = pipeline.evaluate(
+            plan, cfg, layout, _stage_copy(cfg, layout, params, cparams), batch
+        )
         return jax.lax.psum(layout.psum(total), pipeline.AXIS), layout.psum(batch.loss_mask.sum())
 
     batch_spec = batch_specs()
