@@ -449,10 +449,11 @@ def pipeline_saved_per_layer(cfg: Config) -> dict[str, float]:
 def zero_bubble_pairs_per_layer(cfg: Config) -> float:
     """Bytes per layer zero bubble's input step keeps for its weight step: each weight's
     (input, output cotangent) (weights.Deferred). The seven matmuls' in the compute
-    dtype: wq (X, Q), wk and wv (X, K), wo (Q, X), w_gate and w_up (X, F), w_down (F, X);
-    the two RMSNorm scales' (y, dy) in fp32 on the residual stream."""
+    dtype: wq (X, Q), wk and wv (K; they share wq's input), wo (Q, X), w_gate (X, F),
+    w_up (F; w_gate's input), w_down (F, X); the two RMSNorm scales' (y, dy) in fp32 on
+    the residual stream."""
     d = dims(cfg)
-    return d.c * (7 * d.X + 2 * d.Q + 2 * d.K + 3 * d.F) + 2 * 2 * 4 * d.X_res
+    return d.c * (4 * d.X + 2 * d.Q + 2 * d.K + 3 * d.F) + 2 * 2 * 4 * d.X_res
 
 
 def pipeline_buffers(cfg: Config) -> dict[str, float]:

@@ -64,6 +64,7 @@ class Deferred:
 
     def __init__(self):
         self.seen = None  # (op: an einsum equation or "scale", input struct, output struct)
+        self.source = None  # which input (wq, wk and wv read the same one): kept once
 
     def zeros(self):
         """The pair of zeros to pass as the weight's `acc` (types included)."""
@@ -199,6 +200,7 @@ def dense(x, w, eq: str, out_dtype=None):
         out = _dense(eq, out_dtype, x, w.value.astype(x.dtype), w.sink, w.acc, w.reduce)
         if w.reduce.defer is not None and w.acc is None:  # the shape trace
             w.reduce.defer.seen = (eq, _struct(x), _struct(out.astype(x.dtype)))
+            w.reduce.defer.source = id(x)  # the trace holds x: ids of live inputs
         return out
     return jnp.einsum(eq, x, w.astype(x.dtype), preferred_element_type=out_dtype).astype(out_dtype)
 
@@ -237,6 +239,7 @@ def scale(y, w):
         out = _scale(y, w.value, w.sink, w.acc, w.reduce)
         if w.reduce.defer is not None and w.acc is None:  # the shape trace
             w.reduce.defer.seen = ("scale", _struct(y), _struct(out))
+            w.reduce.defer.source = id(y)
         return out
     return y * w.astype(y.dtype)
 

@@ -257,6 +257,12 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
         jax.eval_shape(lambda: block(deferring(per_layer, pairs_none), x_probe, *given0[1:],
                                      cfg=m, tp=tp))  # fmt: skip
     diff0 = {k: deferred[k].zeros() for k in per_layer} if split_backward else layer_sink
+    # weights that read the same input (wq, wk, wv; w_gate, w_up) keep it once, with the
+    # first of them: W reads it from there
+    first_reader: dict = {}
+    shares = {k: first_reader.setdefault(deferred[k].source, k) for k in deferred}
+    if not split_backward:
+        shares = {}
     split = residuals.probe(layer, given0, diff0, x_probe)
     n_per = jax.tree.leaves(layer_w)[0].shape[1]
     unroll = max(1, min(m.scan_unroll, n_per))
@@ -291,6 +297,8 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
         def body(g, xs):
             w, r = xs
             out, dx = residuals.backward(split, (w, mb.positions, seg), diff(), r, g)
+            if split_backward:  # an input read by several weights is kept once
+                out = {k: (x if shares[k] == k else None, gk) for k, (x, gk) in out.items()}
             return vary(dx, act_axes), out
 
         return jax.lax.scan(body, g, (chunk_w(j), res), reverse=True, unroll=unroll)
@@ -302,6 +310,7 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
         }
 
         def body(_, pair):
+            pair = {k: (pair[shares[k]][0], g) for k, (_, g) in pair.items()}
             return None, {k: deferred[k].weight_gradient(pair[k], reduce_[k]) for k in pair}
 
         return jax.lax.scan(body, None, pairs, unroll=unroll)[1]
@@ -409,7 +418,12 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
         "act": _zeros(act, act_axes, (slots["act"] + 1,)),
         "grad": _zeros(act, act_axes, (slots["grad"] + 1,)),
         "cot": {  # zero bubble: each layer's (input, cotangent) pairs, input step to W
-            k: tuple(_zeros(a, ax | {AXIS}, (slots["cot"] + 1, n_per)) for a, ax in dk.seen[1:])
+            k: tuple(
+                None
+                if (n == 0 and shares[k] != k)
+                else _zeros(a, ax | {AXIS}, (slots["cot"] + 1, n_per))
+                for n, (a, ax) in enumerate(dk.seen[1:])
+            )
             for k, dk in deferred.items()
         }
         if split_backward
