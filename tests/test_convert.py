@@ -1,6 +1,7 @@
 """Hugging Face conversion, checked against transformers itself: logits within 1e-4 in
 fp32, from Hugging Face to ours and back."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -46,8 +47,8 @@ def hf_logits(model, ids):
         return model(torch.from_numpy(ids)).logits.numpy()
 
 
-def our_logits(ck, ids):
-    m = checkpoint.read_config(ck).model
+def our_logits(ck, ids, **model_changes):
+    m = dataclasses.replace(checkpoint.read_config(ck).model, **model_changes)
     params = checkpoint.load_params(ck, m)
     with jax.default_matmul_precision("highest"):
         return np.asarray(jax.jit(lambda p, t: forward(m, p, t))(params, ids))
@@ -84,7 +85,8 @@ def test_orbax_to_hf_round_trip(converted, capsys):
     capsys.readouterr()
     assert convert.main(["verify", "--hf", str(out), "--checkpoint", str(root / "ck")]) == 0
     printed = capsys.readouterr().out
-    assert float(printed.split("difference:")[1]) <= TOL
+    assert float(printed.split("difference:")[1].split()[0]) <= TOL
+    assert printed.splitlines()[-1].startswith("PASS: ")
 
 
 def test_tied_embeddings_and_explicit_head_dim(tmp_path):
@@ -97,6 +99,123 @@ def test_tied_embeddings_and_explicit_head_dim(tmp_path):
     assert m.tie_embeddings and m.hd == 32 and m.d_model // m.n_heads == 16
     ids = np.random.default_rng(1).integers(0, 320, (1, 16))
     assert np.abs(hf_logits(model, ids) - our_logits(tmp_path / "ck", ids)).max() <= TOL
+
+
+# Rope scaling as Llama 3.1/3.2 and linear-scaled models use it. original_max_position
+# 32 with theta 50000 and head_dim 16 puts the 8 frequencies in all three llama3 bands
+# (kept, smoothed, divided); the test sequence (64) is twice that length.
+SCALINGS = {
+    "llama3": dict(
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+    ),
+    "linear": dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SCALINGS))
+def scaled(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"rope_{request.param}")
+    model = hf_model(root / "hf", seed=2, **SCALINGS[request.param])
+    assert convert.main(["hf-to-orbax", "--hf", str(root / "hf"), "--out", str(root / "ck")]) == 0
+    ids = np.random.default_rng(2).integers(0, 320, (2, 64))
+    return request.param, root, model, ids
+
+
+def test_rope_scaling_hf_to_orbax_matches_transformers(scaled):
+    kind, root, model, ids = scaled
+    m = config.load(root / "ck" / "config.yaml").model
+    assert m.rope_scaling == kind and m.rope_theta == 50000.0
+    assert m.rope_factor == (8.0 if kind == "llama3" else 4.0)
+    if kind == "llama3":
+        assert (m.rope_low_freq_factor, m.rope_high_freq_factor) == (1.0, 4.0)
+        assert m.rope_original_max_len == 32
+    ref = hf_logits(model, ids)
+    diff = np.abs(ref - our_logits(root / "ck", ids)).max()
+    print(f"{kind}: hf-to-orbax max abs logit difference {diff:.2e}")
+    assert diff <= TOL
+    # the scaling matters here: without it the logits are far off
+    assert np.abs(ref - our_logits(root / "ck", ids, rope_scaling="none")).max() > 100 * TOL
+
+
+def test_rope_scaling_orbax_to_hf_round_trip(scaled, capsys):
+    kind, root, model, ids = scaled
+    out = root / "back"
+    assert convert.main(["orbax-to-hf", "--checkpoint", str(root / "ck"), "--out", str(out)]) == 0
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_parameters"]["rope_type"] == written["rope_scaling"]["rope_type"] == kind
+    again = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert again.config.rope_parameters == model.config.rope_parameters
+    diff = np.abs(hf_logits(model, ids) - hf_logits(again, ids)).max()
+    print(f"{kind}: orbax-to-hf max abs logit difference {diff:.2e}")
+    assert diff <= TOL
+    capsys.readouterr()
+    argv = ["verify", "--hf", str(out), "--checkpoint", str(root / "ck"), "--tokens", "64"]
+    assert convert.main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("PASS: ")
+
+
+def test_llama3_config_json_both_spellings():
+    """Meta's Llama-3.2-1B config.json (rope_scaling, top-level rope_theta) and the same
+    model as transformers 5 writes it (rope_parameters only) read alike."""
+    old = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    }
+    new = {k: v for k, v in old.items() if k not in ("rope_theta", "rope_scaling")}
+    new["rope_parameters"] = {**old["rope_scaling"], "rope_theta": 500000.0}
+    m = convert.model_config_from_hf(old)
+    assert m == convert.model_config_from_hf(new)
+    assert (m.rope_scaling, m.rope_factor, m.rope_theta) == ("llama3", 32.0, 500000.0)
+    assert (m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_max_len) == (
+        1.0,
+        4.0,
+        8192,
+    )
+    # and written back in both spellings
+    tree = convert.hf_config(m, "bfloat16")
+    assert tree["rope_parameters"] == new["rope_parameters"]
+    assert tree["rope_scaling"] == old["rope_scaling"] and tree["rope_theta"] == 500000.0
+
+
+def test_verify_verdict_and_exit_code(converted, scaled, capsys):
+    """A scaled Hugging Face model against the unscaled checkpoint: FAIL, exit 1."""
+    root, _, _ = converted
+    kind, scaled_root, _, _ = scaled
+    argv = ["verify", "--hf", str(scaled_root / "hf"), "--checkpoint", str(root / "ck")]
+    with pytest.raises(SystemExit) as e:
+        cli.run(lambda: convert.main(argv))
+    assert e.value.code == 1
+    out = capsys.readouterr().out
+    assert f"note: model.rope_scaling is none in {root / 'ck'}, {kind} in" in out
+    verdict = out.splitlines()[-1]
+    assert verdict.startswith("FAIL: ") and verdict.endswith("> tol 0.0001"), verdict
+    assert convert.main(argv + ["--tol", "1e9"]) == 0  # a looser bound passes
+    assert capsys.readouterr().out.splitlines()[-1].startswith("PASS: ")
 
 
 def _error(argv, capsys) -> str:
@@ -113,7 +232,15 @@ def test_unsupported_and_mismatched_inputs(converted, tmp_path, capsys):
     hf = json.loads((root / "hf" / "config.json").read_text())
     cases = {
         "architecture MistralForCausalLM": dict(architectures=["MistralForCausalLM"]),
-        "rope_scaling type 'llama3'": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+        "rope_scaling type 'dynamic' is not supported (only default, linear, llama3)": dict(
+            rope_scaling={"rope_type": "dynamic", "factor": 2.0}
+        ),
+        "rope_parameters type 'yarn' is not supported": dict(
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 50000.0}
+        ),
+        "rope_scaling type 'llama3' needs a number 'low_freq_factor'": dict(
+            rope_scaling={"rope_type": "llama3", "factor": 8.0}
+        ),
         "attention_bias=true": dict(attention_bias=True),
         "'model.layers.0.mlp.gate_proj.weight' has shape (96, 64)": dict(intermediate_size=128),
     }

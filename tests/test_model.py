@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ultrajax import config
 from ultrajax.config import ModelConfig
 from ultrajax.mesh import LOGICAL_NAMES
 from ultrajax.model import forward, init_params, logical_axes, param_count, rms_norm, rope
@@ -120,6 +121,97 @@ def test_rope_scores_depend_only_on_relative_position():
 
     assert score(5, 2) == pytest.approx(score(13, 10), rel=1e-5, abs=1e-5)
     assert abs(score(5, 2) - score(5, 4)) > 1e-3
+
+
+def _llama3_reference(inv_freq, factor, low, high, original):
+    """Meta's `apply_scaling` (llama3 reference code, float64 loop): an independent
+    statement of what rope scaling=llama3 computes."""
+    out = []
+    for f in inv_freq:
+        wavelen = 2 * math.pi / f
+        if wavelen < original / high:
+            out.append(f)
+        elif wavelen > original / low:
+            out.append(f / factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return np.array(out)
+
+
+def _angles(d, theta, **scaling):
+    """Recover rope's per-pair angle at position 1 by rotating the unit vector (1, 0)."""
+    x = jnp.concatenate([jnp.ones(d // 2), jnp.zeros(d // 2)]).reshape(1, 1, 1, d)
+    out = np.asarray(rope(x, jnp.ones((1, 1), jnp.int32), theta, **scaling))[0, 0, 0]
+    return np.arctan2(out[d // 2 :], out[: d // 2])
+
+
+def test_rope_without_scaling_is_unchanged():
+    """scaling="none" must stay bit-identical to the unscaled formula (old checkpoints)."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 9, 3, 16)), jnp.float32)
+    pos = jnp.asarray(rng.integers(0, 5000, (2, 9)))
+    freq = 500000.0 ** (-jnp.arange(8, dtype=jnp.float32) / 8)
+    angle = pos.astype(jnp.float32)[..., None] * freq
+    cos, sin = jnp.cos(angle)[:, :, None], jnp.sin(angle)[:, :, None]
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    want = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    got = rope(x, pos, 500000.0, scaling="none", factor=8.0, original_max_len=16)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_rope_llama3_scaling_matches_meta_reference():
+    d, theta, factor, low, high, original = 128, 500000.0, 32.0, 1.0, 4.0, 8192
+    plain = theta ** (-np.arange(d // 2, dtype=np.float64) / (d // 2))
+    want = _llama3_reference(plain, factor, low, high, original)
+    kw = dict(factor=factor, low_freq_factor=low, high_freq_factor=high, original_max_len=original)
+    got = _angles(d, theta, scaling="llama3", **kw)
+    np.testing.assert_allclose(got, want, rtol=2e-6)
+    # all three bands occur: kept, smoothed, divided by factor
+    ratio = plain / want
+    assert (ratio == 1).any() and (ratio == factor).any()
+    assert ((ratio > 1.001) & (ratio < factor * 0.999)).any()
+
+
+def test_rope_linear_scaling_divides_positions():
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((1, 6, 2, 8)), jnp.float32)
+    pos = jnp.asarray(rng.integers(0, 400, (1, 6)))
+    got = rope(x, pos, 10000.0, scaling="linear", factor=4.0)
+    want = rope(x, pos.astype(jnp.float32) / 4.0, 10000.0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    assert np.abs(np.asarray(got) - np.asarray(rope(x, pos, 10000.0))).max() > 0.1
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.rope_scaling=yarn"], "model.rope_scaling"),
+        (["model.rope_scaling=linear", "model.rope_factor=0"], "model.rope_factor must be"),
+        (
+            ["model.rope_scaling=llama3", "model.rope_low_freq_factor=4"],
+            "model.rope_low_freq_factor must be positive and smaller than",
+        ),
+        (
+            ["model.rope_scaling=llama3", "model.rope_original_max_len=0"],
+            "model.rope_original_max_len must be positive",
+        ),
+    ],
+)
+def test_rope_scaling_config_is_validated(overrides, message):
+    with pytest.raises(config.ConfigError) as e:
+        config.load(None, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_forward_uses_rope_scaling(params):
+    """The config's scaling reaches every layer's rope (logits move)."""
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 128, (1, 16)))
+    cfg = dataclasses.replace(BASE, rope_scaling="linear", rope_factor=4.0)
+    base = np.asarray(forward(BASE, params, tokens))
+    assert np.abs(np.asarray(forward(cfg, params, tokens)) - base).max() > 1e-3
+    same = dataclasses.replace(BASE, rope_scaling="linear", rope_factor=1.0)
+    np.testing.assert_allclose(np.asarray(forward(same, params, tokens)), base, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- forward

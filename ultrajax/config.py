@@ -32,6 +32,14 @@ class ModelConfig:
     seq_len: int = 256
     head_dim: int | None = None  # None: d_model // n_heads (HF's head_dim)
     rope_theta: float = 10000.0
+    # rotary frequency scaling, as transformers' rope_type: none, linear (every frequency
+    # / rope_factor) or llama3 (Llama 3.1: low frequencies / rope_factor, high ones kept,
+    # a smooth band between, set by the other three fields)
+    rope_scaling: Literal["none", "linear", "llama3"] = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths > original / low are scaled
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths < original / high are kept
+    rope_original_max_len: int = 8192  # llama3: the pretraining context length
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
@@ -333,6 +341,19 @@ def validate(cfg: Config) -> None:
         f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.n_kv_heads})",
     )
     _check(m.rope_theta > 0, "model.rope_theta must be positive")
+    if m.rope_scaling != "none":
+        _check(m.rope_factor > 0, f"model.rope_factor must be positive, got {m.rope_factor}")
+    if m.rope_scaling == "llama3":
+        _check(
+            0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+            "model.rope_low_freq_factor must be positive and smaller than "
+            f"model.rope_high_freq_factor (got {m.rope_low_freq_factor} and "
+            f"{m.rope_high_freq_factor})",
+        )
+        _check(
+            m.rope_original_max_len > 0,
+            f"model.rope_original_max_len must be positive, got {m.rope_original_max_len}",
+        )
     _check(
         m.loss_chunk >= 0 and (m.loss_chunk == 0 or m.seq_len % m.loss_chunk == 0),
         f"model.loss_chunk ({m.loss_chunk}) must be 0 (off) or divide model.seq_len ({m.seq_len})",

@@ -4,6 +4,9 @@
   python -m ultrajax.convert orbax-to-hf --checkpoint DIR --out DIR [--dtype auto|float32|...]
   python -m ultrajax.convert verify --hf DIR --checkpoint DIR [--tokens N] [--batch B] [--tol T]
 
+verify prints the largest |logit difference| (both in fp32) and a PASS/FAIL line against
+--tol (default 1e-4, VERIFY_TOL); FAIL exits 1.
+
 Weight layout. Hugging Face stores torch `Linear` weights as (out, in); ours are
 einsum operands (in, ..., out) with the heads split out and the layers stacked:
 
@@ -21,7 +24,9 @@ einsum operands (in, ..., out) with the heads split out and the layers stacked:
 
 Rotary convention. `model.rope` rotates the two halves of each head, pairing
 dimension i with i + hd/2 (Hugging Face Llama's `rotate_half`), with frequencies
-theta^(-2i/hd). Hugging Face Llama checkpoints are stored for exactly this
+theta^(-2i/hd), rescaled as transformers' `linear` and `llama3` rope types do (Llama 3.1
+and 3.2: `rope_scaling` in config.json; transformers 5 calls it `rope_parameters`; other
+types are refused). Hugging Face Llama checkpoints are stored for exactly this
 layout (its conversion script permuted Meta's interleaved-pair weights once, when
 they were imported), so q_proj and k_proj are copied with no permutation, both
 ways. A checkpoint in Meta's original interleaved layout (consolidated.*.pth) is
@@ -38,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import jax
@@ -51,6 +55,16 @@ from ultrajax import data as data_lib
 from ultrajax.config import Config, ConfigError, ModelConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
+# transformers rope_type values we compute exactly; "dynamic" depends on the run-time length
+ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_KEYS = (
+    "rope_scaling",
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_len",
+)
+VERIFY_TOL = 1e-4  # max abs fp32 logit difference that verify calls a PASS
 DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
 
 
@@ -93,16 +107,7 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     refuse("attention_bias", (False,), "false")
     refuse("mlp_bias", (False,), "false")
     refuse("partial_rotary_factor", (1, 1.0), "1.0")
-    rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for source, tree in (("rope_parameters", rope), ("rope_scaling", scaling)):
-        kind = tree.get("rope_type", tree.get("type", "default"))
-        if kind != "default":
-            raise ConfigError(
-                f"{where}: {source} type {kind!r} is not supported (only the default rotary "
-                "embedding, no scaling)"
-            )
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope = _rope_from_hf(hf, where)
     d, heads = need("hidden_size"), need("num_attention_heads")
     head_dim = hf.get("head_dim")
     if head_dim is not None and d % heads == 0 and head_dim == d // heads:
@@ -117,15 +122,69 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         d_ff=need("intermediate_size"),
         seq_len=hf.get("max_position_embeddings") or 2048,
         head_dim=head_dim,
-        rope_theta=float(theta),
+        **rope,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dtype="float32" if dtype == "float32" else "bfloat16",
     )
 
 
+def _rope_from_hf(hf: dict, where: str) -> dict:
+    """The ModelConfig rope fields of a config.json, read as transformers reads it: a
+    `rope_scaling` object (transformers 4, and Llama 3.x's own files) wins over
+    `rope_parameters` (transformers 5); `type` is the old spelling of `rope_type`."""
+    params = hf.get("rope_parameters") or {}
+    source = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    tree = hf.get("rope_scaling") or params
+    if not isinstance(tree, dict) or any(isinstance(v, dict) for v in tree.values()):
+        raise ConfigError(f"{where}: {source} must be one flat JSON object (not per layer type)")
+    theta = tree.get("rope_theta", hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    kind = tree.get("rope_type", tree.get("type", "default"))
+    out = {"rope_theta": float(theta)}
+    if kind == "default":
+        return out
+    if kind not in ROPE_TYPES:
+        raise ConfigError(
+            f"{where}: {source} type {kind!r} is not supported (only {', '.join(ROPE_TYPES)})"
+        )
+    # transformers' fallback when a llama3 file leaves the pretraining length out
+    tree = {"original_max_position_embeddings": hf.get("max_position_embeddings"), **tree}
+
+    def need(key):
+        value = tree.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ConfigError(f"{where}: {source} type {kind!r} needs a number {key!r}")
+        return value
+
+    out.update(rope_scaling=kind, rope_factor=float(need("factor")))
+    if kind == "llama3":
+        out.update(
+            rope_low_freq_factor=float(need("low_freq_factor")),
+            rope_high_freq_factor=float(need("high_freq_factor")),
+            rope_original_max_len=int(need("original_max_position_embeddings")),
+        )
+    return out
+
+
+def _rope_to_hf(m: ModelConfig) -> dict:
+    """rope_parameters for config.json (rope_scaling is the same, without rope_theta)."""
+    tree = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling != "none":
+        tree.update(rope_type=m.rope_scaling, factor=m.rope_factor)
+    if m.rope_scaling == "llama3":
+        tree.update(
+            low_freq_factor=m.rope_low_freq_factor,
+            high_freq_factor=m.rope_high_freq_factor,
+            original_max_position_embeddings=m.rope_original_max_len,
+        )
+    return tree
+
+
 def hf_config(m: ModelConfig, dtype: str, tokenizer=None) -> dict:
-    """config.json for transformers.LlamaConfig (old `rope_theta` and new `rope_parameters`)."""
+    """config.json for transformers.LlamaConfig: rope written both ways (`rope_theta` and
+    `rope_scaling` for transformers 4, `rope_parameters` for 5), so either loads it."""
+    rope = _rope_to_hf(m)
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     tree = {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -140,8 +199,8 @@ def hf_config(m: ModelConfig, dtype: str, tokenizer=None) -> dict:
         "max_position_embeddings": m.seq_len,
         "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-        "rope_scaling": None,
+        "rope_parameters": rope,
+        "rope_scaling": scaling if m.rope_scaling != "none" else None,
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": m.tie_embeddings,
@@ -380,6 +439,10 @@ def verify(hf_dir, checkpoint, tokens: int = 32, batch: int = 2, seed: int = 0) 
     m = cfg.model
     hf_m = model_config_from_hf(read_hf_config(hf_dir), str(hf_dir / "config.json"))
     checkpoint_lib.check_model(m, hf_m, f"{checkpoint} vs {hf_dir}")
+    for k in ROPE_KEYS:  # not among check_model's keys; a likely cause of a FAIL below
+        saved, want = getattr(m, k), getattr(hf_m, k)
+        if saved != want:
+            print(f"note: model.{k} is {saved} in {checkpoint}, {want} in {hf_dir}")
     m.dtype, m.param_dtype = "float32", "float32"
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     params = checkpoint_lib.load_params(checkpoint, m, cpu, warn=lambda s: None)
@@ -426,7 +489,12 @@ def main(argv=None) -> int:
     c.add_argument("--tokens", type=int, default=32, help="sequence length of the random batch")
     c.add_argument("--batch", type=int, default=2)
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--tol", type=float, default=None, help="exit 1 if the difference is larger")
+    c.add_argument(
+        "--tol",
+        type=float,
+        default=VERIFY_TOL,
+        help=f"FAIL (exit 1) above this max abs fp32 logit difference (default {VERIFY_TOL:g})",
+    )
     for q in (a, b, c):
         q.add_argument("--cpu-devices", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -440,11 +508,13 @@ def main(argv=None) -> int:
     else:
         if args.tokens < 1 or args.batch < 1:
             raise ConfigError("--tokens and --batch must be >= 1")
+        if not args.tol >= 0:
+            raise ConfigError(f"--tol must be >= 0, got {args.tol:g}")
         diff = verify(args.hf, args.checkpoint, args.tokens, args.batch, args.seed)
         print(f"max abs logit difference: {diff:.3e}")
-        if args.tol is not None and diff > args.tol:
-            print(f"larger than --tol {args.tol:g}", file=sys.stderr)
-            return 1
+        ok = diff <= args.tol  # a NaN difference fails
+        print(f"{'PASS' if ok else 'FAIL'}: {diff:.3e} {'<=' if ok else '>'} tol {args.tol:g}")
+        return 0 if ok else 1
     return 0
 
 

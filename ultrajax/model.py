@@ -12,6 +12,8 @@ axis names) and calls `forward`.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -33,13 +35,43 @@ def rms_norm(x, weight, eps):
     return scale(y, weight).astype(x.dtype)
 
 
-def rope(x, positions, theta):
+def rope(
+    x,
+    positions,
+    theta,
+    *,
+    scaling: str = "none",
+    factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_len: int = 8192,
+):
     """Rotary embedding, half-split layout (Hugging Face Llama's `rotate_half`).
 
     x: (batch, length, heads, head_dim); positions: (batch, length).
+    `scaling` rescales the inverse frequencies (in fp32) as transformers' rope types do,
+    so long-context checkpoints compute what they were trained to: linear divides them
+    all by `factor`; llama3 divides those with wavelengths above
+    original_max_len / low_freq_factor, keeps those below original_max_len /
+    high_freq_factor and interpolates between (`_compute_llama3_parameters`).
     """
     half = x.shape[-1] // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling == "linear":
+        freq = freq / factor
+    elif scaling == "llama3":
+        wavelen = 2 * math.pi / freq
+        scaled = jnp.where(wavelen > original_max_len / low_freq_factor, freq / factor, freq)
+        smooth = (original_max_len / wavelen - low_freq_factor) / (
+            high_freq_factor - low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= original_max_len / high_freq_factor) & (
+            wavelen <= original_max_len / low_freq_factor
+        )
+        freq = jnp.where(medium, smoothed, scaled)
+    elif scaling != "none":
+        raise ValueError(f"rope scaling {scaling!r} is not one of none, linear, llama3")
     angle = positions.astype(jnp.float32)[..., None] * freq  # (b, t, half)
     cos, sin = jnp.cos(angle)[:, :, None], jnp.sin(angle)[:, :, None]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -76,7 +108,15 @@ def block(
     q = checkpoint_name(tp.constrain(dense(h, p["wq"], "btd,dnh->btnh"), heads), "query")
     k = checkpoint_name(tp.constrain(dense(h, p["wk"], "btd,dkh->btkh"), kv_heads), "key")
     v = checkpoint_name(tp.constrain(dense(h, p["wv"], "btd,dkh->btkh"), kv_heads), "value")
-    q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+    scaling = dict(
+        scaling=cfg.rope_scaling,
+        factor=cfg.rope_factor,
+        low_freq_factor=cfg.rope_low_freq_factor,
+        high_freq_factor=cfg.rope_high_freq_factor,
+        original_max_len=cfg.rope_original_max_len,
+    )
+    q = rope(q, positions, cfg.rope_theta, **scaling)
+    k = rope(k, positions, cfg.rope_theta, **scaling)
     if cache is None:
         o = cp.attend(q, k, v, segment_ids, cfg.attention)
     else:
