@@ -273,3 +273,28 @@ def test_tensor_divisibility_checked_after_fill():
 def test_zero_needs_d_model_divisible_by_fsdp():
     message = _error("model.d_model=96", "model.n_heads=4", "mesh.fsdp=5", "parallel.zero=1")
     assert "model.d_model" in message and "mesh.fsdp" in message
+
+
+def test_data_path_without_the_files_source_is_an_error():
+    message = _error("data.path=corpus.txt")
+    assert message.startswith("data.path") and "data.source=files" in message
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["parallel.zero=3"], "parallel.zero=3"),
+        (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
+        (["parallel.pipeline_schedule=zb-h1"], "parallel.pipeline_schedule"),
+        (["parallel.context=allgather"], "parallel.context"),
+    ],
+)
+def test_settings_without_effect_are_named_once(overrides, key):
+    lines = config_lib.no_effect(load(None, overrides))
+    assert len(lines) == 1 and lines[0].startswith(key) and "\n" not in lines[0], lines
+
+
+def test_settings_with_effect_give_no_warning():
+    cfg = load(None, ["mesh.fsdp=2", "parallel.zero=1", "mesh.tensor=2",
+                      "parallel.sequence_parallel=true"])  # fmt: skip
+    assert config_lib.no_effect(cfg) == []

@@ -373,6 +373,11 @@ def validate(cfg: Config) -> None:
                 name in REMAT_NAMES,
                 f"model.remat: {name!r} is not a checkpoint name; use {', '.join(REMAT_NAMES)}",
             )
+    _check(
+        d.path is None or d.source == "files",
+        f"data.path ({d.path}) is set but data.source is {d.source}, which ignores it: add "
+        "data.source=files to train on it, or drop it (data.path= on the command line)",
+    )
     for key in ("steps", "micro_batch_size", "grad_accum", "log_every", "eval_every"):
         _check(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
     _check(t.eval_batches >= 0, "train.eval_batches must be >= 0")
@@ -491,6 +496,39 @@ def _validate_pipeline(cfg: Config) -> None:
         schedule.build(par.pipeline_schedule, p, cfg.train.grad_accum, v)
     except ValueError as e:
         raise ConfigError(f"parallel.pipeline_schedule={par.pipeline_schedule}: {e}") from None
+
+
+def no_effect(cfg: Config) -> list[str]:
+    """Settings that do nothing in this layout, one line each saying what to change:
+    valid, so not errors (a recipe may be meant for a larger mesh), but worth a warning."""
+    mesh, par = cfg.mesh, cfg.parallel
+    out = []
+    if par.zero > 0 and mesh.fsdp == 1:
+        out.append(
+            f"parallel.zero={par.zero} has no effect with mesh.fsdp=1 (ZeRO shards over "
+            "fsdp): set mesh.fsdp > 1, or parallel.zero=0"
+        )
+    if par.sequence_parallel and mesh.tensor == 1:
+        out.append(
+            "parallel.sequence_parallel=true has no effect with mesh.tensor=1 (it splits "
+            "the sequence over tensor): set mesh.tensor > 1, or drop it"
+        )
+    default = ParallelConfig()
+    if mesh.pipeline == 1:
+        for key in ("pipeline_schedule", "virtual_stages"):
+            if getattr(par, key) != getattr(default, key):
+                out.append(
+                    f"parallel.{key}={getattr(par, key)} has no effect with mesh.pipeline=1: "
+                    "set mesh.pipeline > 1, or drop it"
+                )
+    if mesh.sequence == 1:
+        for key in ("context", "context_zigzag"):
+            if getattr(par, key) != getattr(default, key):
+                out.append(
+                    f"parallel.{key}={getattr(par, key)} has no effect with mesh.sequence=1: "
+                    "set mesh.sequence > 1, or drop it"
+                )
+    return out
 
 
 def resolve_mesh(cfg: Config, n_devices: int) -> None:
