@@ -181,9 +181,10 @@ def test_missing_file_names_it(tmp_path):
     assert str(missing) in message
 
 
-def test_invalid_yaml_names_the_file(tmp_path):
+def test_invalid_yaml_names_the_file_the_place_and_the_reason(tmp_path):
     path = _write(tmp_path, "model:\n  d_model: [1, 2\n")
-    assert str(path) in _error(path=path)
+    message = _error(path=path)
+    assert str(path) in message and "line 3, column 1" in message and "expected" in message
 
 
 def test_top_level_must_be_sections(tmp_path):
@@ -298,3 +299,14 @@ def test_settings_with_effect_give_no_warning():
     cfg = load(None, ["mesh.fsdp=2", "parallel.zero=1", "mesh.tensor=2",
                       "parallel.sequence_parallel=true"])  # fmt: skip
     assert config_lib.no_effect(cfg) == []
+
+
+def test_odd_head_dimension_says_what_to_change():
+    message = _error("model.d_model=100", "model.n_heads=4")
+    assert "head dimension 25" in message and "model.head_dim" in message
+
+
+def test_mesh_fill_error_points_to_cpu_devices():
+    cfg = load(None, ["mesh.data=-1", "mesh.tensor=8"])
+    with pytest.raises(ConfigError, match="--cpu-devices 8"):
+        resolve_mesh(cfg, 1)

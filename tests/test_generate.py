@@ -90,3 +90,11 @@ def test_cli_on_a_checkpoint(params, tmp_path, capsys):
         generate.main(argv + ["--prompt-ids", "1,999"])
     with pytest.raises(ConfigError, match="exceed model.seq_len"):
         generate.main(argv[:2] + ["--prompt-ids", "1", "--max-new-tokens", "100"])
+
+
+def test_cli_on_a_hugging_face_folder_points_to_the_converter(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="convert hf-to-orbax --hf") as info:
+        generate.main(["--checkpoint", str(tmp_path), "--prompt-ids", "1"])
+    assert "\n" not in str(info.value)

@@ -294,9 +294,12 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
         try:
             tree = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
-            line = getattr(getattr(e, "problem_mark", None), "line", None)
-            where = f" line {line + 1}" if line is not None else ""
-            raise ConfigError(f"config file {str(path)!r}{where}: not valid YAML") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            reason = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(
+                f"config file {str(path)!r}{where}: not valid YAML ({reason})"
+            ) from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {str(path)!r}: expected sections like 'model:'")
         for key, value in _flatten(tree).items():
@@ -335,7 +338,11 @@ def validate(cfg: Config) -> None:
         " or set model.head_dim",
     )
     _check(m.head_dim is None or m.head_dim > 0, "model.head_dim must be positive")
-    _check(m.hd % 2 == 0, f"head dimension {m.hd} must be even for rotary embeddings")
+    _check(
+        m.hd % 2 == 0,
+        f"head dimension {m.hd} (model.d_model / model.n_heads) must be even for rotary "
+        "embeddings: change model.d_model or model.n_heads, or set an even model.head_dim",
+    )
     _check(
         m.n_heads % m.n_kv_heads == 0,
         f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.n_kv_heads})",
@@ -542,7 +549,9 @@ def resolve_mesh(cfg: Config, n_devices: int) -> None:
         if v == -1:
             _check(
                 n_devices % known == 0,
-                f"mesh.{k}=-1: {n_devices} devices are not divisible by the other sizes ({known})",
+                f"mesh.{k}=-1: {n_devices} device(s) are not divisible by the other mesh sizes "
+                f"({known}); run on {known} x N devices (on a CPU: --cpu-devices {known}), or "
+                "change the mesh sizes",
             )
             setattr(cfg.mesh, k, n_devices // known)
     product = 1

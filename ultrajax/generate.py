@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import functools
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +152,13 @@ def main(argv=None) -> int:
     if not 0 < args.top_p <= 1:
         raise ConfigError("--top-p must be in (0, 1]")
 
+    hf = Path(args.checkpoint)
+    if (hf / "config.json").is_file() and any(hf.glob("*.safetensors")):
+        raise ConfigError(
+            f"{hf} is a Hugging Face model folder, not an ultrajax checkpoint: convert it "
+            f"first (python -m ultrajax.convert hf-to-orbax --hf {hf} --out DIR), then "
+            "pass --checkpoint DIR"
+        )
     cfg = checkpoint_lib.read_config(args.checkpoint)
     m = cfg.model
     tokenizer = None
