@@ -1,17 +1,19 @@
-"""Checkpoints: exact resume through SIGTERM, the keep policy, restore onto another layout,
-a save killed mid-write, and mismatched or corrupt checkpoints.
+"""Checkpoints: exact resume through SIGTERM and Ctrl-C, the keep policy, restore onto another
+layout, a save killed mid-write (and its leftovers removed), mismatched or corrupt checkpoints.
 
 The runs go through `train.train` itself (in this process, 8 simulated devices).
 Runs of one layout compile the same programs; the session's persistent compilation
 cache (tests/conftest.py) compiles each once.
 """
 
+import fnmatch
 import json
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import jax
@@ -101,6 +103,106 @@ def test_sigterm_then_resume_gives_identical_losses(reference, tmp_path, monkeyp
     assert losses(tmp_path) == got
 
 
+def test_ctrl_c_saves_then_resume_gives_identical_losses(reference, tmp_path, monkeypatch, capsys):
+    _, expected = reference
+    write = metrics.MetricsWriter.write
+
+    def write_then_ctrl_c(self, record):
+        write(self, record)
+        if record["step"] == 6:  # arrives during step 7: step 7 is saved, then the run stops
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(metrics.MetricsWriter, "write", write_then_ctrl_c)
+    before = signal.getsignal(signal.SIGINT)
+    ck_dir = tmp_path / "checkpoints"
+    try:
+        code = train.train(load(tmp_path, *LAYOUT_A))
+    except KeyboardInterrupt:  # not pytest's: a Ctrl-C the run did not handle fails here
+        pytest.fail("Ctrl-C during the run was not handled: KeyboardInterrupt")
+    assert code == 130
+    out = capsys.readouterr().out
+    assert f"starting fresh at step 0: no checkpoint found in {ck_dir}" in out
+    assert "Ctrl-C: saving step 7, then stopping (Ctrl-C again: quit now)" in out
+    stopped = [line for line in out.splitlines() if line.startswith("stopped by")]
+    assert stopped == [
+        f"stopped by Ctrl-C after step 7: saved in {ck_dir / '7'}; "
+        "run the same command again to resume"
+    ]
+    assert sorted(losses(tmp_path)) == list(range(1, 8))
+    assert steps(tmp_path) == [7]
+    assert signal.getsignal(signal.SIGINT) is before  # the handlers are put back
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    monkeypatch.undo()
+
+    # a save killed earlier left its temporary directory: the next start removes it
+    (ck_dir / "8.orbax-checkpoint-tmp-1764150000000" / "params").mkdir(parents=True)
+    assert train.train(load(tmp_path, *LAYOUT_A)) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"removed 1 unfinished save(s) left by a killed run in {ck_dir}: "
+        "8.orbax-checkpoint-tmp-1764150000000"
+    ) in out
+    assert f"resumed from {ck_dir / '7'} at step 7" in out and "starting fresh" not in out
+    assert losses(tmp_path) == expected  # exactly, as after SIGTERM
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert [r["tokens"] for r in records] == [r["step"] * 8 * 32 for r in records]  # 8 x seq 32
+    times = [r["time"] for r in records]
+    assert times == sorted(times)  # wall clock: the resumed run's records come after
+    assert sorted(p.name for p in ck_dir.iterdir()) == ["20", "7"]
+
+
+def test_a_second_ctrl_c_exits_at_once_while_the_save_is_written(tmp_path):
+    script = tmp_path / "twice.py"
+    script.write_text(textwrap.dedent(CTRL_C_TWICE))
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 60  # not after the 600 s "save"
+    assert "stopping" in proc.stdout and "not reached" not in proc.stdout
+    assert "Ctrl-C again: exiting without waiting for the save in progress" in proc.stderr
+
+
+CTRL_C_TWICE = """
+import signal, sys, time
+from pathlib import Path
+from ultrajax import checkpoint
+
+class SlowSave:  # a save that takes 10 minutes: the user presses Ctrl-C again meanwhile
+    dir = Path(sys.argv[1])
+    def wait(self):
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(600)
+
+with checkpoint.Preemption(SlowSave()) as preempted:
+    signal.raise_signal(signal.SIGINT)  # the first: only a flag
+    print("stopping" if preempted(1) else "not stopping", flush=True)
+print("not reached")
+"""
+
+
+def test_leftover_tmp_folders_are_removed_at_start(tmp_path):
+    ck_dir = tmp_path / "checkpoints"
+    (ck_dir / "3.orbax-checkpoint-tmp-1764150000000" / "params").mkdir(parents=True)
+    (ck_dir / "3.orbax-checkpoint-tmp-1764150000000" / "params" / "d").write_bytes(b"\0" * 64)
+    (ck_dir / "5.orbax-checkpoint-tmp-1764150000001").mkdir()
+    (ck_dir / "notes.txt").write_text("not a checkpoint")
+    lines = []
+    ck, state, start = checkpoint.start(load(tmp_path), None, None, say=lines.append)
+    ck.close()
+    assert start == 0 and state is None
+    assert lines == [
+        f"removed 2 unfinished save(s) left by a killed run in {ck_dir}: "
+        "3.orbax-checkpoint-tmp-1764150000000, 5.orbax-checkpoint-tmp-1764150000001",
+        f"starting fresh at step 0: no checkpoint found in {ck_dir}",
+    ]
+    assert sorted(p.name for p in ck_dir.iterdir()) == ["notes.txt"]
+    lines.clear()  # nothing left: nothing said about it
+    checkpoint.start(load(tmp_path, "checkpoint.resume=none"), None, None, lines.append)[0].close()
+    assert lines == [f"starting fresh at step 0 (checkpoint.resume=none); saving to {ck_dir}"]
+
+
 def test_resume_onto_another_layout_continues_the_losses(reference, tmp_path):
     ref_dir, expected = reference
     source = ref_dir / "checkpoints" / "10"
@@ -178,6 +280,7 @@ def test_a_killed_save_never_replaces_the_last_good_checkpoint(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     leftovers = [p.name for p in ck_dir.iterdir() if not p.name.isdigit()]
     assert leftovers and all(n.startswith("2.orbax-checkpoint-tmp") for n in leftovers)
+    assert all(fnmatch.fnmatch(n, checkpoint.TMP_PATTERN) for n in leftovers)  # what start removes
     assert checkpoint.locate(ck_dir) == (ck_dir, 1)  # the half-written step 2 does not count
     assert checkpoint.read_meta(ck_dir)["step"] == 1
     # a new run saves step 2 for real (Orbax replaces its own unfinished temporary)

@@ -1,10 +1,12 @@
-"""`python -m ultrajax.train` as a user runs it: a short end-to-end run, and bad input."""
+"""`python -m ultrajax.train` as a user runs it: a short end-to-end run, --print-config, and
+bad input."""
 
 import json
 import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,18 @@ from ultrajax import optim
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = "configs/tiny.yaml"
-FIELDS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "hfu")
+FIELDS = (
+    "step",
+    "time",
+    "tokens",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "step_time_s",
+    "mfu",
+    "hfu",
+)
 SMALL = [
     "train.steps=12",
     "train.log_every=4",
@@ -52,8 +65,10 @@ def _train(*args, timeout=600):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
+    started = time.time()
     proc = _train("--config", TINY, *SMALL, f"train.run_dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    proc.started, proc.ended = started, time.time()
     return proc, run_dir
 
 
@@ -89,6 +104,21 @@ def test_metrics_jsonl_has_every_field_finite(run):
 
 
 @pytest.mark.slow
+def test_metrics_records_carry_wall_clock_time_and_tokens_so_far(run):
+    proc, run_dir = run
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens"] for r in records] == [r["step"] * 4 * 2 * 64 for r in records]
+    assert all(isinstance(r["tokens"], int) for r in records)
+    times = [r["time"] for r in records]
+    assert all(isinstance(t, float) for t in times)
+    assert proc.started < times[0] and times == sorted(times) and times[-1] < proc.ended
+    # the clock runs at least as long as the steps logged in between (evaluation adds to it)
+    for a, b in zip(records, records[1:], strict=False):
+        steps_between = (b["step"] - a["step"]) * b["step_time_s"]
+        assert b["time"] - a["time"] >= 0.99 * steps_between - 1e-3, (a, b)
+
+
+@pytest.mark.slow
 def test_config_yaml_is_the_resolved_config_and_lr_follows_its_schedule(run):
     _, run_dir = run
     cfg = config_lib.load(run_dir / "config.yaml")
@@ -98,6 +128,59 @@ def test_config_yaml_is_the_resolved_config_and_lr_follows_its_schedule(run):
     for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
         # the lr logged at step s is the one step s used (the schedule at s - 1)
         assert r["lr"] == pytest.approx(float(schedule(r["step"] - 1)), rel=1e-5, abs=1e-12)
+
+
+# --------------------------------------------------------------------------- --print-config
+
+
+def test_print_config_prints_the_resolved_config_and_batch_then_exits(tmp_path):
+    run_dir = tmp_path / "never"
+    overrides = ["train.steps=7", "optim.warmup_steps=2", f"train.run_dir={run_dir}"]
+    looks = {  # mesh.data=-1 is filled from the 8 devices; without --cpu-devices: 1 CPU
+        "eight": ["--cpu-devices", "8", "mesh.data=-1", "--print-config", *overrides],
+        "here": ["--print-config", "mesh.fsdp=2", *overrides],
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "ultrajax.train", "--config", TINY, *args],
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in looks.items()
+    }
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
+        assert "Traceback" not in stderr and "compiled" not in stdout
+        out[name] = stdout
+    assert not run_dir.exists()  # nothing trained, nothing written
+
+    # the output is a config file: the resolved config, mesh fill included
+    (tmp_path / "printed.yaml").write_text(out["eight"])
+    printed = config_lib.load(tmp_path / "printed.yaml")
+    want = config_lib.load(ROOT / TINY, ["mesh.data=-1", *overrides])
+    config_lib.resolve_mesh(want, 8)
+    assert config_lib.to_dict(printed) == config_lib.to_dict(want)
+    assert printed.mesh.data == 8 and printed.train.steps == 7
+    derived = [line for line in out["eight"].splitlines() if line.startswith("# ")]
+    # tiny: 8 micro x 2 accum, seq 256
+    assert derived[1:] == [
+        "# global batch: 128 sequences = 8 micro-batch x 2 grad accumulation x 8 dp",
+        "# tokens per step: 32,768 = 128 sequences x 256 seq_len",
+        "# dp: 8 = data 8 x fsdp 1",
+        "# mesh: data=8 fsdp=1 pipeline=1 sequence=1 tensor=1 (8 devices)",
+        "# devices: 8 (cpu, --cpu-devices)",
+    ]
+    # a mesh for another machine is shown, and the mismatch said, not refused
+    assert (
+        "# global batch: 32 sequences = 8 micro-batch x 2 grad accumulation x 2 dp"
+        in out["here"].splitlines()
+    )
+    assert "# devices: 1 (cpu); this mesh needs 2" in out["here"].splitlines()
 
 
 # --------------------------------------------------------------------------- bad input

@@ -22,9 +22,11 @@ of the new mesh (`step.state_shardings`), so each device reads only its slice.
 
 Safety: Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it
 only when every item is complete, so a save killed half-way leaves the last
-good checkpoint as the latest. An unfinished temporary directory is ignored and
-left in place until that step is saved again (Orbax then replaces it); no
-checkpoint is ever deleted except by the `keep` policy.
+good checkpoint as the latest. An unfinished temporary directory is ignored, and
+the next run removes it at start (saying so); no finished checkpoint is ever
+deleted except by the `keep` policy.
+Stopping: SIGTERM and Ctrl-C both finish the step, save it and stop (`Preemption`);
+a second Ctrl-C exits at once, which at worst leaves such a temporary directory.
 Everything a restore can trip on (a missing or corrupt directory, a config whose
 shapes differ) is a ConfigError naming what differs: one line, exit status 2.
 """
@@ -33,7 +35,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import shutil
 import signal
+import sys
 import threading
 import typing
 from pathlib import Path
@@ -66,6 +71,32 @@ def _steps(root: Path) -> list[int]:
     if not root.is_dir():
         return []
     return sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+# what Orbax names a step (or item) it is still writing: `<step>.orbax-checkpoint-tmp-<time>`
+TMP_PATTERN = "*.orbax-checkpoint-tmp*"
+
+
+def remove_tmp(root: Path, say=print) -> list[str]:
+    """Remove the temporary directories of saves that were killed, saying which.
+
+    They are never a checkpoint (Orbax renames a step only once it is complete), but
+    they hold a whole step's arrays, and nothing else would ever delete them."""
+    if not root.is_dir():
+        return []
+    removed = sorted(p.name for p in root.glob(TMP_PATTERN))
+    for name in removed:
+        path = root / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if removed:
+        say(
+            f"removed {len(removed)} unfinished save(s) left by a killed run in {root}: "
+            f"{', '.join(removed)}"
+        )
+    return removed
 
 
 def locate(path: str | Path) -> tuple[Path, int]:
@@ -434,6 +465,8 @@ def start(cfg: Config, state: dict, data, say=print, source=_PICK):
     """
     if source is _PICK:
         source = resume_source(cfg)
+    if jax.process_index() == 0:  # one remover, also when the directory is shared
+        remove_tmp(checkpoint_dir(cfg), say)
     ck = Checkpoints(cfg)
     if source is not None:
         target = jax.tree.map(
@@ -447,38 +480,69 @@ def start(cfg: Config, state: dict, data, say=print, source=_PICK):
         shardings = jax.tree.map(lambda a: a.sharding, state["params"])
         _free(state["params"])
         state = dict(state, params=load_params(cfg.checkpoint.init_from, cfg.model, shardings, say))
-        say(f"parameters loaded from {cfg.checkpoint.init_from} (optimizer state fresh)")
+        say(
+            f"no checkpoint in {ck.dir}: parameters loaded from {cfg.checkpoint.init_from} "
+            "(optimizer state fresh)"
+        )
+    elif cfg.checkpoint.resume == "none":
+        say(f"starting fresh at step 0 (checkpoint.resume=none); saving to {ck.dir}")
+    else:
+        say(f"starting fresh at step 0: no checkpoint found in {ck.dir}")
     return ck, state, 0
 
 
 class Preemption:
-    """SIGTERM (a scheduler's pre-emption notice): finish the step, save it, stop.
+    """SIGTERM (a scheduler's pre-emption notice) or Ctrl-C: finish the step, save it, stop.
 
-    A context manager around the step loop: it installs the handler (which only
-    sets a flag, checked once per step: no host sync) and, on the way out, by
-    any path, waits for the saves still being written. In a multi-process run
-    the handler is left to JAX, whose pre-emption service makes every process
-    agree on the step to stop at (`CheckpointManager.reached_preemption`).
+    A context manager around the step loop: it installs the handlers (which only
+    set a flag, checked once per step: no host sync) and, on the way out, by any
+    path, waits for the saves still being written, then puts the previous handlers
+    back. A Ctrl-C while a stop is already under way exits at once (status 130):
+    whoever presses it twice will not wait for the save, and a save cut short never
+    replaces the last complete checkpoint. In a multi-process run both are left
+    alone: JAX's pre-emption service makes every process agree on the step to stop
+    at after a SIGTERM (`CheckpointManager.reached_preemption`), and a Ctrl-C seen
+    by some processes only would have them save different steps.
     """
+
+    NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}
 
     def __init__(self, ckpt: Checkpoints):
         self.ckpt = ckpt
         self.requested = False
-        self._old = None
+        self.signum = signal.SIGTERM  # what stopped the run, once `requested`
+        self._old = {}
         self._multi = jax.process_count() > 1
 
+    @property
+    def reason(self) -> str:
+        return self.NAMES[self.signum]
+
+    @property
+    def code(self) -> int:
+        """The exit status of a stopped run: 128 + the signal (143 SIGTERM, 130 Ctrl-C)."""
+        return 128 + int(self.signum)
+
     def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.requested:
+            _exit_now(self.ckpt.dir)
+        if not self.requested:
+            self.signum = signal.Signals(signum)
         self.requested = True
 
     def __enter__(self):
         if not self._multi and threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGTERM, self._handle)
+            for signum in self.NAMES:
+                self._old[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
-        self.ckpt.wait()
+        try:
+            self.ckpt.wait()  # the handlers stay: a second Ctrl-C here exits at once
+        finally:
+            for signum, old in self._old.items():
+                signal.signal(signum, old)
+            self._old = {}
         return False
 
     def __call__(self, step: int) -> bool:
@@ -486,3 +550,19 @@ class Preemption:
         if self._multi:
             self.requested = self.requested or self.ckpt.reached_preemption(step)
         return self.requested
+
+
+def _exit_now(where: Path) -> None:
+    """The second Ctrl-C: leave without waiting for the save thread (which an ordinary
+    exit would join). os.write, not print: the main thread may be inside a print."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a flush interrupted in the middle: what is lost is lost
+            pass
+    message = (
+        f"\nCtrl-C again: exiting without waiting for the save in progress; the last "
+        f"complete checkpoint in {where} is kept\n"
+    )
+    os.write(2, message.encode())
+    os._exit(130)

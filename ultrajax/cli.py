@@ -7,6 +7,7 @@ on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -59,6 +60,30 @@ def setup_devices(args: argparse.Namespace | int | None) -> None:
         distributed.initialize(args if isinstance(args, argparse.Namespace) else None)
     except config_lib.ConfigError as e:
         fail(str(e))
+
+
+def device_count(args: argparse.Namespace) -> tuple[int | None, str]:
+    """(devices, where the figure comes from) without joining a multi-process run.
+
+    --cpu-devices N says it outright; one process starts only its local backend (with
+    no GPU memory preallocated: a look must not take memory from a run on the same GPUs);
+    the processes of a multi-process run are only known once it is joined."""
+    if getattr(args, "cpu_devices", None) is not None:
+        if args.cpu_devices < 1:
+            fail("--cpu-devices must be >= 1")
+        return args.cpu_devices, "cpu, --cpu-devices"
+    try:
+        joining = distributed.plan(
+            getattr(args, "coordinator", None),
+            getattr(args, "num_processes", None),
+            getattr(args, "process_id", None),
+        )
+    except config_lib.ConfigError as e:
+        fail(str(e))
+    if joining is not None:
+        return None, f"a {joining.num_processes}-process run ({joining.source}), not joined"
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    return jax.device_count(), jax.default_backend()
 
 
 def load_config(args) -> config_lib.Config:

@@ -1,4 +1,4 @@
-"""`python -m ultrajax.train --config FILE [--cpu-devices N] [section.key=value ...]`
+"""`python -m ultrajax.train --config FILE [--cpu-devices N] [--print-config] [section.key=value]`
 
 The loop: build the mesh, the data and the sharded state (inside jit, so no
 replicated copy ever exists), compile the step once ahead of time, then run it
@@ -7,7 +7,9 @@ with no host synchronisation except at log steps.
 
 from __future__ import annotations
 
+import copy
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -98,8 +100,57 @@ def prepare(cfg: Config, *, fresh: bool = True):
     return mesh, rules, data, state, step_fn, eval_fn, batch_sh
 
 
+def print_config(cfg: Config, devices: int | None, backend: str) -> None:
+    """--print-config: the resolved config and the batch it implies, without a run.
+
+    The figures are YAML comments, so the output is itself a config file. A mesh that
+    does not fit the devices here is reported, not refused: the config may be meant
+    for another machine."""
+    fill = [k for k, v in cfg.mesh.sizes().items() if v == -1]
+    where = f"not known here: {backend}" if devices is None else f"{devices} ({backend})"
+    if devices is not None and fill:
+        filled = copy.deepcopy(cfg)
+        try:
+            resolve_mesh(filled, devices)
+            cfg, fill = filled, []
+        except ConfigError as e:
+            where += f"; mesh.{fill[0]}=-1 cannot be filled from them: {e}"
+    t, sizes = cfg.train, cfg.mesh.sizes()
+    need = math.prod(sizes.values())
+    if devices is not None and not fill and need != devices:
+        where += f"; this mesh needs {need}"
+    lines = [dump(cfg).rstrip(), "# derived (comments: this output is itself a config file)"]
+    if fill:
+        lines.append(
+            f"# global batch: {t.micro_batch_size} micro-batch x {t.grad_accum} grad accumulation"
+            f" x dp; dp (data x fsdp) waits for mesh.{fill[0]}=-1, filled at start"
+        )
+    else:
+        lines += [
+            f"# global batch: {cfg.global_batch} sequences = {t.micro_batch_size} micro-batch"
+            f" x {t.grad_accum} grad accumulation x {cfg.dp} dp",
+            f"# tokens per step: {cfg.tokens_per_step:,} = {cfg.global_batch} sequences x "
+            f"{cfg.model.seq_len} seq_len",
+            f"# dp: {cfg.dp} = data {cfg.mesh.data} x fsdp {cfg.mesh.fsdp}",
+        ]
+    mesh = " ".join(f"{k}={v}" for k, v in sizes.items())
+    lines.append(f"# mesh: {mesh}" + ("" if fill else f" ({need} device{'s' * (need > 1)})"))
+    lines.append(f"# devices: {where}")
+    print("\n".join(lines))
+
+
 def main(argv=None) -> int:
-    args = cli.parser("ultrajax.train", "Train a Llama-style model.").parse_args(argv)
+    p = cli.parser("ultrajax.train", "Train a Llama-style model.")
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config and the batch it implies, then exit without training",
+    )
+    args = p.parse_args(argv)
+    if args.print_config:  # before setup_devices: looking must not join a multi-process run
+        cfg = cli.load_config(args)
+        print_config(cfg, *cli.device_count(args))
+        return 0
     cli.setup_devices(args)  # simulated devices; joins a multi-process run if started as one
     cfg = cli.load_config(args)
     overlap.apply(cfg.parallel)  # before the backend starts
@@ -162,7 +213,8 @@ def train(cfg: Config) -> int:
     t_last, step_last = time.perf_counter(), start
     batch = first
     profile = t.profile_steps
-    # Preemption: SIGTERM -> save this step and stop; on the way out, wait for pending saves
+    # Preemption: SIGTERM or Ctrl-C -> save this step and stop; on the way out, wait for
+    # pending saves (a second Ctrl-C exits at once) and put the previous handlers back
     with jax.set_mesh(mesh), checkpoint_lib.Preemption(ckpt) as preempted:
         for step in range(start, t.steps):
             if profile and step == profile[0]:
@@ -187,12 +239,16 @@ def train(cfg: Config) -> int:
                 continue
             out = jax.device_get(out)  # the only host sync: at log steps
             now = time.perf_counter()
+            if stop and preempted.signum == signal.SIGINT and lead:
+                tqdm.write(f"Ctrl-C: saving step {done}, then stopping (Ctrl-C again: quit now)")
             step_time = (now - t_last) / (done - step_last)
             t_last, step_last = now, done
             tokens_per_s = cfg.tokens_per_step / step_time
             tokens_per_s_all.append(tokens_per_s)
             record = {
                 "step": done,
+                "time": time.time(),  # wall clock, to line runs and restarts up
+                "tokens": done * cfg.tokens_per_step,  # trained so far: exact across resume
                 "loss": float(out["loss"]),
                 "grad_norm": float(out["grad_norm"]),
                 "lr": float(out["lr"]),
@@ -243,8 +299,11 @@ def train(cfg: Config) -> int:
     say(f"  metrics      {run_dir / 'metrics.jsonl'}")
     ckpt.close()
     if preempted.requested:
-        say(f"stopped by SIGTERM after step {done}: saved in {ckpt.dir}; run again to resume")
-        return 143  # 128 + SIGTERM: the run did not finish
+        say(
+            f"stopped by {preempted.reason} after step {done}: saved in {ckpt.dir / str(done)};"
+            " run the same command again to resume"
+        )
+        return preempted.code  # 143 (SIGTERM) or 130 (Ctrl-C): the run did not finish
     return 0
 
 
