@@ -221,6 +221,16 @@ def test_cli_analytic_only_is_fast_and_has_a_verdict():
     assert "does NOT fit" in r.stdout
 
 
+def test_cli_warns_once_per_setting_without_effect():
+    r = run_cli("--config", TINY, "--cpu-devices", "1", "--no-compile", "parallel.zero=2")
+    assert r.returncode == 0, r.stderr
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: parallel.zero=2 has no effect with mesh.fsdp=1 (ZeRO shards over fsdp): "
+        "set mesh.fsdp > 1, or parallel.zero=0"
+    ]
+
+
 def test_cli_json_llama_8b_shape_without_allocating():
     r = run_cli(
         "--config", TINY, "--cpu-devices", "8", "--no-compile", "--json",

@@ -42,7 +42,7 @@ import numpy as np
 from ultrajax import attention, cli, comms, memory, metrics, optim
 from ultrajax import batch as batch_lib
 from ultrajax import mesh as mesh_lib
-from ultrajax.config import Config, ConfigError, resolve_mesh
+from ultrajax.config import Config, ConfigError, no_effect, resolve_mesh
 from ultrajax.memory import fmt_bytes
 from ultrajax.model import param_count
 from ultrajax.parallel import schedule
@@ -887,7 +887,9 @@ def main(argv=None) -> int:
         sizes = cfg.mesh.sizes().values()
         want = math_prod(sizes) if -1 not in sizes else "N"
         hint = f" (on a CPU host, --cpu-devices {want} simulates that many devices)"
-        raise ConfigError(f"{e}{hint}") from None
+        raise ConfigError(f"{e}{'' if '--cpu-devices' in str(e) else hint}") from None
+    for line in no_effect(cfg):
+        print(f"warning: {line}", file=sys.stderr)
     title = plot_schedule(cfg, args.plot_schedule) if args.plot_schedule else None
     multi = math_prod(cfg.mesh.sizes().values()) > 1
     # a multi-device mesh implies --compile (for the communication), unless only the

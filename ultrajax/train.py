@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from ultrajax import data as data_lib
 from ultrajax import memory as memory_lib
 from ultrajax import mesh as mesh_lib
 from ultrajax import metrics as metrics_lib
-from ultrajax.config import Config, ConfigError, dump, resolve_mesh
+from ultrajax.config import Config, ConfigError, dump, no_effect, resolve_mesh
 from ultrajax.model import param_count
 from ultrajax.parallel.context import token_order
 from ultrajax.step import (
@@ -171,6 +172,8 @@ def train(cfg: Config) -> int:
     say(dump(cfg).rstrip())
     say(mesh_lib.describe(mesh, rules))
     say(mesh_lib.describe_hosts(mesh))
+    for line in no_effect(cfg) if lead else ():
+        print(f"warning: {line}", file=sys.stderr)
     say(
         f"batch: {cfg.global_batch} samples = {t.micro_batch_size} micro x {t.grad_accum} accum"
         f" x {cfg.dp} dp; {cfg.tokens_per_step:,} tokens per step (x {m.seq_len} seq)"
