@@ -72,7 +72,7 @@ def _compile_config(cfg: Config) -> tuple[Config, list[str]]:
     if cfg.model.dtype != "float32" and backend == "cpu":
         notes.append(
             f"{cfg.model.dtype} on XLA:CPU: matmuls and collectives run in float32 there, so "
-            "compiled temporaries and communication exceed a GPU's (GUIDE section 5); the "
+            "compiled temporaries and communication exceed a GPU's; the "
             "model is validated in float32 on CPU"
         )
     from ultrajax.step import unsupported
@@ -151,7 +151,8 @@ def compiled_memory(compiled) -> dict:
 
     The peak is argument + output - alias + temp: the donated state's outputs alias
     its arguments, and on the CPU backend peak_memory_in_bytes leaves the temporaries
-    out (GUIDE section 5), so we add them ourselves on every backend."""
+    out (it comes to about argument + output), so we add them ourselves on every
+    backend."""
     ma = compiled.memory_analysis()
     out = {
         "argument": int(ma.argument_size_in_bytes),
