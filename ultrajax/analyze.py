@@ -701,7 +701,7 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+        raise ConfigError('--plot needs matplotlib: pip install -e ".[plot]"') from None
     return plt
 
 

@@ -13,7 +13,7 @@ Two figures per collective, for a group of n devices and a buffer of B bytes:
     reduce-scatter its input B, all-to-all B, collective-permute B);
   traffic: what one device sends with a ring algorithm: all-reduce 2B(n-1)/n,
     all-gather and reduce-scatter B(n-1)/n, all-to-all B(n-1)/n, permute B.
-The playbook's formulas (GUIDE section 6) are traffic, so the ratio compares
+The playbook's formulas are traffic, so the ratio compares
 traffic with traffic.
 """
 
@@ -370,7 +370,7 @@ def _ring(nbytes: float, n: int, factor: float = 1.0) -> float:
 
 
 def expected(cfg: Config) -> list[Term]:
-    """The playbook's per-step communication for this layout (GUIDE section 6), per device.
+    """The playbook's per-step communication for this layout, per device.
 
     Ψ here is the parameter count of one tensor-parallel shard (the DP/ZeRO collectives
     move that much); gradients are reduced in `parallel.grad_reduce_dtype` (fp32 by

@@ -1,7 +1,7 @@
 """The training loss of one micro-batch: summed next-token NLL and its target count.
 
 Sums, not means: gradient accumulation divides the sum over every micro-batch by
-the total count of target tokens (GUIDE section 6), so micro-batches holding
+the total count of target tokens, so micro-batches holding
 different numbers of valid tokens weigh each token the same.
 """
 

@@ -139,7 +139,7 @@ class Rules:
 
 
 def rules(cfg: Config) -> Rules:
-    """The rules table for this run's parallel config (GUIDE section 3)."""
+    """The rules table for this run's parallel config (printed at start; docs/parallelism.md)."""
     zero, sp = Zero(cfg.parallel.zero), cfg.parallel.sequence_parallel
     weights = {
         "vocab": "tensor",

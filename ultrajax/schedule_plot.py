@@ -34,7 +34,7 @@ def draw(table: np.ndarray, path: str | Path, title: str | None = None) -> Path:
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch, Rectangle
     except ImportError as e:
-        raise RuntimeError("drawing a schedule needs matplotlib: pip install matplotlib") from e
+        raise RuntimeError('drawing a schedule needs matplotlib: pip install -e ".[plot]"') from e
 
     table = np.asarray(table)
     T, p = table.shape[:2]
