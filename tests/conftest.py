@@ -30,6 +30,14 @@ def compile_once(tmp_path_factory):
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """The session's own cache directory (the CPU peak cache of ultrajax.metrics), for this
+    process and the runs it starts: tests never write into the user's ~/.cache."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+
+
 @pytest.fixture(scope="session")
 def random_params():
     """make(cfg, seed) -> a parameter dict shaped like model.init_params, filled from numpy.

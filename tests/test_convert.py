@@ -270,3 +270,44 @@ def test_command_line_error_is_one_line(tmp_path):
         f"error: {tmp_path}/config.json: architecture model_type 'gpt2' is not supported "
         "(only LlamaForCausalLM)"
     ]
+
+
+def tiny_checkpoint(path, tokenizer="bytes"):
+    """A parameter-only checkpoint of a tiny model (zeros: only the tokenizer is checked)."""
+    m = config.ModelConfig(vocab_size=384, d_model=16, n_layers=1, n_heads=2, d_ff=32, seq_len=16)
+    cfg = config.Config(model=m)
+    cfg.data.tokenizer = tokenizer
+    shapes = checkpoint.abstract_params(m)
+    params = jax.tree.map(lambda a: np.zeros(a.shape, np.float32), shapes)
+    checkpoint.write_params(path, params, cfg)
+    return path
+
+
+def test_orbax_to_hf_byte_tokenizer_gives_our_ids(tmp_path):
+    from ultrajax.data import ByteTokenizer
+
+    ck = tiny_checkpoint(tmp_path / "ck")
+    convert.orbax_to_hf(ck, tmp_path / "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ours = ByteTokenizer()
+    text = "Grüße, 世界! naïve café 🙂\ttabs  and\nlines <s> ∑"
+    want = [ours.BOS, *ours.encode(text).tolist()]  # what train and generate feed the model
+    assert tok(text)["input_ids"] == want
+    assert tok.encode(text, add_special_tokens=False) == want[1:]
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (256, 257, 258)
+    assert tok.decode(want, skip_special_tokens=True) == ours.decode(want) == text
+    assert tok.decode([*want, ours.EOS], skip_special_tokens=True) == text
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (hf["bos_token_id"], hf["eos_token_id"], hf["vocab_size"]) == (256, 257, 384)
+
+
+def test_orbax_to_hf_copies_a_tokenizer_json_or_warns(tmp_path, capsys):
+    source = tmp_path / "my_tokenizer.json"
+    convert.byte_tokenizer_json().save(str(source))
+    convert.orbax_to_hf(tiny_checkpoint(tmp_path / "ck", str(source)), tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == source.read_bytes()
+    source.unlink()
+    convert.orbax_to_hf(tmp_path / "ck", tmp_path / "hf2")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"warning: data.tokenizer {str(source)!r} does not exist; no tokenizer written"]
+    assert not (tmp_path / "hf2" / "tokenizer.json").exists()

@@ -1,8 +1,14 @@
-"""Device peaks for MFU, and the FLOPs-per-token formula (GUIDE section 6)."""
+"""Device peaks for MFU, the FLOPs-per-token formula (GUIDE section 6), and the metrics
+writer's TensorBoard and W&B scalars."""
 
+import json
+import struct
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import jax
 import pytest
 
 from ultrajax import config, metrics
@@ -37,3 +43,185 @@ def test_flops_per_token_is_6n_plus_12lhs():
 
 def test_human():
     assert metrics.human(885888) == "885.9K" and metrics.human(1.278e11) == "127.8B"
+
+
+# --------------------------------------------------------------------------- CPU peak
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    """The CPU peak cache under tmp_path, never the real home; measurements counted."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    rates = iter([5e10, 9e10, 7e10, 1e12, 2e12, 3e12])
+    calls = []
+
+    def fake_rate():
+        calls.append(1)
+        return next(rates)
+
+    monkeypatch.setattr(metrics, "measure_matmul_rate", fake_rate)
+    return tmp_path / "xdg" / "ultrajax" / "cpu_peak.json", calls
+
+
+def test_cpu_peak_is_measured_once_and_cached(cache_home, monkeypatch):
+    path, calls = cache_home
+    assert metrics.cpu_peak_cache() == path
+    rate, label = metrics.cached_cpu_peak()
+    assert rate == 9e10 and len(calls) == 3  # the best of three
+    assert f"cached in {path}" in label
+    assert json.loads(path.read_text())[metrics.cpu_key()]["flops"] == 9e10
+    rate, label = metrics.cached_cpu_peak()
+    assert rate == 9e10 and len(calls) == 3 and "measured once" in label  # not re-measured
+    if jax.devices()[0].platform == "cpu":
+        peak, label = metrics.host_peak(config.Config())
+        assert peak == 9e10 and len(calls) == 3 and str(path) in label
+    # another machine (CPU model or cores) gets its own entry; the first one stays
+    here = metrics.cpu_key()
+    monkeypatch.setattr(metrics, "cpu_key", lambda: "other CPU | 4 cores")
+    assert metrics.cached_cpu_peak()[0] == 3e12 and len(calls) == 6
+    table = json.loads(path.read_text())
+    assert table["other CPU | 4 cores"]["flops"] == 3e12
+    assert table[here]["flops"] == 9e10
+    assert len(table) == 2
+
+
+def test_cpu_peak_cache_defaults_to_home(tmp_path, monkeypatch):
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert metrics.cpu_peak_cache() == tmp_path / ".cache" / "ultrajax" / "cpu_peak.json"
+
+
+def test_cpu_peak_cache_unreadable_or_unwritable(cache_home):
+    path, calls = cache_home
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    rate, label = metrics.cached_cpu_peak()  # a broken file is measured over
+    assert rate == 9e10 and "cached in" in label
+    path.unlink()
+    path.mkdir()  # a directory where the file should be: measured, not cached, no crash
+    rate, label = metrics.cached_cpu_peak()
+    assert rate == 3e12 and "not cached" in label and len(calls) == 6
+    assert [p.name for p in path.parent.iterdir()] == ["cpu_peak.json"]  # no temporary left
+
+
+# --------------------------------------------------------------------------- writer
+
+
+def read_events(tb_dir: Path) -> list:
+    """Every Event in the TFRecord files of a directory (length, crc, data, crc)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    events = []
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        while data:
+            (n,) = struct.unpack("<Q", data[:8])
+            events.append(Event.FromString(data[12 : 12 + n]))
+            data = data[12 + n + 4 :]
+    return events
+
+
+def scalar_points(tb_dir: Path) -> dict:
+    points = {}
+    for e in read_events(tb_dir):
+        for v in e.summary.value:
+            points.setdefault(v.tag, []).append((e.step, v.simple_value, e.wall_time))
+    return points
+
+
+RECORDS = [
+    {"step": 1, "loss": 5.5, "grad_norm": 2.0, "lr": 1e-4, "mfu": 0.25, "time": 1.7e9 + 1},
+    {"step": 2, "loss": 5.0, "grad_norm": 1.5, "lr": 2e-4, "mfu": 0.5, "time": 1.7e9 + 2},
+    {
+        "step": 4,
+        "loss": 4.25,
+        "grad_norm": 1.0,
+        "lr": 3e-4,
+        "mfu": 0.75,
+        "tokens": 4096,
+        "eval_loss": 4.5,
+        "memory": {"peak_gib": 1.5},
+        "note": "text is skipped",
+        "time": 1.7e9 + 4,
+    },
+]
+
+
+def test_metrics_writer_tensorboard_scalars(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    w = metrics.MetricsWriter(tmp_path, fresh=True)
+    for r in RECORDS:
+        w.write(r)
+    deadline = time.monotonic() + 20  # on disk within seconds, before close: a crash loses little
+    while scalar_points(tmp_path / "tensorboard").get("train/loss", [()])[-1][:2] != (4, 4.25):
+        assert time.monotonic() < deadline, "the scalars were not flushed before close"
+        time.sleep(0.1)
+    w.close()
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()] == RECORDS
+    points = scalar_points(tmp_path / "tensorboard")
+    assert set(points) == {
+        "train/loss",
+        "train/grad_norm",
+        "train/lr",
+        "train/mfu",
+        "train/tokens",
+        "eval/loss",
+        "train/memory/peak_gib",
+    }
+    for key in ("loss", "grad_norm", "lr", "mfu"):
+        got = [(step, value) for step, value, _ in points[f"train/{key}"]]
+        assert got == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in RECORDS], key
+    assert [p[:2] for p in points["eval/loss"]] == [(4, 4.5)]
+    assert [p[:2] for p in points["train/tokens"]] == [(4, 4096.0)]
+    assert [p[:2] for p in points["train/memory/peak_gib"]] == [(4, 1.5)]
+    assert [p[2] for p in points["train/loss"]] == [r["time"] for r in RECORDS]  # wall clock
+
+
+def test_metrics_writer_resume_purges_and_fresh_restarts(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    w = metrics.MetricsWriter(tmp_path, fresh=True)
+    for r in RECORDS:
+        w.write(r)
+    w.close()
+    w = metrics.MetricsWriter(tmp_path, fresh=False)  # resumed from the step-2 checkpoint
+    w.write({"step": 3, "loss": 4.0})
+    w.close()
+    events = read_events(tmp_path / "tensorboard")
+    purge = [e for e in events if e.HasField("session_log")]
+    assert [(e.step, e.session_log.status) for e in purge] == [(3, 1)]  # START at 3: 4 dropped
+    assert len(list((tmp_path / "tensorboard").glob("events.*"))) == 2
+    metrics.MetricsWriter(tmp_path, fresh=True).close()  # a fresh run: a fresh plot
+    assert not list((tmp_path / "tensorboard").glob("events.*"))
+
+
+def test_metrics_writer_wandb_hook(tmp_path, monkeypatch, capsys):
+    logged = []
+
+    class Run:
+        def log(self, values, step):
+            logged.append((step, values))
+
+        def finish(self):
+            logged.append("finished")
+
+    fake = SimpleNamespace(init=lambda **kw: logged.append(kw) or Run())
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_PROJECT", "proj")
+    w = metrics.MetricsWriter(tmp_path / "run", fresh=True)
+    w.write(RECORDS[0])
+    w.close()
+    assert logged[0]["project"] == "proj" and logged[0]["name"] == "run"
+    assert logged[1] == (
+        1,
+        {"train/loss": 5.5, "train/grad_norm": 2.0, "train/lr": 1e-4, "train/mfu": 0.25},
+    )
+    assert logged[2] == "finished"
+    # WANDB_PROJECT without wandb installed: one warning line, and the run goes on
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    capsys.readouterr()
+    w = metrics.MetricsWriter(tmp_path / "run2", fresh=True)
+    w.write(RECORDS[0])
+    w.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["warning: WANDB_PROJECT is set but wandb is not installed; not logging to W&B"]
+    assert "train/loss" in scalar_points(tmp_path / "run2" / "tensorboard")

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -418,9 +419,73 @@ def orbax_to_hf(checkpoint: str | Path, out: str | Path, dtype: str = "auto") ->
     except ConfigError:
         pass
     (out / "config.json").write_text(json.dumps(hf_config(m, dtype, tokenizer), indent=2) + "\n")
-    if cfg.data.tokenizer != "bytes" and Path(cfg.data.tokenizer).is_file():
-        shutil.copy(cfg.data.tokenizer, out / "tokenizer.json")
+    write_hf_tokenizer(cfg.data.tokenizer, out, m.seq_len)
     return out
+
+
+BYTE_SPECIALS = ("<s>", "</s>", "<pad>")  # ByteTokenizer's BOS, EOS, PAD, in id order
+
+
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, the alphabet of a ByteLevel tokenizer."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    out, extra = {b: chr(b) for b in keep}, 256
+    for b in range(256):
+        if b not in out:
+            out[b], extra = chr(extra), extra + 1
+    return out
+
+
+def byte_tokenizer_json():
+    """A `tokenizers` Tokenizer with our ByteTokenizer's ids: byte b is id b (a ByteLevel BPE
+    with no merges, so every byte is its own token), <s> </s> <pad> are 256 257 258, and
+    encoding prepends <s> as our data pipeline and generate do."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    vocab = {c: b for b, c in _byte_to_char().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_SPECIALS])
+    bos = data_lib.ByteTokenizer.BOS
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    ours = data_lib.ByteTokenizer
+    assert [tok.token_to_id(t) for t in BYTE_SPECIALS] == [ours.BOS, ours.EOS, ours.PAD]
+    return tok
+
+
+def write_hf_tokenizer(source: str, out: Path, max_len: int) -> None:
+    """The run's tokenizer beside the weights, so AutoTokenizer.from_pretrained(out) works:
+    for `bytes`, a tokenizer.json built to give our ids; for a tokenizer.json path, a copy."""
+    if source != "bytes":
+        if Path(source).is_file():
+            shutil.copy(source, out / "tokenizer.json")
+        else:
+            print(
+                f"warning: data.tokenizer {source!r} does not exist; no tokenizer written",
+                file=sys.stderr,
+            )
+        return
+    try:
+        tok = byte_tokenizer_json()
+    except ImportError:
+        print("warning: the 'tokenizers' package is missing; no tokenizer written", file=sys.stderr)
+        return
+    tok.save(str(out / "tokenizer.json"))
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",  # not Llama's: that would add its own
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "add_bos_token": True,
+        "split_special_tokens": True,  # "<s>" in text is 4 bytes, as ours encodes it
+        "model_max_length": max_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- verify
