@@ -194,6 +194,11 @@ BAD = {
         ["--config", TINY, "data.source=files", "data.path=/nonexistent/corpus.txt"],
         "/nonexistent/corpus.txt",
     ),
+    # errors that say what to do (issue 13)
+    "no-config": ([], "usage: ultrajax.train"),
+    "odd-head-dim": (["--config", TINY, "model.d_model=100", "model.n_heads=4"], "head_dim"),
+    "path-without-files": (["--config", TINY, "data.path=corpus.txt"], "data.source=files"),
+    "mesh-fill": (["--config", TINY, "mesh.data=-1", "mesh.tensor=8"], "--cpu-devices 8"),
 }
 
 

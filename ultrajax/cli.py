@@ -18,8 +18,9 @@ from ultrajax import distributed
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's own errors: one line, exit 2
-        fail(f"{self.prog}: {message}")
+    def error(self, message):  # argparse's own errors: one line with the usage, exit 2
+        usage = " ".join(self.format_usage().split())  # "usage: python -m ... [--config ...]"
+        fail(f"{self.prog}: {message} ({usage}; --help lists the options)")
 
     def parse_args(self, args=None, namespace=None):  # options and overrides in any order
         return self.parse_intermixed_args(args, namespace)
