@@ -54,7 +54,15 @@ FORMAT = 1
 # model keys that decide the parameter shapes: a difference is an error
 SHAPE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
 # keys that change the function the weights compute: a difference is reported
-NUMERIC_KEYS = ("rope_theta", "norm_eps")
+NUMERIC_KEYS = (
+    "rope_theta",
+    "rope_scaling",
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_len",
+    "norm_eps",
+)
 
 
 # --------------------------------------------------------------------------- locating
@@ -372,7 +380,14 @@ def restore_train(
             "start from it with checkpoint.init_from instead of checkpoint.resume"
         )
     saved = config_from_dict(_read_json_item(root, step, "config"), where)
-    check_model(saved.model, cfg.model, where, warn)
+    try:
+        check_model(saved.model, cfg.model, where, warn)
+    except ConfigError as e:  # most often: the shape changed, the run directory did not
+        raise ConfigError(
+            f"{e}. To train the new shape, give it its own run directory "
+            f"(train.run_dir=...), or delete {root} to start over; to continue that run, "
+            "use its config"
+        ) from None
     if saved.global_batch != cfg.global_batch:
         warn(
             f"note: the global batch was {saved.global_batch} samples in {where} and is "
