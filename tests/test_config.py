@@ -310,3 +310,12 @@ def test_mesh_fill_error_points_to_cpu_devices():
     cfg = load(None, ["mesh.data=-1", "mesh.tensor=8"])
     with pytest.raises(ConfigError, match="--cpu-devices 8"):
         resolve_mesh(cfg, 1)
+
+
+def test_help_lists_every_key_with_a_default_that_loads_back():
+    """The commands' --help epilog: every key once, and each line is a valid override
+    giving the default config back."""
+    lines = [line.strip() for line in config_lib.keys_help().splitlines()[1:]]
+    keys = [line.split("=", 1)[0] for line in lines]
+    assert len(keys) == len(set(keys)) and "model.d_model" in keys and "mesh.dcn.pipeline" in keys
+    assert config_lib.dump(load(None, lines)) == config_lib.dump(Config())

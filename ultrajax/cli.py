@@ -32,7 +32,12 @@ def fail(message: str, code: int = 2):
 
 
 def parser(prog: str, description: str, *, config_required: bool = True) -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description=description)
+    p = _Parser(
+        prog=prog,
+        description=description,
+        epilog=config_lib.keys_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", required=config_required, help="YAML config file")
     p.add_argument(
         "--cpu-devices",

@@ -565,6 +565,25 @@ def resolve_mesh(cfg: Config, n_devices: int) -> None:
     validate_layout(cfg)
 
 
+def keys_help() -> str:
+    """Every config key with its default, a section per line group (the commands' --help;
+    the README's configuration reference says what each one means)."""
+    lines = []
+
+    def walk(obj, prefix):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+            else:
+                shown = yaml.safe_dump(value).strip().removesuffix("...").strip()
+                lines.append(f"  {prefix}{f.name}={shown}")
+
+    for section in dataclasses.fields(Config):
+        walk(getattr(Config(), section.name), f"{section.name}.")
+    return "config keys and their defaults (set any as section.key=value):\n" + "\n".join(lines)
+
+
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
