@@ -311,3 +311,21 @@ def test_orbax_to_hf_copies_a_tokenizer_json_or_warns(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"warning: data.tokenizer {str(source)!r} does not exist; no tokenizer written"]
     assert not (tmp_path / "hf2" / "tokenizer.json").exists()
+
+
+def test_rope_scaling_greedy_tokens_match_transformers(scaled):
+    """Greedy decoding past the original context length: transformers' generate on the
+    Hugging Face model and ours on the converted checkpoint pick the same tokens."""
+    from ultrajax import generate
+
+    kind, root, model, ids = scaled
+    prompt = ids[0, :40].tolist()  # already past original_max_position_embeddings (32)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
+        )
+    theirs = out[0, len(prompt) :].tolist()
+    m = checkpoint.read_config(root / "ck").model
+    with jax.default_matmul_precision("highest"):
+        ours = generate.generate(m, checkpoint.load_params(root / "ck", m), prompt, 12)
+    assert ours == theirs, (kind, ours, theirs)
