@@ -521,19 +521,18 @@ def no_effect(cfg: Config) -> list[str]:
             "the sequence over tensor): set mesh.tensor > 1, or drop it"
         )
     default = ParallelConfig()
-    if mesh.pipeline == 1:
-        for key in ("pipeline_schedule", "virtual_stages"):
+    axis_keys = {
+        "pipeline": ("pipeline_schedule", "virtual_stages"),
+        "sequence": ("context", "context_zigzag"),
+    }
+    for axis, keys in axis_keys.items():
+        if getattr(mesh, axis) != 1:
+            continue
+        for key in keys:
             if getattr(par, key) != getattr(default, key):
                 out.append(
-                    f"parallel.{key}={getattr(par, key)} has no effect with mesh.pipeline=1: "
-                    "set mesh.pipeline > 1, or drop it"
-                )
-    if mesh.sequence == 1:
-        for key in ("context", "context_zigzag"):
-            if getattr(par, key) != getattr(default, key):
-                out.append(
-                    f"parallel.{key}={getattr(par, key)} has no effect with mesh.sequence=1: "
-                    "set mesh.sequence > 1, or drop it"
+                    f"parallel.{key}={getattr(par, key)} has no effect with mesh.{axis}=1: "
+                    f"set mesh.{axis} > 1, or drop it"
                 )
     return out
 

@@ -635,10 +635,9 @@ def _pipelined(cfg: Config, e: Estimate, copy: float) -> Estimate:
     plan = pipeline_plan(cfg)
     stored = param_elements(cfg, "stored")
     whole = param_elements(cfg, "compute", ignore=("fsdp",))
-    tied = param_elements(cfg, "compute", ignore=("fsdp",), where=lambda p: p == "['embed']")
-    # fp32 sums of every weight this device holds, whole over fsdp; a tied embedding has
-    # two (its lookup on the first stage, the LM head on the last)
-    accum = 4.0 * (whole + (tied if m.tie_embeddings else 0))
+    # fp32 sums of every weight this device holds, whole over fsdp (a tied embedding's
+    # lookup and LM head add into one)
+    accum = 4.0 * whole
     grads = 4.0 * (stored if z.active >= 1 else whole)
     e.rows["gradient accumulators (fp32)"] = accum
     e.rows["gradients (fp32, reduced after the ticks)"] = grads

@@ -432,8 +432,8 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
             lambda s: vary(jnp.zeros((v, n_per, *s.shape), s.dtype), tuple(sorted(vma(s)))),
             layer_sink,
         ),  # fmt: skip
-        "head": head_sink,
-        "embed": embed_sink,
+        "head": head_sink,  # a tied embedding's lookup adds into head["embed"] as well
+        "embed": None if m.tie_embeddings else embed_sink,
         "loss": vary(jnp.zeros((), jnp.float32), grad_axes),
     }
     template = state
@@ -463,8 +463,12 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
             both, backward_weights, st["layers"], st["res"], st["grad"], st["cot"], r, b
         )
         dx = dx + dx_in
-        (st["embed"],) = when((b == BWD_FIRST) | (b == BWD_IN_FIRST), embed_backward,
-                              st["embed"], dx, r)  # fmt: skip
+        first = (b == BWD_FIRST) | (b == BWD_IN_FIRST)
+        if m.tie_embeddings:  # one accumulator for the lookup and the LM head
+            (st["head"],) = when(first, lambda h, dx, r: ({**h, "embed": embed_backward(
+                h["embed"], dx, r)[0]},), st["head"], dx, r)  # fmt: skip
+        else:
+            (st["embed"],) = when(first, embed_backward, st["embed"], dx, r)
         y = jax.lax.cond(sends[0], lambda a: jax.lax.ppermute(a, AXIS, down), lambda a: a, y)
         dx = jax.lax.cond(sends[1], lambda a: jax.lax.ppermute(a, AXIS, up), lambda a: a, dx)
         st["act"] = write(st["act"], r["act_in"], y)
@@ -473,7 +477,8 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
 
     state, _ = jax.lax.scan(tick, state, (jnp.asarray(plan.rows), jnp.asarray(plan.sends)))
     grads = {k: state["head"][k] for k in head_keys}
-    grads["embed"] = grads.get("embed", 0) + state["embed"]
+    if not m.tie_embeddings:
+        grads["embed"] = state["embed"]
     grads["layers"] = jax.tree.map(lambda a: a.reshape(v * n_per, *a.shape[2:]), state["layers"])
     return grads, state["loss"]
 
