@@ -199,8 +199,11 @@ def test_leftover_tmp_folders_are_removed_at_start(tmp_path):
     ]
     assert sorted(p.name for p in ck_dir.iterdir()) == ["notes.txt"]
     lines.clear()  # nothing left: nothing said about it
-    checkpoint.start(load(tmp_path, "checkpoint.resume=none"), None, None, lines.append)[0].close()
-    assert lines == [f"starting fresh at step 0 (checkpoint.resume=none); saving to {ck_dir}"]
+    checkpoint.start(load(tmp_path, "checkpoint.resume=never"), None, None, lines.append)[0].close()
+    assert lines == [f"starting fresh at step 0 (checkpoint.resume=never); saving to {ck_dir}"]
+    # must: no checkpoint is an error that says where it looked and the way out
+    with pytest.raises(ConfigError, match=r"resume=must, but .*checkpoints holds no checkpoint"):
+        checkpoint.start(load(tmp_path, "checkpoint.resume=must"), None, None)
 
 
 def test_resume_onto_another_layout_continues_the_losses(reference, tmp_path):
@@ -315,6 +318,34 @@ def test_mismatched_checkpoints_name_what_differs(reference, tmp_path):
         checkpoint.load_params(source, load(tmp_path, "model.d_model=64").model)
 
 
+def test_a_changed_schedule_length_on_resume_is_refused_or_rescheduled(reference, tmp_path):
+    """train.steps=30 on a run scheduled over 20: refused (the learning rate would jump),
+    accepted with train.reschedule=true (saying by how much), or kept with
+    optim.schedule_steps=20 (the old schedule, held at its end)."""
+    source = reference[0] / "checkpoints" / "10"
+    cfg = load(tmp_path, *LAYOUT_A, "train.steps=30")
+    old = float(optim.schedule(load(tmp_path))(10))
+    new = float(optim.schedule(cfg)(10))
+    assert new > old * 1.2  # the cosine over 30 steps is higher at step 10
+    with pytest.raises(ConfigError) as e:
+        checkpoint.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg))
+    msg = str(e.value)
+    assert "over 20 steps" in msg and f"goes from {old:.2e} to {new:.2e}" in msg
+    assert "train.reschedule=true" in msg and "optim.schedule_steps=20" in msg
+    lines = []
+    cfg = load(tmp_path, *LAYOUT_A, "train.steps=30", "train.reschedule=true")
+    state, step = checkpoint.restore_train(
+        source, cfg, _target(cfg, jax.devices()), _data(cfg), warn=lines.append
+    )
+    assert step == 10 and any(line.startswith("rescheduled: the cosine") for line in lines)
+    cfg = load(tmp_path, *LAYOUT_A, "train.steps=30", "optim.schedule_steps=20")
+    assert float(optim.schedule(cfg)(10)) == old and float(optim.schedule(cfg)(29)) > 0
+    checkpoint.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg))
+    # a constant schedule has no length to change
+    cfg = load(tmp_path, *LAYOUT_A, "train.steps=30", "optim.schedule=constant")
+    checkpoint.check_schedule(load(tmp_path, "optim.schedule=constant"), cfg, "x", 10)
+
+
 def test_corrupt_and_missing_checkpoints_are_clear_errors(reference, tmp_path):
     good = reference[0] / "checkpoints" / "10"
     cfg = load(tmp_path, *LAYOUT_A)
@@ -331,10 +362,16 @@ def test_corrupt_and_missing_checkpoints_are_clear_errors(reference, tmp_path):
     (bad / "config" / "metadata").write_text("{ not json")
     with pytest.raises(ConfigError, match=r"checkpoint .*bad/10 cannot be read"):
         checkpoint.read_config(bad)
-    # resume=none never starts over on top of a run's checkpoints (keep would delete them)
-    cfg = load(reference[0], *LAYOUT_A, "checkpoint.resume=none")
-    with pytest.raises(ConfigError, match="already holds checkpoints"):
-        checkpoint.start(cfg, None, None)
+    # resume=never never starts over on top of a run's checkpoints (keep would delete them);
+    # `none` is its older name
+    for mode in ("never", "none"):
+        cfg = load(reference[0], *LAYOUT_A, f"checkpoint.resume={mode}")
+        with pytest.raises(ConfigError, match="already holds checkpoints .* own train.run_dir"):
+            checkpoint.start(cfg, None, None)
+    # must: the latest
+    assert checkpoint.resume_source(load(reference[0], "checkpoint.resume=must"))[1] == 20
+    # a run directory stands for the latest checkpoint in it (generate, convert, resume=PATH)
+    assert checkpoint.locate(reference[0]) == (reference[0] / "checkpoints", 20)
     # resuming an old step into a directory with newer ones is refused
     cfg = load(reference[0], *LAYOUT_A, f"checkpoint.resume={good}")
     with pytest.raises(ConfigError, match="already holds steps after 10"):

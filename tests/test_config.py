@@ -318,4 +318,35 @@ def test_help_lists_every_key_with_a_default_that_loads_back():
     lines = [line.strip() for line in config_lib.keys_help().splitlines()[1:]]
     keys = [line.split("=", 1)[0] for line in lines]
     assert len(keys) == len(set(keys)) and "model.d_model" in keys and "mesh.dcn.pipeline" in keys
-    assert config_lib.dump(load(None, lines)) == config_lib.dump(Config())
+    assert config_lib.dump(load(None, lines)) == config_lib.dump(load(None, []))
+
+
+# --------------------------------------------------------------------------- run directories
+
+
+def test_run_directory_is_named_after_the_config_and_what_defines_the_run(tmp_path):
+    """Unset train.run_dir: runs/<file name>-<hash of model, data, optim, seed>. The same
+    command finds the same directory (a requeued job resumes); a changed shape, dataset,
+    optimizer or seed gets its own; layout, batch split, length and logging do not."""
+    path = _write(tmp_path, "model: {d_model: 64, n_heads: 4}\n")
+    base = load(path).train.run_dir
+    assert base.startswith("runs/run-") and len(base) == len("runs/run-") + 6
+    assert load(path).train.run_dir == base
+    for same in (["train.steps=70"], ["mesh.data=2"], ["train.log_every=3"], ["train.grad_accum=4"],
+                 ["optim.schedule_steps=50"], ["checkpoint.every=5"]):  # fmt: skip
+        assert load(path, same).train.run_dir == base, same
+    others = {load(path, [o]).train.run_dir for o in (
+        "model.d_model=128", "model.n_layers=2", "data.cross_doc_mask=true", "optim.lr=1e-2",
+        "train.seed=1")}  # fmt: skip
+    assert len(others) == 5 and base not in others
+    assert load(None).train.run_dir.startswith("runs/default-")
+    assert load(path, ["train.run_dir=somewhere"]).train.run_dir == "somewhere"
+
+
+def test_resume_modes():
+    assert load(None, ["checkpoint.resume=none"]).checkpoint.resume == "never"  # older name
+    for mode in ("auto", "never", "must", "runs/x/checkpoints/10"):
+        assert load(None, [f"checkpoint.resume={mode}"]).checkpoint.resume == mode
+    assert "optim.schedule_steps (5) must be larger" in _error(
+        "optim.schedule_steps=5", "optim.warmup_steps=5"
+    )

@@ -1,5 +1,6 @@
 """Every YAML in configs/ parses and validates; the model recipes have the sizes they claim."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,13 @@ def test_recipe_sizes(name):
     assert cfg.tokens_per_step == tokens
     assert f"{tokens:,} tokens" in path.read_text()  # the comment states the real batch
     assert cfg.model.dtype == "bfloat16"
+
+
+def test_docs_name_the_tiny_run_directory_it_really_gets():
+    """The docs quote configs/tiny.yaml's run directory (a hash of its settings): a changed
+    default or recipe must update them, or a reader's paths stop existing."""
+    run_dir = load(CONFIGS[0].parent / "tiny.yaml").train.run_dir
+    docs = CONFIGS[0].parent.parent / "docs"
+    for name in ("first-hour.md", "checkpoints.md"):
+        quoted = set(re.findall(r"runs/tiny-[0-9a-f]{6}\b", (docs / name).read_text()))
+        assert quoted == {run_dir}, (name, quoted, run_dir)

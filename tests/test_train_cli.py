@@ -130,6 +130,40 @@ def test_config_yaml_is_the_resolved_config_and_lr_follows_its_schedule(run):
         assert r["lr"] == pytest.approx(float(schedule(r["step"] - 1)), rel=1e-5, abs=1e-12)
 
 
+# --------------------------------------------------------------------------- run directories
+
+
+@pytest.mark.slow
+def test_the_readme_command_reruns_with_a_changed_shape(tmp_path):
+    """No train.run_dir: each config gets its own directory under ./runs, so changing the
+    shape and rerunning trains (it used to fail on the first run's checkpoint), and
+    rerunning the finished command says what to do instead of silently nothing."""
+    quick = ["train.steps=2", "train.eval_batches=0", "model.n_layers=1", "model.seq_len=32",
+             "optim.warmup_steps=1", "train.micro_batch_size=2", "train.grad_accum=1"]  # fmt: skip
+    cmd = [sys.executable, "-m", "ultrajax.train", "--config", str(ROOT / TINY), *quick]
+
+    def start(*extra):
+        return subprocess.Popen([*cmd, *extra], cwd=tmp_path, env=_env(), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+
+    first, changed = start(), start("model.d_model=64")
+    for proc in (first, changed):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+    dirs = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert len(dirs) == 2 and all(d.startswith("tiny-") for d in dirs), dirs
+    for d in dirs:
+        assert (tmp_path / "runs" / d / "checkpoints" / "2").is_dir()
+    again = start()
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-2000:]
+    assert "train.steps=2 is reached, nothing to train" in out
+    assert "train.reschedule=true" in out and "train.run_dir=..." in out
+    longer = start("train.steps=3")  # a longer run of the same: refused, not silent
+    out, err = longer.communicate(timeout=300)
+    assert longer.returncode == 2 and "train.reschedule=true" in err, err[-2000:]
+
+
 # --------------------------------------------------------------------------- --print-config
 
 

@@ -47,6 +47,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from ultrajax import config as config_lib
+from ultrajax import optim
 from ultrajax.config import Config, ConfigError, ModelConfig
 from ultrajax.model import init_params
 
@@ -108,12 +109,15 @@ def remove_tmp(root: Path, say=print) -> list[str]:
 
 
 def locate(path: str | Path) -> tuple[Path, int]:
-    """A step directory (runs/x/checkpoints/100) or a directory of steps (-> the latest)."""
+    """A step directory (runs/x/checkpoints/100), a directory of steps (-> the latest), or
+    a run directory (runs/x -> the latest in runs/x/checkpoints)."""
     p = Path(path).absolute()
     if not p.exists():
         raise ConfigError(f"checkpoint {str(path)!r} does not exist")
     if p.is_dir() and p.name.isdigit() and (p / "meta").exists():
         return p.parent, int(p.name)
+    if not _steps(p) and (p / "checkpoints").is_dir():
+        p = p / "checkpoints"
     steps = _steps(p)
     if not steps:
         raise ConfigError(
@@ -385,9 +389,10 @@ def restore_train(
     except ConfigError as e:  # most often: the shape changed, the run directory did not
         raise ConfigError(
             f"{e}. To train the new shape, give it its own run directory "
-            f"(train.run_dir=...), or delete {root} to start over; to continue that run, "
-            "use its config"
+            f"(train.run_dir=..., or leave train.run_dir unset: each config then gets its "
+            f"own), or delete {root} to start over; to continue that run, use its config"
         ) from None
+    check_schedule(saved, cfg, where, step, warn)
     if saved.global_batch != cfg.global_batch:
         warn(
             f"note: the global batch was {saved.global_batch} samples in {where} and is "
@@ -440,21 +445,33 @@ def _free(tree) -> None:
 def resume_source(cfg: Config) -> tuple[Path, int] | None:
     """The checkpoint `checkpoint.resume` picks, or None to start fresh.
 
-    auto: the latest in checkpoint.dir, if any. none: fresh, refused if checkpoint.dir
-    already holds checkpoints (the keep policy would start deleting them). A path: that
-    checkpoint, refused if checkpoint.dir holds later steps (they would be overwritten).
+    auto: the latest in checkpoint.dir, or a fresh start when there is none (a requeued
+    job continues by itself). must: the latest, and an error when there is none (a job
+    that must never start over by accident). never: a fresh start, refused when
+    checkpoint.dir already holds checkpoints (the keep policy would delete them). A path:
+    that checkpoint, refused when checkpoint.dir holds later steps (they would be
+    overwritten).
     """
     root = checkpoint_dir(cfg)
     steps = _steps(root)
     mode = cfg.checkpoint.resume
     if mode == "auto":
         return (root, steps[-1]) if steps else None
-    if mode == "none":
+    if mode == "must":
+        if not steps:
+            raise ConfigError(
+                f"checkpoint.resume=must, but {root} holds no checkpoint: check train.run_dir "
+                "(or checkpoint.dir), or use checkpoint.resume=auto to start fresh when "
+                "there is none"
+            )
+        return root, steps[-1]
+    if mode == "never":
         if steps:
             raise ConfigError(
-                f"checkpoint.resume=none, but {root} already holds checkpoints (steps "
-                f"{', '.join(map(str, steps))}); use checkpoint.resume=auto to continue, or "
-                "another checkpoint.dir"
+                f"checkpoint.resume=never starts from step 0, but {root} already holds "
+                f"checkpoints (steps {', '.join(map(str, steps))}) that it would delete: give "
+                "this run its own train.run_dir=..., delete that folder, or use "
+                "checkpoint.resume=auto to continue it"
             )
         return None
     source = locate(mode)
@@ -465,6 +482,32 @@ def resume_source(cfg: Config) -> tuple[Path, int] | None:
             f"({', '.join(map(str, newer))}); resume into another checkpoint.dir"
         )
     return source
+
+
+def check_schedule(saved: Config, cfg: Config, where: str, step: int, warn=print) -> None:
+    """A resume must not change the learning-rate schedule behind the user's back.
+
+    Changing train.steps (or optim.schedule_steps) moves the end of a cosine or WSD
+    schedule, so the learning rate jumps at the next step. Refused unless asked for with
+    train.reschedule=true; the other way is to keep the old schedule's length."""
+    old, new = optim.schedule_steps(saved), optim.schedule_steps(cfg)
+    if old == new or cfg.optim.schedule == "constant":
+        return
+    before = float(optim.schedule(saved)(step))
+    after = float(optim.schedule(cfg)(step))
+    change = f"the learning rate at step {step} goes from {before:.2e} to {after:.2e}"
+    if cfg.train.reschedule:
+        warn(
+            f"rescheduled: the {cfg.optim.schedule} schedule spanned {old} steps in {where} "
+            f"and spans {new} now; {change}"
+        )
+        return
+    raise ConfigError(
+        f"{where} was trained on a {cfg.optim.schedule} schedule over {old} steps; spanning "
+        f"{new} would change it mid-run ({change}). Add train.reschedule=true to accept "
+        f"that, or optim.schedule_steps={old} to keep the old schedule (it stays at its "
+        "last value past its end)"
+    )
 
 
 _PICK = object()
@@ -499,8 +542,8 @@ def start(cfg: Config, state: dict, data, say=print, source=_PICK):
             f"no checkpoint in {ck.dir}: parameters loaded from {cfg.checkpoint.init_from} "
             "(optimizer state fresh)"
         )
-    elif cfg.checkpoint.resume == "none":
-        say(f"starting fresh at step 0 (checkpoint.resume=none); saving to {ck.dir}")
+    elif cfg.checkpoint.resume == "never":
+        say(f"starting fresh at step 0 (checkpoint.resume=never); saving to {ck.dir}")
     else:
         say(f"starting fresh at step 0: no checkpoint found in {ck.dir}")
     return ck, state, 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -78,7 +80,8 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4
-    run_dir: str = "runs/default"
+    run_dir: str | None = None  # null: runs/<config name>-<hash of what defines the run>
+    reschedule: bool = False  # resume with a changed train.steps: rebuild the lr schedule
     profile_steps: list[int] | None = None
 
 
@@ -89,6 +92,7 @@ class OptimConfig:
     warmup_steps: int = 30
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     decay_fraction: float = 0.2  # wsd: share of steps spent decaying at the end
+    schedule_steps: int | None = None  # the steps the schedule spans; null: train.steps
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
@@ -148,7 +152,7 @@ class CheckpointConfig:
     dir: str | None = None
     every: int = 0
     keep: int = 3
-    resume: str = "auto"  # auto | none | a checkpoint path
+    resume: str = "auto"  # auto | never | must | a checkpoint path
     init_from: str | None = None  # a checkpoint to load parameters only from (fine-tuning)
 
 
@@ -316,7 +320,31 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
             value = raw
         _set(cfg, key.strip(), value)
     validate(cfg)
+    if cfg.train.run_dir is None:
+        cfg.train.run_dir = default_run_dir(cfg, path)
     return cfg
+
+
+IDENTITY = ("model", "data", "optim")  # with train.seed: what makes two runs the same run
+
+
+def run_identity(cfg: Config) -> str:
+    """Six hex digits naming what a run is: the model, the data, the optimizer, the seed.
+
+    Not the layout, the batch split, train.steps or logging: those may change on resume
+    (a checkpoint restores onto any layout; more steps are asked for on purpose)."""
+    tree = {k: dataclasses.asdict(getattr(cfg, k)) for k in IDENTITY}
+    tree["seed"] = cfg.train.seed
+    tree["optim"].pop("schedule_steps")  # checked on resume, like train.steps
+    text = json.dumps(tree, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:6]
+
+
+def default_run_dir(cfg: Config, path: str | Path | None) -> str:
+    """runs/<config file name>-<run_identity>: the same command finds its own run again
+    (a requeued job resumes), a changed shape gets a directory of its own."""
+    name = Path(path).stem if path is not None else "default"
+    return f"runs/{name}-{run_identity(cfg)}"
 
 
 # --------------------------------------------------------------------------- validation
@@ -406,6 +434,11 @@ def validate(cfg: Config) -> None:
         f"optim.warmup_steps ({o.warmup_steps}) must be smaller than train.steps ({t.steps})",
     )
     _check(0.0 < o.decay_fraction <= 1.0, "optim.decay_fraction must be in (0, 1]")
+    _check(
+        o.schedule_steps is None or o.schedule_steps > o.warmup_steps,
+        f"optim.schedule_steps ({o.schedule_steps}) must be larger than optim.warmup_steps "
+        f"({o.warmup_steps}), or null (the schedule spans train.steps)",
+    )
     _check(o.weight_decay >= 0, "optim.weight_decay must be >= 0")
     _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optim.b1 and optim.b2 must be in [0, 1)")
     _check(o.clip_norm >= 0, "optim.clip_norm must be >= 0 (0 disables clipping)")
@@ -419,6 +452,9 @@ def validate(cfg: Config) -> None:
     _check(cfg.parallel.zero in (0, 1, 2, 3), "parallel.zero must be 0, 1, 2 or 3")
     for key in ("all_reduce_bucket_mib", "all_gather_bucket_mib", "reduce_scatter_bucket_mib"):
         _check(getattr(cfg.parallel, key) >= 0, f"parallel.{key} must be >= 0")
+    if cfg.checkpoint.resume == "none":  # the name before `never`
+        cfg.checkpoint.resume = "never"
+    _check(bool(cfg.checkpoint.resume), "checkpoint.resume must be auto, never, must or a path")
     _check(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
     _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0: only at the end)")
     validate_layout(cfg)

@@ -14,8 +14,13 @@ from ultrajax.config import Config
 from ultrajax.model import NORMS
 
 
+def schedule_steps(cfg: Config) -> int:
+    """The steps the learning-rate schedule spans: optim.schedule_steps, else train.steps."""
+    return cfg.optim.schedule_steps or cfg.train.steps
+
+
 def schedule(cfg: Config) -> optax.Schedule:
-    o, steps = cfg.optim, cfg.train.steps
+    o, steps = cfg.optim, schedule_steps(cfg)
     # the first step already moves the weights: lr/warmup, not 0
     warmup = optax.linear_schedule(o.lr / max(o.warmup_steps, 1), o.lr, max(o.warmup_steps, 1))
     if o.schedule == "constant":

@@ -174,6 +174,7 @@ def train(cfg: Config) -> int:
     say(mesh_lib.describe_hosts(mesh))
     for line in no_effect(cfg) if lead else ():
         print(f"warning: {line}", file=sys.stderr)
+    say(f"run directory: {run_dir} (checkpoints in {checkpoint_lib.checkpoint_dir(cfg)})")
     say(
         f"batch: {cfg.global_batch} samples = {t.micro_batch_size} micro x {t.grad_accum} accum"
         f" x {cfg.dp} dp; {cfg.tokens_per_step:,} tokens per step (x {m.seq_len} seq)"
@@ -188,7 +189,12 @@ def train(cfg: Config) -> int:
     ckpt, state, start = checkpoint_lib.start(cfg, state, data, say, resume)
     if start >= t.steps:
         ckpt.close()
-        say(f"the checkpoint is at step {start}: train.steps={t.steps} is reached, nothing to do")
+        say(
+            f"{ckpt.dir} is at step {start}: train.steps={t.steps} is reached, nothing to "
+            "train. To train longer, raise train.steps (with train.reschedule=true, or "
+            f"optim.schedule_steps={optim.schedule_steps(cfg)} to keep the schedule); to "
+            f"start over, give train.run_dir=... or delete {run_dir}"
+        )
         return 0
 
     with jax.set_mesh(mesh):
