@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # Issue 10's GPU benchmark, whole in one call (a few minutes on one H100/H200): ultrajax's
 # train step for the Llama 3.2 1B shape, causal-only and with packed documents, beside the
-# Hugging Face baseline (../shared/bench/hf_llama_step.py: transformers, eager and under
-# torch.compile) on the same GPU; prints tokens/s, MFU and peak memory with the ratios.
+# Hugging Face baseline (scripts/torch_step.py: transformers' LlamaForCausalLM at the same
+# shape and batch, SDPA, bf16 autocast, fused AdamW, eager and under torch.compile) on the
+# same GPU; prints tokens/s, MFU and peak memory with the ratios.
 #
 #   bash scripts/bench_gpu.sh [OUT_DIR]
 #
-# Environment: HF (the baseline script; default ../shared/bench/hf_llama_step.py, which does
-# not travel to a device machine: copy it into the repo, e.g. .old/bench/, and set HF),
-# ULTRA (bench_step.py arguments; default the 1B shape, micro-batch 8 x 2048, no remat),
-# HF_ARGS (baseline arguments; default its own 1B shape), BUDGET (seconds, default 420).
+# Environment: HF (the baseline script; default scripts/torch_step.py), ULTRA (bench_step.py
+# arguments; default the 1B shape, micro-batch 8 x 2048, no remat), HF_ARGS (baseline
+# arguments; default the same shape and batch), BUDGET (seconds, default 420).
 # Wheels the GPU image lacks (grain, array-record, portpicker) are installed from .whl/.
 set -u
 OUT=${1:-${OUT:-/tmp/bench_gpu}}
-HF=${HF:-../shared/bench/hf_llama_step.py}
+HF=${HF:-scripts/torch_step.py}
 ULTRA=${ULTRA:---sizes 1b --steps 10 --warmup 2 train.micro_batch_size=8 model.remat=none}
-HF_ARGS=${HF_ARGS:-}
+HF_ARGS=${HF_ARGS:---size 1b --steps 10 --warmup 2 train.micro_batch_size=8}
 BUDGET=${BUDGET:-420}
 mkdir -p "$OUT"
 start=$(date +%s)
@@ -30,7 +30,7 @@ run ultrajax-packed 120 python3 scripts/bench_step.py $ULTRA model.attention=aut
 # shellcheck disable=SC2086
 run hf-eager 90 python3 "$HF" --label eager $HF_ARGS
 # shellcheck disable=SC2086
-run hf-compiled 150 python3 "$HF" --label compiled --compile 1 $HF_ARGS
+run hf-compiled 150 python3 "$HF" --label compiled --compile $HF_ARGS
 
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
