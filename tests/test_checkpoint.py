@@ -233,6 +233,7 @@ def _data(cfg):
         batch_size=cfg.global_batch,
         seed=cfg.train.seed,
         vocab_size=cfg.model.vocab_size,
+        grad_accum=cfg.train.grad_accum,
     )
 
 

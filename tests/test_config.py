@@ -288,6 +288,7 @@ def test_data_path_without_the_files_source_is_an_error():
         (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
         (["parallel.pipeline_schedule=zb-h1"], "parallel.pipeline_schedule"),
         (["parallel.context=allgather"], "parallel.context"),
+        (["data.source=prepared", "data.path=d", "data.tokenizer=t.json"], "data.tokenizer"),
     ],
 )
 def test_settings_without_effect_are_named_once(overrides, key):
@@ -332,9 +333,10 @@ def test_run_directory_is_named_after_the_config_and_what_defines_the_run(tmp_pa
     base = load(path).train.run_dir
     assert base.startswith("runs/run-") and len(base) == len("runs/run-") + 6
     assert load(path).train.run_dir == base
-    for same in (["train.steps=70"], ["mesh.data=2"], ["train.log_every=3"], ["train.grad_accum=4"],
-                 ["optim.schedule_steps=50"], ["checkpoint.every=5"]):  # fmt: skip
-        assert load(path, same).train.run_dir == base, same
+    same = ["train.steps=70", "data.prefetch=0", "mesh.data=2", "train.log_every=3",
+            "train.grad_accum=4", "optim.schedule_steps=50", "checkpoint.every=5"]  # fmt: skip
+    for override in same:
+        assert load(path, [override]).train.run_dir == base, override
     others = {load(path, [o]).train.run_dir for o in (
         "model.d_model=128", "model.n_layers=2", "data.cross_doc_mask=true", "optim.lr=1e-2",
         "train.seed=1")}  # fmt: skip

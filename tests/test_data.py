@@ -286,8 +286,12 @@ def test_build_from_files_eval_batches_hold_only_eval_documents(tmp_path):
         (tmp_path / f"f{i:02d}.txt").write_text(f"<{i}>" + "y" * (5 + i % 7))
     cfg = DataConfig(source="files", path=str(tmp_path), eval_fraction=0.25)
     d = data.build(cfg, seq_len=15, batch_size=2, seed=0, vocab_size=384)
-    train_ids = {int(re.search(r"f(\d+)", doc.key).group(1)) for doc in d.train_docs}
-    eval_ids = {int(re.search(r"f(\d+)", doc.key).group(1)) for doc in d.eval_docs}
+    docs = data.file_docs(str(tmp_path))
+
+    def file_ids(source):
+        return {int(re.search(r"f(\d+)", docs[i].key).group(1)) for i in source.ids}
+
+    train_ids, eval_ids = file_ids(d.train_sources[0]), file_ids(d.eval_sources[0])
     assert eval_ids and train_ids and not train_ids & eval_ids
     assert train_ids | eval_ids == set(range(40))
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from ultrajax import cli, distributed
+from ultrajax import cli, distributed, prepare
 from ultrajax import mesh as mesh_lib
 from ultrajax.config import ConfigError, dump, load, resolve_mesh
 
@@ -342,7 +342,10 @@ def runs(tmp_path_factory):
     """One process x 8 devices, and two processes x 4 devices with the data axis across
     them (a hybrid mesh): the same layout, the same steps, a checkpoint every 2 steps."""
     base = tmp_path_factory.mktemp("multihost")
+    # from prepared shards: each process reads and packs only its 4 of the 8 streams
+    prepare.prepare([str(ROOT / "ultrajax")], "bytes", base / "shards", workers=1)
     ckpt = ["checkpoint.every=2", "checkpoint.keep=5", f"train.steps={STEPS}"]
+    ckpt += ["data.source=prepared", f"data.path={base / 'shards'}"]
     one, two = base / "one", base / "two"
     t0 = time.perf_counter()
     out1 = _train(*TINY, *LAYOUT, *ckpt, "--cpu-devices", "8", f"train.run_dir={one}")
@@ -354,12 +357,12 @@ def runs(tmp_path_factory):
     assert out2.returncode == 0, out2.stderr[-3000:]
     t2 = time.perf_counter()
     print(f"1 process: {t1 - t0:.0f}s, 2 processes: {t2 - t1:.0f}s")
-    return one, two, out2
+    return one, two, out2, ckpt[3:]
 
 
 @pytest.mark.slow
 def test_two_processes_give_the_losses_of_one(runs):
-    one, two, _ = runs
+    one, two, _, _ = runs
     single, multi = _losses(one), _losses(two)
     assert sorted(single) == sorted(multi) == list(range(1, STEPS + 1))
     for step in single:  # same global batches, same program: equal to float rounding
@@ -369,24 +372,26 @@ def test_two_processes_give_the_losses_of_one(runs):
 
 @pytest.mark.slow
 def test_only_process_zero_prints_and_writes(runs):
-    _, two, out = runs
+    _, two, out, _ = runs
     log0 = (two / "logs" / "process_0.log").read_text()
     log1 = (two / "logs" / "process_1.log").read_text()
     assert "summary:" in log0 and f"step {STEPS:>6} loss" in log0
     assert "across hosts (DCN): data=2" in log0  # the hybrid mesh, printed
     assert "hosts: 2 process(es) x 4 devices" in log0
+    assert "8 streams of 1 row a step; this process packs 4 of them" in log0
     assert "summary:" not in log1 and " loss " not in log1 and "mesh:" not in log1
     assert "all 2 processes finished" in out.stderr
 
 
 @pytest.mark.slow
 def test_checkpoint_from_two_processes_resumes_in_one(runs, tmp_path):
-    one, two, _ = runs
+    one, two, _, data = runs
     saved = two / "checkpoints" / "2"
     assert saved.is_dir()
     out = _train(
         *TINY,
         *LAYOUT,
+        *data,
         f"train.steps={STEPS}",
         "--cpu-devices",
         "8",

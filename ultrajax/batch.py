@@ -97,6 +97,40 @@ def place(batch: Batch, sharding_: NamedSharding) -> Batch:
     )
 
 
+def rows_needed(sharding_: NamedSharding, grad_accum: int, rows: int, seq_len: int) -> list[int]:
+    """The packed rows (0..rows-1 of a global batch) that this process's devices hold.
+
+    A packed row r is micro-batch r // (rows / grad_accum), row r % (rows / grad_accum) of
+    it (`make`); the sharding says which of those each local device holds."""
+    per = rows // grad_accum
+    shape = (grad_accum, per, seq_len)
+    out = set()
+    for idx in sharding_.addressable_devices_indices_map(shape).values():
+        for a in range(grad_accum)[idx[0]]:
+            out.update(a * per + j for j in range(per)[idx[1]])
+    return sorted(out)
+
+
+def place_rows(batch: Batch, rows: np.ndarray, total: int, grad_accum: int, sharding_) -> Batch:
+    """This process's packed rows (len(rows), seq_len) -> global (grad_accum, total /
+    grad_accum, seq_len) arrays. `rows` gives each local row's global number; every
+    device must find all of its rows among them (`rows_needed`)."""
+    where = np.full(total, -1, np.int64)
+    where[np.asarray(rows)] = np.arange(len(rows))
+    where = where.reshape(grad_accum, total // grad_accum)
+
+    def piece(idx, a):
+        sel = where[idx[0], idx[1]]
+        if (sel < 0).any():
+            raise ValueError("a device asked for a row this process did not make")
+        return a[sel][..., idx[2]]
+
+    shape = (grad_accum, total // grad_accum, batch.inputs.shape[-1])
+    return Batch(
+        *(jax.make_array_from_callback(shape, sharding_, lambda i, a=a: piece(i, a)) for a in batch)
+    )
+
+
 def abstract(grad_accum: int, rows: int, seq_len: int, sharding_=None) -> Batch:
     """ShapeDtypeStructs of a batch (analysis: nothing allocated)."""
     shape = (grad_accum, rows, seq_len)

@@ -63,12 +63,22 @@ class ModelConfig:
 
 
 @dataclass
+class MixtureSource:
+    path: str = ""  # like data.path: files, or a prepared directory
+    weight: float = 1.0  # share of rows (so of tokens), relative to the others
+
+
+@dataclass
 class DataConfig:
-    source: Literal["stdlib", "files"] = "stdlib"
-    path: str | None = None  # file, directory or glob for source=files
+    source: Literal["stdlib", "files", "prepared"] = "stdlib"
+    path: str | None = None  # files: a file, directory or glob; prepared: a directory
     tokenizer: str = "bytes"  # "bytes" or a path to a Hugging Face tokenizer.json
     cross_doc_mask: bool = False
     eval_fraction: float = 0.02
+    mixture: list[MixtureSource] | None = None  # several paths with weights, instead of path
+    streams: int | None = None  # logical streams; null: gcd(micro-batch rows, 64)
+    shuffle_window: int = 16  # rows shuffled together after packing, per stream
+    prefetch: int = 2  # batches made ahead on a background thread (0: on the step's thread)
 
 
 @dataclass
@@ -336,6 +346,7 @@ def run_identity(cfg: Config) -> str:
     tree = {k: dataclasses.asdict(getattr(cfg, k)) for k in IDENTITY}
     tree["seed"] = cfg.train.seed
     tree["optim"].pop("schedule_steps")  # checked on resume, like train.steps
+    tree["data"].pop("prefetch")  # how far ahead batches are made, not which
     text = json.dumps(tree, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:6]
 
@@ -409,9 +420,10 @@ def validate(cfg: Config) -> None:
                 f"model.remat: {name!r} is not a checkpoint name; use {', '.join(REMAT_NAMES)}",
             )
     _check(
-        d.path is None or d.source == "files",
+        d.path is None or d.source != "stdlib",
         f"data.path ({d.path}) is set but data.source is {d.source}, which ignores it: add "
-        "data.source=files to train on it, or drop it (data.path= on the command line)",
+        "data.source=files (text) or data.source=prepared (a directory made by "
+        "`python -m ultrajax.data prepare`) to train on it, or drop it (data.path=)",
     )
     for key in ("steps", "micro_batch_size", "grad_accum", "log_every", "eval_every"):
         _check(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
@@ -422,10 +434,23 @@ def validate(cfg: Config) -> None:
             "train.profile_steps must be [first, last] with 0 <= first <= last",
         )
     _check(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction must be in [0, 1)")
-    _check(
-        d.source != "files" or bool(d.path),
-        "data.path is required when data.source is files (a file, directory or glob)",
-    )
+    if d.mixture:
+        _check(
+            d.source in ("files", "prepared") and d.path is None,
+            "data.mixture replaces data.path and needs data.source=files or prepared",
+        )
+        for i, m in enumerate(d.mixture):
+            _check(bool(m.path), f"data.mixture[{i}].path is empty")
+            _check(m.weight > 0, f"data.mixture[{i}].weight must be positive, got {m.weight}")
+    else:
+        _check(
+            d.source == "stdlib" or bool(d.path),
+            f"data.path is required when data.source is {d.source} "
+            + ("(a file, directory or glob)" if d.source == "files" else "(a prepared directory)"),
+        )
+    _check(d.streams is None or d.streams >= 1, "data.streams must be >= 1 or null")
+    _check(d.shuffle_window >= 0, "data.shuffle_window must be >= 0 (0 or 1: off)")
+    _check(d.prefetch >= 0, "data.prefetch must be >= 0 (0: no background thread)")
     _check(o.lr > 0, "optim.lr must be positive")
     _check(0 <= o.min_lr <= o.lr, "optim.min_lr must be between 0 and optim.lr")
     _check(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
@@ -555,6 +580,11 @@ def no_effect(cfg: Config) -> list[str]:
         out.append(
             "parallel.sequence_parallel=true has no effect with mesh.tensor=1 (it splits "
             "the sequence over tensor): set mesh.tensor > 1, or drop it"
+        )
+    if cfg.data.source == "prepared" and cfg.data.tokenizer != "bytes":
+        out.append(
+            f"data.tokenizer={cfg.data.tokenizer} has no effect with data.source=prepared (the "
+            "directory's manifest names its tokenizer): drop it"
         )
     default = ParallelConfig()
     axis_keys = {

@@ -61,6 +61,12 @@ def to_global(packed: dict, sharding, cfg: Config) -> batch_lib.Batch:
     return batch_lib.place(b, sharding)
 
 
+def rows_to_global(packed: dict, rows, sharding, cfg: Config) -> batch_lib.Batch:
+    """This process's packed rows (numbered `rows` in the global batch) -> the global Batch."""
+    b = batch_lib.make(packed, cfg.data.cross_doc_mask, None, token_order(cfg))
+    return batch_lib.place_rows(b, rows, cfg.global_batch, cfg.train.grad_accum, sharding)
+
+
 def prepare(cfg: Config, *, fresh: bool = True):
     """Everything before the loop: mesh, data, state, compiled step. Prints the plan.
 
@@ -71,19 +77,23 @@ def prepare(cfg: Config, *, fresh: bool = True):
     check_backend(cfg)
     mesh = mesh_lib.make_mesh(cfg)
     rules = mesh_lib.rules(cfg)
-    # Every process packs the same global stream and feeds its devices their rows: the
-    # batches are then those of a single process, whatever the process count (exact
-    # equivalence, and a checkpoint resumes on any number of processes).
+    batch_sh = batch_lib.sharding(mesh)
+    # Each process packs only the streams holding its devices' rows (ultrajax/streams.py):
+    # the global batch is that of a single process, whatever the process count.
+    rows = batch_lib.rows_needed(
+        batch_sh, cfg.train.grad_accum, cfg.global_batch, cfg.model.seq_len
+    )
     data = data_lib.build(
         cfg.data,
         seq_len=cfg.model.seq_len,
         batch_size=cfg.global_batch,
         seed=cfg.train.seed,
         vocab_size=cfg.model.vocab_size,
+        grad_accum=cfg.train.grad_accum,
+        rows=rows,
     )
     tx, schedule = optim.optimizer(cfg), optim.schedule(cfg)
     shardings = state_shardings(cfg, mesh, rules, tx)
-    batch_sh = batch_lib.sharding(mesh)
     with jax.set_mesh(mesh):
         init = jax.jit(lambda k: init_state(cfg, tx, k), out_shardings=shardings)
         if fresh:
@@ -182,9 +192,9 @@ def train(cfg: Config) -> int:
     n_params = param_count(m)
     say(
         f"model: {metrics_lib.human(n_params)} parameters ({n_params:,}); "
-        f"{metrics_lib.human(metrics_lib.flops_per_token(m))} FLOPs per token; "
-        f"data: {len(data.train_docs)} train / {len(data.eval_docs)} eval documents"
+        f"{metrics_lib.human(metrics_lib.flops_per_token(m))} FLOPs per token"
     )
+    say(data.summary)
     # resume (state, data position) or init_from (parameters) before the first batch is read
     ckpt, state, start = checkpoint_lib.start(cfg, state, data, say, resume)
     if start >= t.steps:
@@ -197,8 +207,10 @@ def train(cfg: Config) -> int:
         )
         return 0
 
+    # batches are read, packed and placed on a background thread, data.prefetch ahead
+    feed = data.feed(lambda p: rows_to_global(p, data.train.rows, batch_sh, cfg), cfg.data.prefetch)
     with jax.set_mesh(mesh):
-        first = to_global(next(data.train), batch_sh, cfg)
+        first = next(feed)
         t0 = time.perf_counter()
         compiled = step_fn.lower(state, first).compile()
         say(f"compiled the step in {time.perf_counter() - t0:.1f}s")
@@ -240,7 +252,7 @@ def train(cfg: Config) -> int:
                 # async; the data state is taken before the next step's batch is pulled
                 ckpt.save(done, state, data.state())
             if done < t.steps and not stop:
-                batch = to_global(next(data.train), batch_sh, cfg)
+                batch = next(feed)
             bar.update(1)
             is_log = done == 1 or done % t.log_every == 0 or done == t.steps or stop
             is_eval = eval_batches and (done % t.eval_every == 0 or done == t.steps)
@@ -288,6 +300,7 @@ def train(cfg: Config) -> int:
             if stop:
                 break
     bar.close()
+    data.close()
     if writer:
         writer.close()
 
