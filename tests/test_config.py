@@ -289,6 +289,7 @@ def test_data_path_without_the_files_source_is_an_error():
         (["parallel.pipeline_schedule=zb-h1"], "parallel.pipeline_schedule"),
         (["parallel.context=allgather"], "parallel.context"),
         (["data.source=prepared", "data.path=d", "data.tokenizer=t.json"], "data.tokenizer"),
+        (["train.noise_every=10"], "train.noise_every"),
     ],
 )
 def test_settings_without_effect_are_named_once(overrides, key):

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -82,6 +83,13 @@ class DataConfig:
 
 
 @dataclass
+class BatchStage:
+    tokens_per_step: int = 0  # the global batch from this stage on, in tokens
+    from_tokens: int | None = None  # switch once this many tokens are trained
+    from_loss: float | None = None  # or once the smoothed training loss falls below this
+
+
+@dataclass
 class TrainConfig:
     steps: int = 300
     micro_batch_size: int = 8
@@ -93,6 +101,8 @@ class TrainConfig:
     run_dir: str | None = None  # null: runs/<config name>-<hash of what defines the run>
     reschedule: bool = False  # resume with a changed train.steps: rebuild the lr schedule
     profile_steps: list[int] | None = None
+    batch_schedule: list[BatchStage] | None = None  # a batch ramp: later, larger batches
+    noise_every: int = 0  # measure the gradient noise scale every this many steps (0: off)
 
 
 @dataclass
@@ -528,6 +538,53 @@ def validate_layout(cfg: Config) -> None:
             f"sequence (model.seq_len / mesh.sequence = {m.seq_len // cp})",
         )
     _validate_pipeline(cfg)
+    _validate_ramp(cfg)
+
+
+def _validate_ramp(cfg: Config) -> None:
+    """Each stage's batch in whole micro-batches (the micro-batch and the mesh stay, so
+    memory does not change); triggers in an order that can happen."""
+    t = cfg.train
+    _check(t.noise_every >= 0, "train.noise_every must be >= 0 (0: off)")
+    if t.noise_every and cfg.mesh.pipeline > 1:
+        raise ConfigError(
+            "train.noise_every needs mesh.pipeline=1 (it measures micro-batches alone)"
+        )
+    if not t.batch_schedule:
+        return
+    _check(
+        cfg.mesh.pipeline == 1,
+        "train.batch_schedule needs mesh.pipeline=1 (a pipeline schedule is built for one "
+        "number of micro-batches)",
+    )
+    unit = t.micro_batch_size * cfg.dp * cfg.model.seq_len
+    last_tokens, last_loss = 0, math.inf
+    for i, stage in enumerate(t.batch_schedule):
+        where = f"train.batch_schedule[{i}]"
+        _check(
+            stage.tokens_per_step > 0 and stage.tokens_per_step % unit == 0,
+            f"{where}.tokens_per_step ({stage.tokens_per_step}) must be a positive multiple of "
+            f"micro_batch_size x dp x seq_len = {t.micro_batch_size} x {cfg.dp} x "
+            f"{cfg.model.seq_len} = {unit} tokens (the batch grows by gradient accumulation)",
+        )
+        _check(
+            (stage.from_tokens is None) != (stage.from_loss is None),
+            f"{where} needs exactly one of from_tokens or from_loss",
+        )
+        if stage.from_tokens is not None:
+            _check(
+                stage.from_tokens > last_tokens,
+                f"{where}.from_tokens ({stage.from_tokens}) must be after the previous "
+                f"stage's ({last_tokens})",
+            )
+            last_tokens = stage.from_tokens
+        else:
+            _check(
+                0 < stage.from_loss < last_loss,
+                f"{where}.from_loss ({stage.from_loss}) must be positive and below the "
+                "previous stage's",
+            )
+            last_loss = stage.from_loss
 
 
 def _validate_pipeline(cfg: Config) -> None:
@@ -585,6 +642,13 @@ def no_effect(cfg: Config) -> list[str]:
         out.append(
             f"data.tokenizer={cfg.data.tokenizer} has no effect with data.source=prepared (the "
             "directory's manifest names its tokenizer): drop it"
+        )
+    t = cfg.train
+    if t.noise_every and t.grad_accum == 1 and not t.batch_schedule:
+        out.append(
+            f"train.noise_every={t.noise_every} has no effect with train.grad_accum=1 (the noise "
+            "scale compares one micro-batch's gradient with the step's): set "
+            "train.grad_accum >= 2, or drop it"
         )
     default = ParallelConfig()
     axis_keys = {

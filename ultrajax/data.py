@@ -245,7 +245,10 @@ class Data:
     seed: int
     cross_doc_mask: bool
     summary: str
+    progress: dict | None = None  # what the train loop saves beside the data position
     _feed: Prefetcher | None = None
+    _place: object = None
+    _depth: int = 0
 
     @property
     def eval_docs(self) -> int:
@@ -262,20 +265,33 @@ class Data:
         return [next(it) for _ in range(n)]
 
     def feed(self, place, depth: int) -> Prefetcher:
-        """Train batches made `depth` ahead on a thread: `place(rows)` puts this process's
-        rows on the devices (the rows' global numbers are `self.train.rows`)."""
+        """Train batches made `depth` ahead on a thread: `place(packed, rows, grad_accum)`
+        puts this process's rows (their global numbers `rows`) on the devices."""
         self.close()
-        self._feed = Prefetcher(lambda: place(next(self.train)), self.train.get_state, depth)
+        self._place, self._depth = place, depth
+        t = self.train
+        self._feed = Prefetcher(lambda: place(next(t), t.rows, t.grad_accum), t.get_state, depth)
         return self._feed
 
+    def regroup(self, grad_accum: int) -> Prefetcher:
+        """A new batch size from the next step on (ultrajax/ramp.py): the batches made ahead
+        at the old size are dropped and the streams go back to the last one trained on."""
+        consumed = self._feed.state() if self._feed else self.train.get_state()
+        self.close()
+        self.train.set_state(consumed)
+        self.train.grad_accum = grad_accum
+        return self.feed(self._place, self._depth)
+
     def state(self) -> dict:
-        """The position after the last batch trained on, every process's streams in one."""
+        """The position after the last batch trained on, every process's streams in one,
+        with `progress` (the batch ramp's state, ultrajax/ramp.py) beside it."""
         local = self._feed.state() if self._feed else self.train.get_state()
-        return streams_lib.gather_state(local)
+        return dict(streams_lib.gather_state(local), progress=self.progress)
 
     def restore(self, state: dict) -> None:
         self.close()
         self.train.set_state(state)
+        self.progress = state.get("progress")
 
     def close(self) -> None:
         if self._feed is not None:

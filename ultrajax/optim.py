@@ -50,14 +50,27 @@ def decay_mask(params: dict) -> dict:
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
+def _unit(count):
+    """adamw's learning rate: 1. The step multiplies the update by the schedule's value
+    itself (`scale`), read at a position in tokens, so that a change of batch size does not
+    change it; a callable, so the optimizer state keeps its step count as before."""
+    return 1.0
+
+
+def scale(updates, lr):
+    """The update times the learning rate: what adamw's own scaling did, cast alike."""
+    return jax.tree.map(lambda u: jnp.asarray(lr, u.dtype) * u, updates)
+
+
 def optimizer(cfg: Config) -> optax.GradientTransformation:
+    """Clipping, then AdamW at learning rate 1 (times `schedule` in the step)."""
     o = cfg.optim
     parts = []
     if o.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(o.clip_norm))
     parts.append(
         optax.adamw(
-            schedule(cfg),
+            _unit,
             b1=o.b1,
             b2=o.b2,
             eps=o.eps,

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ultrajax import optim
 from ultrajax.batch import Batch
 from ultrajax.batch import sharding as batch_sharding
 from ultrajax.batch import specs as batch_specs
@@ -54,8 +55,9 @@ def state_shardings(cfg: Config, mesh, rules: Rules, tx) -> dict:
     return {"step": replicated, "params": params, "opt_state": opt}
 
 
-def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = None):
-    """Build train_step(state, batch) -> (state, metrics). Jit it with `jit_train_step`."""
+def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
+    """gradients(params, batch) -> (grads, loss, n_targets): the mean-per-target gradient
+    of the batch, reduced as the layout says; the train step's first half."""
     if mesh is None:  # one device, every mesh size 1
         mesh, rules = make_mesh(cfg, jax.devices()[:1]), mesh_rules(cfg)
     layout = Layout(cfg, mesh, rules)
@@ -98,28 +100,47 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
     out_specs = (layout.specs[grad_kind], PartitionSpec(), PartitionSpec())
     sharded = layout.shard_map(fn, in_specs=in_specs, out_specs=out_specs)
 
-    def train_step(state, batch):
-        params = state["params"]
+    def gradients(params, batch):
         if layout.gspmd:
-            grads, loss, n_targets = sharded(params, layout.compute_copy(params), batch)
-        else:
-            grads, loss, n_targets = sharded(params, batch)
+            return sharded(params, layout.compute_copy(params), batch)
+        return sharded(params, batch)
+
+    return gradients
+
+
+def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = None):
+    """Build train_step(state, batch[, position]) -> (state, metrics). Jit it with
+    `jit_train_step`. The learning rate is schedule(position), position the step count
+    unless given (in config batches of tokens trained: ultrajax/ramp.py)."""
+    gradients = make_gradients(cfg, mesh, rules)
+
+    def train_step(state, batch, position=None):
+        params = state["params"]
+        grads, loss, n_targets = gradients(params, batch)
         grad_norm = optax.tree.norm(grads)
+        lr = schedule(state["step"] if position is None else position)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new = {
             "step": state["step"] + 1,
-            "params": optax.apply_updates(params, updates),
+            "params": optax.apply_updates(params, optim.scale(updates, lr)),
             "opt_state": opt_state,
         }
-        metrics = {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": schedule(state["step"]),
-            "n_targets": n_targets,
-        }
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "n_targets": n_targets}
         return new, metrics
 
     return train_step
+
+
+def jit_grad_norm(cfg: Config, mesh, rules: Rules, shardings: dict, batch_sh):
+    """(params, batch) -> (|gradient|, targets) of one batch, nothing updated: the gradient
+    noise scale's small-batch measurement (one micro-batch at a time)."""
+    gradients = make_gradients(cfg, mesh, rules)
+
+    def grad_norm(params, batch):
+        grads, _, n_targets = gradients(params, batch)
+        return optax.tree.norm(grads), n_targets
+
+    return jax.jit(grad_norm, in_shardings=(shardings["params"], batch_sh))
 
 
 def _plan(cfg: Config, layout: Layout, kind: str):
@@ -214,14 +235,15 @@ def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
     )
 
 
-def jit_train_step(cfg: Config, mesh, rules: Rules, tx, schedule, shardings: dict, batch_sh):
-    """The jitted step with donated state: what train.py runs and analyze.py compiles."""
+def jit_train_step(
+    cfg: Config, mesh, rules: Rules, tx, schedule, shardings: dict, batch_sh, position=False
+):
+    """The jitted step with donated state: what train.py runs and analyze.py compiles.
+    position=True: it takes the schedule's position as a third argument (train.py)."""
     step = make_train_step(cfg, tx, schedule, mesh, rules)
+    in_shardings = (shardings, batch_sh, None) if position else (shardings, batch_sh)
     return jax.jit(
-        step,
-        in_shardings=(shardings, batch_sh),
-        out_shardings=(shardings, None),
-        donate_argnums=0,
+        step, in_shardings=in_shardings, out_shardings=(shardings, None), donate_argnums=0
     )
 
 
@@ -229,8 +251,10 @@ __all__ = [
     "Layout",
     "batch_sharding",
     "init_state",
+    "jit_grad_norm",
     "jit_train_step",
     "make_eval_step",
+    "make_gradients",
     "make_train_step",
     "state_shardings",
     "unsupported",

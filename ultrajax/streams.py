@@ -201,20 +201,26 @@ class Streams:
         n = batch_size // grad_accum
         if batch_size % grad_accum or n % streams:
             raise ConfigError(f"{streams} streams do not split micro-batches of {n} rows")
-        self.batch_size, self.grad_accum, self.count = batch_size, grad_accum, streams
+        self.grad_accum, self.count, self.n = grad_accum, streams, n
         self.per = n // streams  # rows of each micro-batch a stream gives
         wanted = range(batch_size) if rows is None else rows
         self.owned = sorted({int(r) % n // self.per for r in wanted})
-        self.rows = np.array(
-            [
-                a * n + k * self.per + i
-                for k in self.owned
-                for a in range(grad_accum)
-                for i in range(self.per)
-            ]
-        )
         common = dict(n=streams, seed=seed, seq_len=seq_len, cross_doc_mask=cross_doc_mask)
         self._its = {k: iter(stream(sources, k=k, window=window, **common)) for k in self.owned}
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The global row numbers of what `next()` gives, at the current grad_accum (which a
+        batch ramp changes between steps: more micro-batches of the same rows)."""
+        n, per = self.n, self.per
+        return np.array(
+            [
+                a * n + k * per + i
+                for k in self.owned
+                for a in range(self.grad_accum)
+                for i in range(per)
+            ]
+        )
 
     def __iter__(self):
         return self

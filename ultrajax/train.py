@@ -27,9 +27,12 @@ from ultrajax import mesh as mesh_lib
 from ultrajax import metrics as metrics_lib
 from ultrajax.config import Config, ConfigError, dump, no_effect, resolve_mesh
 from ultrajax.model import param_count
+from ultrajax.noise import NoiseScale
 from ultrajax.parallel.context import token_order
+from ultrajax.ramp import Ramp
 from ultrajax.step import (
     init_state,
+    jit_grad_norm,
     jit_train_step,
     make_eval_step,
     state_shardings,
@@ -61,10 +64,27 @@ def to_global(packed: dict, sharding, cfg: Config) -> batch_lib.Batch:
     return batch_lib.place(b, sharding)
 
 
-def rows_to_global(packed: dict, rows, sharding, cfg: Config) -> batch_lib.Batch:
-    """This process's packed rows (numbered `rows` in the global batch) -> the global Batch."""
+def rows_to_global(packed: dict, rows, grad_accum: int, sharding, cfg: Config) -> batch_lib.Batch:
+    """This process's packed rows (numbered `rows` in a global batch of grad_accum
+    micro-batches) -> the global Batch."""
     b = batch_lib.make(packed, cfg.data.cross_doc_mask, None, token_order(cfg))
-    return batch_lib.place_rows(b, rows, cfg.global_batch, cfg.train.grad_accum, sharding)
+    total = grad_accum * cfg.train.micro_batch_size * cfg.dp
+    return batch_lib.place_rows(b, rows, total, grad_accum, sharding)
+
+
+def compile_steps(step_fn, state, ramp: Ramp, batch_sh, cfg: Config, say) -> dict:
+    """One compiled step per batch size of the run, ahead of the loop: a ramp never stops
+    to compile (the number of micro-batches is part of the program)."""
+    rows = cfg.train.micro_batch_size * cfg.dp
+    position = jax.ShapeDtypeStruct((), np.float32)
+    out = {}
+    for ga in ramp.sizes():
+        t0 = time.perf_counter()
+        batch = batch_lib.abstract(ga, rows, cfg.model.seq_len, batch_sh)
+        out[ga] = step_fn.lower(state, batch, position).compile()
+        size = f" for {ga * rows} sequences" if len(ramp.sizes()) > 1 else ""
+        say(f"compiled the step{size} in {time.perf_counter() - t0:.1f}s")
+    return out
 
 
 def prepare(cfg: Config, *, fresh: bool = True):
@@ -104,7 +124,7 @@ def prepare(cfg: Config, *, fresh: bool = True):
                 jax.eval_shape(init, jax.random.key(cfg.train.seed)),
                 shardings,
             )
-        step_fn = jit_train_step(cfg, mesh, rules, tx, schedule, shardings, batch_sh)
+        step_fn = jit_train_step(cfg, mesh, rules, tx, schedule, shardings, batch_sh, position=True)
         eval_fn = jax.jit(
             make_eval_step(cfg, mesh, rules), in_shardings=(shardings["params"], batch_sh)
         )
@@ -197,7 +217,9 @@ def train(cfg: Config) -> int:
     say(data.summary)
     # resume (state, data position) or init_from (parameters) before the first batch is read
     ckpt, state, start = checkpoint_lib.start(cfg, state, data, say, resume)
-    if start >= t.steps:
+    ramp = Ramp(cfg)
+    ramp.load((data.progress or {}).get("ramp"), start)
+    if ramp.done:
         ckpt.close()
         say(
             f"{ckpt.dir} is at step {start}: train.steps={t.steps} is reached, nothing to "
@@ -208,13 +230,20 @@ def train(cfg: Config) -> int:
         return 0
 
     # batches are read, packed and placed on a background thread, data.prefetch ahead
-    feed = data.feed(lambda p: rows_to_global(p, data.train.rows, batch_sh, cfg), cfg.data.prefetch)
+    data.train.grad_accum = ramp.grad_accum
+    feed = data.feed(
+        lambda p, rows, ga: rows_to_global(p, rows, ga, batch_sh, cfg), cfg.data.prefetch
+    )
     with jax.set_mesh(mesh):
-        first = next(feed)
-        t0 = time.perf_counter()
-        compiled = step_fn.lower(state, first).compile()
-        say(f"compiled the step in {time.perf_counter() - t0:.1f}s")
+        steps = compile_steps(step_fn, state, ramp, batch_sh, cfg, say)
         eval_batches = [to_global(b, batch_sh, cfg) for b in data.eval_batches(t.eval_batches)]
+        probe = None
+        if t.noise_every:
+            params_sh = {"params": jax.tree.map(lambda a: a.sharding, state["params"])}
+            grad_norm = jit_grad_norm(cfg, mesh, rules, params_sh, batch_sh)
+            one = batch_lib.abstract(1, t.micro_batch_size * cfg.dp, m.seq_len, batch_sh)
+            probe = grad_norm.lower(state["params"], one).compile()
+        first = next(feed)
 
     peak, peak_source = metrics_lib.host_peak(cfg)
     say(f"peak: {metrics_lib.human(peak)}FLOP/s ({peak_source})")
@@ -230,54 +259,95 @@ def train(cfg: Config) -> int:
 
     history, eval_loss, last = [], None, None
     tokens_per_s_all = []
-    bar = tqdm(total=t.steps, initial=start, disable=not lead, dynamic_ncols=True, desc="train")
-    t_last, step_last = time.perf_counter(), start
+    base = ramp.base
+    bar = tqdm(total=t.steps, initial=round(ramp.tokens / base), disable=not lead,
+               dynamic_ncols=True, desc="train")  # fmt: skip
+    t_last, tokens_last = time.perf_counter(), ramp.tokens
+    noise = NoiseScale()
+    if data.progress and data.progress.get("noise"):
+        noise.load(data.progress["noise"])
+    pending = []  # noise measurements waiting for the next host sync
+    take = jax.jit(
+        lambda b, i: batch_lib.Batch(*(jax.lax.dynamic_index_in_dim(a, i, 0) for a in b)),
+        out_shardings=batch_sh,
+    )
     batch = first
     profile = t.profile_steps
+    step = start
     # Preemption: SIGTERM or Ctrl-C -> save this step and stop; on the way out, wait for
     # pending saves (a second Ctrl-C exits at once) and put the previous handlers back
     with jax.set_mesh(mesh), checkpoint_lib.Preemption(ckpt) as preempted:
-        for step in range(start, t.steps):
+        while not ramp.done:
             if profile and step == profile[0]:
                 jax.profiler.start_trace(str(run_dir / "profile"))
-            state, out = compiled(state, batch)
+            if probe is not None and ramp.grad_accum > 1 and step % t.noise_every == 0:
+                # each micro-batch's gradient alone, at the parameters the step is about to use
+                small = [probe(state["params"], take(batch, i)) for i in range(ramp.grad_accum)]
+            else:
+                small = None
+            state, out = steps[ramp.grad_accum](state, batch, np.float32(ramp.position))
+            if small is not None:
+                pending.append((small, out["grad_norm"], out["n_targets"]))
             if profile and step == profile[1]:
                 jax.block_until_ready(state)
                 jax.profiler.stop_trace()
                 jax.profiler.save_device_memory_profile(str(run_dir / "memory.prof"))
                 say(f"profile of steps {profile[0]}..{profile[1]} written to {run_dir}/profile")
-            done = step + 1
+            step_tokens = ramp.tokens_per_step
+            switched = ramp.step_done()
+            step = done = step + 1
             stop = preempted(done)
-            if stop or ckpt.due(done) or done == t.steps:
+            bar.update(step_tokens / base)
+            is_log = done == 1 or done % t.log_every == 0 or ramp.done or stop or switched
+            is_eval = eval_batches and (done % t.eval_every == 0 or ramp.done)
+            record = None
+            if is_log or is_eval:
+                out = jax.device_get(out)  # the only host sync: at log steps
+                switched |= ramp.observe(float(out["loss"]))  # a loss threshold reached
+                for parts, big, b_big in jax.device_get(pending):
+                    small_sq = float(np.mean([float(n) ** 2 for n, _ in parts]))
+                    b_small = float(np.mean([float(c) for _, c in parts]))
+                    noise.update(small_sq, b_small, float(big) ** 2, float(b_big))
+                pending.clear()
+                now = time.perf_counter()
+                tokens_per_s = (ramp.tokens - tokens_last) / (now - t_last)
+                step_time = step_tokens / tokens_per_s
+                t_last, tokens_last = now, ramp.tokens
+                tokens_per_s_all.append(tokens_per_s)
+                record = {
+                    "step": done,
+                    "time": time.time(),  # wall clock, to line runs and restarts up
+                    "tokens": ramp.tokens,  # trained so far: exact across resume and ramps
+                    "tokens_per_step": step_tokens,
+                    "loss": float(out["loss"]),
+                    "loss_ema": ramp.loss_ema,
+                    "grad_norm": float(out["grad_norm"]),
+                    "lr": float(out["lr"]),
+                    "tokens_per_s": tokens_per_s,
+                    "step_time_s": step_time,
+                    "mfu": tokens_per_s * fpt / peak,
+                    "hfu": tokens_per_s * hfpt / peak,
+                }
+                if noise.b_simple is not None:
+                    record["b_simple"] = noise.b_simple  # the critical batch, in tokens
+            if stop or ckpt.due(done) or ramp.done:
                 # async; the data state is taken before the next step's batch is pulled
+                data.progress = {"ramp": ramp.state(), "noise": noise.state()}
                 ckpt.save(done, state, data.state())
-            if done < t.steps and not stop:
+            if switched and not ramp.done:
+                feed = data.regroup(ramp.grad_accum)  # drops batches made at the old size
+                if lead:
+                    tqdm.write(
+                        f"batch: {ramp.tokens_per_step:,} tokens per step from here "
+                        f"({ramp.grad_accum} x {ramp.unit:,}; stage {ramp.stage} of the "
+                        f"schedule, at {ramp.tokens:,} tokens)"
+                    )
+            if not ramp.done and not stop:
                 batch = next(feed)
-            bar.update(1)
-            is_log = done == 1 or done % t.log_every == 0 or done == t.steps or stop
-            is_eval = eval_batches and (done % t.eval_every == 0 or done == t.steps)
-            if not (is_log or is_eval):
+            if record is None:
                 continue
-            out = jax.device_get(out)  # the only host sync: at log steps
-            now = time.perf_counter()
             if stop and preempted.signum == signal.SIGINT and lead:
                 tqdm.write(f"Ctrl-C: saving step {done}, then stopping (Ctrl-C again: quit now)")
-            step_time = (now - t_last) / (done - step_last)
-            t_last, step_last = now, done
-            tokens_per_s = cfg.tokens_per_step / step_time
-            tokens_per_s_all.append(tokens_per_s)
-            record = {
-                "step": done,
-                "time": time.time(),  # wall clock, to line runs and restarts up
-                "tokens": done * cfg.tokens_per_step,  # trained so far: exact across resume
-                "loss": float(out["loss"]),
-                "grad_norm": float(out["grad_norm"]),
-                "lr": float(out["lr"]),
-                "tokens_per_s": tokens_per_s,
-                "step_time_s": step_time,
-                "mfu": tokens_per_s * fpt / peak,
-                "hfu": tokens_per_s * hfpt / peak,
-            }
             if not math.isfinite(record["loss"]):
                 bar.close()
                 cli.fail(f"loss is {record['loss']} at step {done}; lower optim.lr", code=1)
@@ -292,10 +362,12 @@ def train(cfg: Config) -> int:
             bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
             if lead:
                 ev = f" eval {eval_loss:.4f}" if is_eval and eval_loss is not None else ""
+                crit = record.get("b_simple")
+                bc = f" bcrit {metrics_lib.human(crit)}tok" if crit is not None else ""
                 tqdm.write(
                     f"step {done:>6} loss {record['loss']:.4f}{ev} gnorm {record['grad_norm']:.3f}"
                     f" lr {record['lr']:.2e} {tokens_per_s:,.0f} tok/s"
-                    f" {step_time * 1e3:.0f} ms/step mfu {record['mfu']:.1%}"
+                    f" {step_time * 1e3:.0f} ms/step mfu {record['mfu']:.1%}{bc}"
                 )
             if stop:
                 break
@@ -318,6 +390,15 @@ def train(cfg: Config) -> int:
         say(f"  train loss   {first_loss:.4f} at step {history[0]['step']} -> {last['loss']:.4f}")
     if eval_loss is not None:
         say(f"  eval loss    {eval_loss:.4f}")
+    if noise.b_simple is not None:
+        ratio = ramp.tokens_per_step / noise.b_simple
+        say(
+            f"  batch        {ramp.tokens_per_step:,} tokens per step, {ratio:.2g}x the measured "
+            f"critical batch B_simple = {noise.b_simple:,.0f} tokens ("
+            + ("above it: larger batches would waste compute)" if ratio > 2 else
+               "below it: larger batches would train faster per step)" if ratio < 0.5 else
+               "near it)")
+        )  # fmt: skip
     say(f"  metrics      {run_dir / 'metrics.jsonl'}")
     ckpt.close()
     if preempted.requested:
