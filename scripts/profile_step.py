@@ -116,13 +116,14 @@ def main(argv=None) -> int:
     trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="ultrajax-profile-")
     with jax.set_mesh(mesh):
         batch = random_batch(cfg, batch_sh, np.random.default_rng(0))
-        compiled = step_fn.lower(state, batch).compile()
+        pos = np.float32(0)  # the schedule's position, as the train loop passes it
+        compiled = step_fn.lower(state, batch, pos).compile()
         for _ in range(args.warmup):
-            state, out = compiled(state, batch)
+            state, out = compiled(state, batch, pos)
         jax.block_until_ready(state)
         jax.profiler.start_trace(trace_dir)
         for _ in range(args.steps):
-            state, out = compiled(state, batch)
+            state, out = compiled(state, batch, pos)
         jax.block_until_ready((state, out))
         jax.profiler.stop_trace()
     index = hlo_index(compiled.as_text())

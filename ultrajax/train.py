@@ -297,7 +297,7 @@ def train(cfg: Config) -> int:
             switched = ramp.step_done()
             step = done = step + 1
             stop = preempted(done)
-            bar.update(step_tokens / base)
+            bar.update(step_tokens // base if step_tokens % base == 0 else step_tokens / base)
             is_log = done == 1 or done % t.log_every == 0 or ramp.done or stop or switched
             is_eval = eval_batches and (done % t.eval_every == 0 or ramp.done)
             record = None
