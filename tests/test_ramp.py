@@ -94,7 +94,7 @@ def _records(run_dir):
 @pytest.fixture(scope="module")
 def ramp_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ramp")
-    cfg = _load(RAMP, "train.steps=24", "train.noise_every=2", f"train.run_dir={run_dir}")
+    cfg = _load(RAMP, "train.steps=24", "train.noise_every=4", f"train.run_dir={run_dir}")
     assert train.train(cfg) == 0
     return run_dir, cfg
 
@@ -128,7 +128,7 @@ def test_resuming_in_the_middle_of_the_ramp_gives_the_same_losses(ramp_run, tmp_
     run_dir, _ = ramp_run
     expected = {r["step"]: r["loss"] for r in _records(run_dir)}
     for steps in (7, 24):  # a budget of 7 and 24 config batches of tokens
-        cfg = _load(RAMP, f"train.steps={steps}", "train.noise_every=2",
+        cfg = _load(RAMP, f"train.steps={steps}", "train.noise_every=4",
                     f"train.run_dir={tmp_path}")  # fmt: skip
         assert train.train(cfg) == 0
     out = capsys.readouterr().out
