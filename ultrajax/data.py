@@ -32,7 +32,7 @@ from ultrajax import streams as streams_lib
 from ultrajax.config import ConfigError, DataConfig
 from ultrajax.prefetch import Prefetcher
 from ultrajax.shards import PreparedCorpus
-from ultrajax.tokenizer import ByteTokenizer, HFTokenizer, padded_vocab  # noqa: F401
+from ultrajax.tokenizer import ByteTokenizer, HFTokenizer, document, padded_vocab  # noqa: F401
 
 
 def make_tokenizer(cfg: DataConfig):
@@ -137,19 +137,8 @@ def file_docs(pattern: str) -> list[Doc]:
 
 def split_docs(docs: list[Doc], eval_fraction: float) -> tuple[list[Doc], list[Doc]]:
     """Held-out split by document, stable under adding files (hash of the document key)."""
-    if eval_fraction <= 0:
-        return docs, []
-    cut = int(eval_fraction * 2**32)
-    train = [d for d in docs if zlib.crc32(d.key.encode()) >= cut]
-    held = [d for d in docs if zlib.crc32(d.key.encode()) < cut]
-    if not held and len(train) > 1:
-        held, train = train[-1:], train[:-1]
-    if not train:
-        raise ConfigError(
-            f"data.eval_fraction={eval_fraction} leaves no training documents "
-            f"out of {len(docs)}; lower it"
-        )
-    return train, held
+    train, held = split_ids([d.key for d in docs], eval_fraction)
+    return [docs[i] for i in train], [docs[i] for i in held]
 
 
 def split_ids(keys: list[str], eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -206,9 +195,7 @@ class _TextReader:
         self.docs, self.tok = docs, tokenizer
 
     def __call__(self, i: int) -> np.ndarray:
-        ids = self.tok.encode(self.docs[i].read())
-        parts = ([[self.tok.BOS]] if self.tok.BOS is not None else []) + [ids, [self.tok.EOS]]
-        return np.concatenate([np.asarray(p, np.int32) for p in parts])
+        return document(self.tok, self.docs[i].read())
 
 
 def packed_dataset(

@@ -36,6 +36,7 @@ import numpy as np
 
 from ultrajax.config import ConfigError
 from ultrajax.shards import FORMAT, MANIFEST, VERSION, ShardWriter, sha256, token_dtype
+from ultrajax.tokenizer import document
 
 PROG = "python -m ultrajax.data prepare"
 FIRST_PROBLEMS = 100  # kept in the manifest (and per piece: enough to know the first overall)
@@ -132,7 +133,6 @@ class _Piece:
 
     def __init__(self, tokenizer, writer: ShardWriter, strict: bool):
         self.tok, self.writer, self.strict = tokenizer, writer, strict
-        self.bos = [] if tokenizer.BOS is None else [tokenizer.BOS]
         self.problems: list[tuple[int, int, str, str]] = []  # (segment, line, kind, reason)
         self.kinds: Counter = Counter()
         self.skipped: Counter = Counter()
@@ -147,17 +147,13 @@ class _Piece:
             self.problems.append((segment, line, kind, reason))
 
     def add(self, text: str) -> None:
-        """[BOS] ids [EOS], as ultrajax.data builds a document of a text source."""
-        ids = self.tok.encode(text)
-        if len(ids) and int(ids.max()) >= self.tok.size:
+        """[BOS] ids [EOS], as a text source builds it when it packs (tokenizer.document)."""
+        doc = document(self.tok, text)
+        if int(doc.max()) >= self.tok.size:
             raise ConfigError(
-                f"the tokenizer produced id {int(ids.max())} for a vocabulary of "
+                f"the tokenizer produced id {int(doc.max())} for a vocabulary of "
                 f"{self.tok.size}: its tokenizer.json is inconsistent"
             )
-        doc = np.empty(len(self.bos) + len(ids) + 1, self.writer.dtype)
-        doc[: len(self.bos)] = self.bos
-        doc[len(self.bos) : -1] = ids
-        doc[-1] = self.tok.EOS
         self.writer.add(doc)
 
     def text_file(self, segment: int, path: str) -> None:

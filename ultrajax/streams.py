@@ -130,7 +130,8 @@ class _WindowShuffleIterator(grain.DatasetIterator):
         return self._rows[self._pos - 1]
 
     def get_state(self):
-        return {"start": copy.deepcopy(self._start), "window": self._index, "pos": self._pos}
+        # `_start` is already a copy, never changed in place; Streams.get_state copies the whole
+        return {"start": self._start, "window": self._index, "pos": self._pos}
 
     def set_state(self, state):
         self._start = copy.deepcopy(state["start"])

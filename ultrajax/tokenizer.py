@@ -71,3 +71,12 @@ class HFTokenizer:
 def padded_vocab(size: int, multiple: int = 128) -> int:
     """Vocabulary rounded up so the embedding splits evenly and matmuls tile well."""
     return -(-size // multiple) * multiple
+
+
+def document(tok, text: str) -> np.ndarray:
+    """A document as the model reads it: [BOS] ids [EOS] (no BOS when the tokenizer has
+    none), int32. Text sources build it when they pack; `prepare` stores it."""
+    bos = [] if tok.BOS is None else [tok.BOS]
+    return np.concatenate(
+        [np.asarray(bos, np.int32), tok.encode(text).astype(np.int32, copy=False), [tok.EOS]]
+    ).astype(np.int32, copy=False)
