@@ -39,7 +39,7 @@ import sys
 import jax
 import numpy as np
 
-from ultrajax import attention, cli, comms, memory, metrics, optim
+from ultrajax import attention, cli, comms, hardware, memory, metrics, optim
 from ultrajax import batch as batch_lib
 from ultrajax import mesh as mesh_lib
 from ultrajax.config import Config, ConfigError, no_effect, resolve_mesh
@@ -47,7 +47,7 @@ from ultrajax.memory import fmt_bytes
 from ultrajax.model import param_count
 from ultrajax.parallel import schedule
 
-KNOWN_ACCELERATORS = ("H100", "H200", "A100-SXM4-80GB")
+KNOWN_ACCELERATORS = ("h100", "h200", "a100")  # the verdict on a CPU host
 
 
 # --------------------------------------------------------------------------- compiling
@@ -222,7 +222,7 @@ def verdict(peak: float, device_memory: int | None, source: str) -> dict:
         "fits": None,
         "device_memory": None,
         "source": source,
-        "known": {name: peak <= memory.DEVICE_MEMORY[name] for name in KNOWN_ACCELERATORS},
+        "known": {name: peak <= hardware.by_name(name).memory for name in KNOWN_ACCELERATORS},
     }
 
 
@@ -588,7 +588,7 @@ def format_report(r: dict) -> str:
     lines.append("")
     if v["fits"] is None:
         known = ", ".join(
-            f"{name} {fmt_bytes(memory.DEVICE_MEMORY[name])}: {'fits' if ok else 'does not fit'}"
+            f"{name} {fmt_bytes(hardware.by_name(name).memory)}: {'fits' if ok else 'does not fit'}"
             for name, ok in v["known"].items()
         )
         lines.append(
@@ -826,7 +826,7 @@ def plot_sweep(cfg: Config, path: str, device_memory: int | None = None) -> dict
     if device_memory:
         ax.axhline(device_memory / memory.GiB, color="r", ls="-.", label="device memory")
     else:
-        h100 = memory.DEVICE_MEMORY["H100"]
+        h100 = hardware.by_name("h100").memory
         ax.axhline(h100 / memory.GiB, color="r", ls="-.", label="H100 memory (80 GB)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from ultrajax import attention as attention_lib
+from ultrajax import hardware
 from ultrajax.config import Config, ModelConfig
 from ultrajax.parallel.zero import Zero
 
@@ -65,16 +66,6 @@ OPT_WORK = 1.0  # fp32 parameter-sized temporaries of the AdamW update beyond th
 # mesh.pipeline > 1: the share of one layer's backward working set (layer_work) live at a
 # tick beside the chunk's residuals; fitted on XLA:CPU, fp32 (tests/test_memory.py)
 PIPE_WORK = {"none": 0.75, "full": 0.9, "selective": 0.9}
-
-# Total device memory (nvidia-smi's MiB) of the accelerators we know by name.
-DEVICE_MEMORY = {
-    "H200": 143771 * 2**20,
-    "H100": 81559 * 2**20,
-    "A100-SXM4-80GB": 81920 * 2**20,
-    "A100-SXM4-40GB": 40960 * 2**20,
-    "A100 80GB": 81920 * 2**20,
-    "A100": 40960 * 2**20,
-}
 
 
 def dtype_bytes(name: str) -> int:
@@ -128,9 +119,9 @@ def device_memory(device) -> tuple[int | None, str]:
     if stats.get("bytes_limit"):
         return int(stats["bytes_limit"]), f"{device.device_kind}: memory_stats bytes_limit"
     kind = getattr(device, "device_kind", "")
-    for name, size in DEVICE_MEMORY.items():
-        if name in kind:
-            return size, f"{kind} (nvidia-smi total)"
+    acc = hardware.lookup(kind)
+    if acc is not None:
+        return acc.memory, f"{kind} (nvidia-smi total)"
     return None, f"{kind or device.platform}: no device memory to compare against"
 
 

@@ -20,17 +20,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from ultrajax import hardware
 from ultrajax.config import Config, ConfigError, ModelConfig
 from ultrajax.model import matmul_param_count
-
-# Dense (no sparsity) peak FLOP/s per device, from the vendors' data sheets; the first
-# name found in the device kind wins, so more specific names come first.
-PEAKS = {
-    "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12},  # fp32 as TF32
-    "H100 PCIe": {"bfloat16": 756e12, "float16": 756e12, "float32": 378e12},  # before "H100"
-    "H100": {"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12},  # SXM
-    "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
-}
 
 
 def human(n: float, digits: int = 4) -> str:
@@ -96,10 +88,10 @@ def hardware_flops_per_token(m: ModelConfig) -> float:
 def device_peak(device, dtype: str) -> tuple[float | None, str]:
     """(peak FLOP/s of one device, where the figure comes from) for a known GPU."""
     kind = getattr(device, "device_kind", "")
-    for name, peaks in PEAKS.items():
-        if name in kind:
-            return peaks.get(dtype, peaks["bfloat16"]), f"{name} data sheet, {dtype} dense"
-    return None, f"unknown device {kind!r}"
+    acc = hardware.lookup(kind)
+    if acc is None:
+        return None, f"unknown device {kind!r}"
+    return acc.flops(dtype), f"{acc.name} data sheet, {dtype} dense"
 
 
 def measure_matmul_rate(n: int = 1024, repeats: int = 5, dtype=jnp.float32) -> float:
