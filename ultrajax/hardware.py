@@ -9,8 +9,9 @@ figure halved (H100/H200 900 GB/s both ways, A100 600 GB/s), and the inter-node
 fabric of the usual 8-GPU node (one 400 Gb/s NIC per H100/H200, one 200 Gb/s HDR NIC
 per A100). Latencies are the per-hop start-up cost of a ring step, the order NCCL's
 tests show (a few microseconds inside a node, ~10-20 across). What a collective
-actually reaches is below these peaks; the planner's step-time model
-carries that, not this table.
+actually reaches is below these peaks; the planner's step-time model (steptime.py)
+carries that as fitted efficiencies, not this table. hbm_bw is the data sheet's
+device-memory bandwidth (the optimizer update is bound by it).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Accelerator:
     intra_latency: float  # seconds per ring step inside a node
     inter_latency: float  # seconds per ring step between nodes
     gpus_per_node: int = 8
+    hbm_bw: float = 0.0  # bytes/s of device memory (the optimizer update is bound by it)
 
     def flops(self, dtype: str) -> float:
         """Peak dense FLOP/s for a compute dtype (bf16's where the dtype is not listed)."""
@@ -51,23 +53,23 @@ def _peaks(bf16: float, fp32: float, fp8: float | None = None) -> MappingProxyTy
 ACCELERATORS: tuple[Accelerator, ...] = (
     Accelerator(
         "h200", ("H200",), _peaks(989e12, 494.5e12, 1979e12), 143771 * MiB,
-        450 * GB, 50 * GB, 5e-6, 15e-6,
+        450 * GB, 50 * GB, 5e-6, 15e-6, hbm_bw=4800 * GB,
     ),
     Accelerator(
         "h100-pcie", ("H100 PCIe",), _peaks(756e12, 378e12, 1513e12), 81559 * MiB,
-        32 * GB, 25 * GB, 10e-6, 15e-6,
+        32 * GB, 25 * GB, 10e-6, 15e-6, hbm_bw=2000 * GB,
     ),
     Accelerator(
         "h100", ("H100",), _peaks(989e12, 494.5e12, 1979e12), 81559 * MiB,
-        450 * GB, 50 * GB, 5e-6, 15e-6,
+        450 * GB, 50 * GB, 5e-6, 15e-6, hbm_bw=3350 * GB,
     ),
     Accelerator(
         "a100", ("A100-SXM4-80GB", "A100 80GB"), _peaks(312e12, 156e12), 81920 * MiB,
-        300 * GB, 25 * GB, 5e-6, 15e-6,
+        300 * GB, 25 * GB, 5e-6, 15e-6, hbm_bw=2039 * GB,
     ),
     Accelerator(
         "a100-40gb", ("A100",), _peaks(312e12, 156e12), 40960 * MiB,
-        300 * GB, 25 * GB, 5e-6, 15e-6,
+        300 * GB, 25 * GB, 5e-6, 15e-6, hbm_bw=1555 * GB,
     ),
 )  # fmt: skip
 
