@@ -27,7 +27,7 @@ import tempfile
 # category, a regular expression on "opcode | op_name | instruction name"; first match wins
 CATEGORIES = (
     ("optimizer update", r"optax|adam|apply_updates|clip|tree_norm|global_norm"),
-    ("attention", r"attention|bkgts|btkgd|softmax|dot_product"),
+    ("attention", r"attention|bkgts|btkgd|rkgts|rkgtd|rksd|softmax|dot_product"),
     ("matmul", r"^dot\b|^convolution|ynn_fusion|dot_general|custom-call.*(matmul|gemm)"),
     ("layer loop: slices, updates", r"dynamic-slice|dynamic-update-slice|dynamic_slice"),
     ("copies, transposes", r"^copy|^transpose|copy_start|copy-done"),

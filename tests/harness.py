@@ -28,6 +28,7 @@ BASE = [
     "model.vocab_size=256",
     "model.dtype=float32",
     "model.scan_unroll=1",  # the rolled layer loop the memory and HLO tests read
+    "model.attention=xla",  # the plain attention whose s² scores the memory model counts
 ]
 
 

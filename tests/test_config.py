@@ -329,13 +329,16 @@ def test_help_lists_every_key_with_a_default_that_loads_back():
 def test_run_directory_is_named_after_the_config_and_what_defines_the_run(tmp_path):
     """Unset train.run_dir: runs/<file name>-<hash of model, data, optim, seed>. The same
     command finds the same directory (a requeued job resumes); a changed shape, dataset,
-    optimizer or seed gets its own; layout, batch split, length and logging do not."""
+    optimizer or seed gets its own; layout, batch split, length, logging and how the step
+    computes (attention backend, remat) do not."""
     path = _write(tmp_path, "model: {d_model: 64, n_heads: 4}\n")
     base = load(path).train.run_dir
     assert base.startswith("runs/run-") and len(base) == len("runs/run-") + 6
     assert load(path).train.run_dir == base
     same = ["train.steps=70", "data.prefetch=0", "mesh.data=2", "train.log_every=3",
-            "train.grad_accum=4", "optim.schedule_steps=50", "checkpoint.every=5"]  # fmt: skip
+            "train.grad_accum=4", "optim.schedule_steps=50", "checkpoint.every=5",
+            "model.attention=blocked", "model.remat=full", "model.scan_unroll=2",
+            "model.loss_chunk=16"]  # fmt: skip
     for override in same:
         assert load(path, [override]).train.run_dir == base, override
     others = {load(path, [o]).train.run_dir for o in (

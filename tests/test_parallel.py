@@ -177,6 +177,16 @@ def test_layout_matches_single_device(name, mode):
     assert ref[0][-1] < ref[0][0]  # the reference actually trains
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_tiled_attention_trains_like_the_plain_one_under_a_layout(mode):
+    """The CPU's default attention (tiles of queries in a loop over rows) under data, ZeRO-3,
+    tensor and sequence parallelism: the single-device plain attention's training. Its
+    row loop runs over this device's rows inside shard_map, over all rows under the
+    partitioner."""
+    got = run("dp2-fsdp2-tp2-zero3-sp", mode, "model.attention=tiled")
+    assert_same_training(got, run(None))
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_modes_agree(name):
     assert_same_training(run(name, "gspmd"), run(name, "explicit"))

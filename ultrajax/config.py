@@ -49,9 +49,9 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     # none | full | selective | offload, or a list of checkpoint_name tags to keep
     remat: str | list[str] = "none"
-    # auto: cuDNN (causal) or our Pallas kernel (packed documents) on a GPU; elsewhere xla up
-    # to 512 tokens and blocked beyond
-    attention: Literal["auto", "xla", "cudnn", "pallas", "blocked"] = "auto"
+    # auto: cuDNN (causal) or our Pallas kernel (packed documents) on a GPU; elsewhere tiled
+    # up to 512 tokens and blocked beyond
+    attention: Literal["auto", "xla", "cudnn", "pallas", "blocked", "tiled"] = "auto"
     # LM head and loss over this many tokens of the sequence at a time (0: all at once)
     loss_chunk: int = 0
     # layers per iteration of the layer loop (lax.scan's unroll): 1 keeps one compiled
@@ -348,12 +348,19 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
 IDENTITY = ("model", "data", "optim")  # with train.seed: what makes two runs the same run
 
 
+HOW = ("attention", "remat", "loss_chunk", "scan_unroll")  # model keys outside the identity
+
+
 def run_identity(cfg: Config) -> str:
     """Six hex digits naming what a run is: the model, the data, the optimizer, the seed.
 
     Not the layout, the batch split, train.steps or logging: those may change on resume
-    (a checkpoint restores onto any layout; more steps are asked for on purpose)."""
+    (a checkpoint restores onto any layout; more steps are asked for on purpose). Nor how
+    the step computes the same model (attention backend, recomputation, loss chunks, layer
+    loop unrolling): a run may resume with another."""
     tree = {k: dataclasses.asdict(getattr(cfg, k)) for k in IDENTITY}
+    for how in HOW:
+        tree["model"].pop(how)
     tree["seed"] = cfg.train.seed
     tree["optim"].pop("schedule_steps")  # checked on resume, like train.steps
     tree["data"].pop("prefetch")  # how far ahead batches are made, not which
