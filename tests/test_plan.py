@@ -88,12 +88,14 @@ def test_every_communication_term_has_an_axis():
     assert kinds == {"tp", "p2p", "context", "gathers", "hidden", "exposed"}
 
 
-def test_pipeline_shortcuts_match_the_full_computation():
-    """The planner reads a pipeline's memory at 2p micro-batches and its bytes at p, then
-    scales: the same figures as asking memory.estimate and comms.expected directly."""
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+def test_pipeline_shortcuts_match_the_full_computation(schedule, v):
+    """The planner reads a pipeline's memory at 2p micro-batches and its bytes at p under
+    1F1B, then scales: the same figures as asking memory.estimate and comms.expected."""
     cfg = _small()
     cfg.model.attention = "cudnn"
     cfg.mesh.fsdp, cfg.mesh.pipeline, cfg.parallel.zero = 2, 2, 1
+    cfg.parallel.pipeline_schedule, cfg.parallel.virtual_stages = schedule, v
     cfg.train.micro_batch_size, cfg.train.grad_accum = 2, 12
     assert layouts.memory_of(cfg, {}) == pytest.approx(memory.estimate(cfg, platform="gpu").peak)
     direct = {t.what: t.traffic for t in comms.expected(cfg)}

@@ -203,22 +203,37 @@ def evaluate(
 
 
 def _valid(cfg: Config, seen: dict) -> bool:
-    """config.validate_layout accepts cfg. A pipeline's rules are read at p micro-batches
-    (the enumeration keeps m >= p and, interleaved, m % p == 0, so they hold for m too):
-    building a schedule of hundreds of micro-batches is slow."""
-    check = cfg
+    """config.validate_layout accepts cfg, asked in two cheap parts under a pipeline:
+    the layout without its pipeline (every rule but the pipeline's), and the pipeline
+    alone on one micro-batch a stage (its rules: layers per stage, the schedule; those
+    on micro-batch counts hold for m as the enumeration keeps m >= p and, interleaved,
+    m % p == 0). Building a schedule of many micro-batches is slow."""
+    checks = [cfg]
     p = cfg.mesh.pipeline
     if p > 1:
-        check = copy.copy(cfg)
-        check.train = replace(cfg.train, grad_accum=p)
-    key = (repr(check.mesh), repr(check.parallel), repr(check.model), repr(check.train))
-    if key not in seen:
-        try:
-            config_lib.validate_layout(check)
-            seen[key] = True
-        except ConfigError:
-            seen[key] = False
-    return seen[key]
+        flat = copy.copy(cfg)
+        flat.mesh = replace(cfg.mesh, pipeline=1)
+        flat.parallel = replace(cfg.parallel, pipeline_schedule="1f1b", virtual_stages=1)
+        alone = config_lib.Config(model=cfg.model)
+        alone.mesh = config_lib.MeshConfig(pipeline=p)
+        alone.parallel = replace(
+            config_lib.ParallelConfig(),
+            pipeline_schedule=cfg.parallel.pipeline_schedule,
+            virtual_stages=cfg.parallel.virtual_stages,
+        )
+        alone.train = replace(cfg.train, micro_batch_size=1, grad_accum=p)
+        checks = [flat, alone]
+    for check in checks:
+        key = (repr(check.mesh), repr(check.parallel), repr(check.model), repr(check.train))
+        if key not in seen:
+            try:
+                config_lib.validate_layout(check)
+                seen[key] = True
+            except ConfigError:
+                seen[key] = False
+        if not seen[key]:
+            return False
+    return True
 
 
 def rank(

@@ -178,20 +178,28 @@ def _scaled_terms(cfg: Config, cache: dict | None = None) -> list[tuple[comms.Te
     t = cfg.train
     full = cfg.model.remat == "full"  # the only policy that changes the bytes (TP's count)
     model = replace(cfg.model, remat="full" if full else "none")
+    p2p = 1.0
     if p == 1:
         key = (repr(cfg.mesh), repr(cfg.parallel), repr(model), t.micro_batch_size, t.grad_accum)
         probe, per_micro = cfg, 1.0
     else:
-        key = (repr(cfg.mesh), repr(cfg.parallel), repr(model))
+        # every schedule's sends are 1F1B's times (v p - 1) / (p - 1): each micro-batch
+        # crosses the v p - 1 stage boundaries once each way (comms.py's 2 m (v p - 1) / p)
+        v = cfg.parallel.virtual_stages
+        par = replace(cfg.parallel, pipeline_schedule="1f1b", virtual_stages=1)
+        key = (repr(cfg.mesh), repr(par), repr(model))
         probe = copy.copy(cfg)
+        probe.parallel = par
         probe.train = replace(t, micro_batch_size=1, grad_accum=p)
         per_micro = t.micro_batch_size * t.grad_accum / p
+        p2p = per_micro * (v * p - 1) / (p - 1)
     if cache is None or key not in cache:
         terms = [(term, _axis_of(term)) for term in comms.expected(probe)]
         if cache is None:
             cache = {}
         cache[key] = terms
-    return [(term, per_micro if when in ("tp", "p2p") else 1.0) for term, (_, when) in cache[key]]
+    scale = {"tp": per_micro, "p2p": p2p}
+    return [(term, scale.get(when, 1.0)) for term, (_, when) in cache[key]]
 
 
 def features(
