@@ -33,7 +33,7 @@ SIZES = {
     ),
     "cpu256": dict(  # the shape of the CPU speed issue (17): torch side by side there
         vocab_size=384, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, d_ff=688,
-        seq_len=256, micro_batch_size=16, tie_embeddings=False,
+        seq_len=256, micro_batch_size=16, tie_embeddings=False, scan_unroll=4,
     ),
     "125m": dict(
         vocab_size=32768, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=2048,

@@ -19,3 +19,19 @@ def test_bench_step_prints_its_table(capsys):
     row = next(line for line in out.splitlines() if line.startswith("| tiny |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert float(cells[5].replace(",", "")) > 0  # tokens/s
+
+
+def test_bench_cpu_attention_prints_each_backend_beside_xla(capsys):
+    import bench_cpu_attention
+
+    shape = ["--batch", "2", "--seq", "16", "--heads", "2", "--kv-heads", "1", "--head-dim", "8"]
+    assert bench_cpu_attention.main([*shape, "--iters", "1"]) == 0
+    rows = {
+        cells[0]: cells
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| ") and not line.startswith("| backend")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    for name in ("xla", "blocked", "tiled"):
+        assert float(rows[name][1]) > 0  # ms
+        assert float(rows[name][3]) < 1e-5  # the same attention as xla's, fp32
