@@ -229,6 +229,11 @@ def test_plan_command_ranks_layouts(tmp_path, capsys):
         assert lost["memory_bytes"] > r["device_memory"] and lost["lost"].startswith("does not fit")
         assert lost["tokens_per_s_per_gpu"] >= second["tokens_per_s_per_gpu"]
     assert all(s["lost"].endswith(("slower", "%")) or "slower:" in s["lost"] for s in r["slower"])
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plan.png"
+    argv = ["--config", str(path), "--gpus", "16", "--tokens-per-step", str(64 * 2048)]
+    assert _run([*argv, "--plot", str(png)]) == 0
+    assert png.stat().st_size > 10_000 and f"plot: {png}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -237,15 +237,15 @@ def _valid(cfg: Config, seen: dict) -> bool:
 
 
 def rank(
-    base: Config, evaluated: list[Evaluated], capacity: float, top: int, every: bool = False
+    base: Config, evaluated: list[Evaluated], capacity: float, top: int, at_least: int = 0
 ) -> list[Evaluated]:
     """The `top` fastest layouts that fit in `capacity` bytes, estimating memory in order
     of speed: every layout faster than the last of them has its memory (and so the reason
-    it lost); with `every`, all layouts do (for the plot)."""
+    it lost), and so do at least the `at_least` fastest (for the plot)."""
     cache: dict = {}
     best = []
-    for e in evaluated:
-        if len(best) >= top and not every:
+    for i, e in enumerate(evaluated):
+        if len(best) >= top and i >= at_least:
             break
         e.memory = memory_of(e.layout.config(base), cache)
         if e.memory <= capacity and len(best) < top:

@@ -20,6 +20,7 @@ from ultrajax.config import ConfigError
 from ultrajax.memory import GiB
 
 LOSERS_SHOWN = 5
+PLOTTED = 500  # --plot: the fastest layouts whose memory is estimated and drawn
 
 
 def _parser():
@@ -42,7 +43,11 @@ def _parser():
     )
     p.add_argument("--top", type=int, default=5, metavar="K", help="layouts to rank (5)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--plot", metavar="FILE.png", help="tokens/s against memory (matplotlib)")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help=f"tokens/s against memory of the {PLOTTED} fastest layouts (matplotlib)",
+    )
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.seq_len=4096")
     return p
 
@@ -87,7 +92,8 @@ def plan(args) -> dict:
             f"({tokens // base.model.seq_len} sequences of {base.model.seq_len}): change --gpus "
             "or --tokens-per-step"
         )
-    best = layouts.rank(base, evaluated, acc.memory, args.top, every=bool(args.plot))
+    shown = PLOTTED if args.plot else 0
+    best = layouts.rank(base, evaluated, acc.memory, args.top, at_least=shown)
     seconds = time.perf_counter() - start
     cut = evaluated.index(best[-1]) if best else len(evaluated)
     faster_oom = [e for e in evaluated[:cut] if e.memory is not None and e.memory > acc.memory]
@@ -190,7 +196,7 @@ def plot(r: dict, path: str) -> None:
     ax.axvline(acc.memory / GiB, color="tab:red", lw=1, label=f"{acc.name} memory")
     ax.set_xlabel("predicted memory per GPU (GiB)")
     ax.set_ylabel("predicted tokens/s per GPU")
-    ax.set_title(f"{len(pts)} layouts on {r['gpus']} x {acc.name}")
+    ax.set_title(f"the {len(pts)} fastest layouts on {r['gpus']} x {acc.name}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
