@@ -187,7 +187,9 @@ def spearman(x, y) -> float:
 def _features(runs: list[Run]) -> list:
     acc = hardware.by_name(GPU)
     return [
-        steptime.features(r.cfg, acc, GPUS_PER_NODE, NANOTRON_ORDER) if r.cfg else None
+        steptime.features(r.cfg, acc, GPUS_PER_NODE, NANOTRON_ORDER, balanced=True)
+        if r.cfg
+        else None
         for r in runs
     ]
 

@@ -74,8 +74,8 @@ class Fit:
 # nanotron, H100, 1, 4 and 16 nodes of 8; 671 runs that ran) by
 # `scripts/validate_planner.py FILE --fit`, which starts from the defaults above.
 NANOTRON = Fit(
-    e_max=0.6123, w0=4.140e6, eta_intra=0.5029, eta_inter=0.4982, overlap=0.7975,
-    host_layer=1.145e-3, host_layer_tp=2.959e-3,
+    e_max=0.5735, w0=5.740e6, eta_intra=0.4975, eta_inter=0.5110, overlap=0.8051,
+    host_layer=1.268e-3, host_layer_tp=3.092e-3,
 )  # fmt: skip
 # ultrajax: the same GPU and link curve (the only multi-GPU measurements we have are
 # nanotron's), no host floor: XLA runs the whole step as one program (an assumption,
@@ -208,8 +208,13 @@ def features(
     gpus_per_node: int,
     order=ULTRAJAX_ORDER,
     cache: dict | None = None,
+    balanced: bool = False,
 ) -> Features:
-    """The step's pieces for a layout with concrete mesh sizes (no -1)."""
+    """The step's pieces for a layout with concrete mesh sizes (no -1).
+
+    The slowest pipeline stage is the last: its n_layers / p layers and the LM head
+    (parallel/pipeline.py), or, `balanced`, the stages' compute evened out with the LM
+    head as one block (nanotron assigns its blocks to stages by their compute cost)."""
     m, mesh, t = cfg.model, cfg.mesh, cfg.train
     sizes = mesh.sizes()
     n = math.prod(sizes.values())
@@ -221,7 +226,10 @@ def features(
     head = 6.0 * m.d_model * m.vocab_size  # LM head, forward and backward, per token
     per_token = metrics.hardware_flops_per_token(m)
     layers = math.ceil(m.n_layers / p)  # the slowest stage's (nanotron splits unevenly)
-    stage = (per_token - head) * layers / m.n_layers + head
+    if balanced:
+        stage = max(per_token / p, head, (per_token - head) / m.n_layers)
+    else:
+        stage = (per_token - head) * layers / m.n_layers + head
     bubble = _bubble(cfg.parallel.pipeline_schedule, p, accum, v)
     attn = 3.0 * metrics.attention_flops_per_token(m) / per_token
     f = Features(
