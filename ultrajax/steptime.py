@@ -74,8 +74,8 @@ class Fit:
 # nanotron, H100, 1, 4 and 16 nodes of 8; 671 runs that ran) by
 # `scripts/validate_planner.py FILE --fit`, which starts from the defaults above.
 NANOTRON = Fit(
-    e_max=0.5735, w0=5.740e6, eta_intra=0.4975, eta_inter=0.5110, overlap=0.8051,
-    host_layer=1.268e-3, host_layer_tp=3.092e-3,
+    e_max=0.5857, w0=6.486e6, eta_intra=0.5036, eta_inter=0.4977, overlap=0.8066,
+    host_layer=0.9458e-3, host_layer_tp=3.105e-3,
 )  # fmt: skip
 # ultrajax: the same GPU and link curve (the only multi-GPU measurements we have are
 # nanotron's), no host floor: XLA runs the whole step as one program (an assumption,
