@@ -167,6 +167,19 @@ def test_validation_script_reproduces_its_figures(capsys):
     assert "1.34B x 1 nodes        32 runs  Spearman 0.820" in out
 
 
+def test_validation_script_errors_are_one_line(tmp_path, capsys):
+    assert vp.main([str(tmp_path / "missing.csv")]) == 2
+    bad = tmp_path / "bad.csv"
+    bad.write_text("model,nodes\n1.34B,1\n")
+    assert vp.main([str(bad)]) == 2
+    other = tmp_path / "other.csv"
+    other.write_text(SAMPLE.read_text().replace("1.34B", "2B", 1))
+    assert vp.main([str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(e.startswith("error: ") for e in err)
+    assert "columns missing" in err[1] and "'2B': unknown shape" in err[2]
+
+
 def test_spearman():
     assert vp.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert vp.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
@@ -245,6 +258,7 @@ def test_plan_command_ranks_layouts(tmp_path, capsys):
         (["--gpus", "8", "--tokens-per-step", "1000"], "multiple of model.seq_len"),
         (["--gpus", "7", "--tokens-per-step", str(3 * 2048)], "no layout of 7 GPUs"),
         (["--gpus", "8", "model.nope=1"], "model.nope"),
+        (["--gpus", "8", "--gpus-per-node", "0"], "--gpus-per-node must be >= 1"),
     ],
 )
 def test_plan_errors_are_one_line(tmp_path, capsys, args, words):

@@ -77,7 +77,7 @@ def plan(args) -> dict:
         acc = hardware.by_name(args.gpu)
     except KeyError as e:
         raise ConfigError(f"--gpu: {e.args[0]}") from None
-    gpn = args.gpus_per_node or acc.gpus_per_node
+    gpn = acc.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
     if gpn < 1:
         raise ConfigError(f"--gpus-per-node must be >= 1, got {gpn}")
     base = cli.load_config(args)

@@ -7,9 +7,10 @@ A step, per device, is the slowest pipeline stage's micro-batches, the pipeline'
 bubble, and what communication the playbook says cannot hide:
 
   micro-batch  max(compute, host floor) + tensor-parallel collectives + pipeline sends
-    compute: the hardware FLOPs of one micro-batch on the slowest stage (its layers and,
-      on the last stage, the LM head) / (peak x efficiency), the efficiency a fitted
-      curve in the per-device matmul size (tokens x d_model / tensor);
+    compute: the hardware FLOPs of one micro-batch on the slowest stage (the last: its
+      layers and the LM head; or, for a framework that balances its stages by compute,
+      the larger of an even share and the head alone) / (peak x efficiency), the
+      efficiency a fitted curve in the per-device matmul size (tokens x d_model / tensor);
     host floor: a fitted time per layer a framework needs to launch a layer's work
       (eager PyTorch's Python; zero for ultrajax's one compiled program);
     TP collectives: on the critical path (the playbook: unless overlapped, and ours
@@ -71,7 +72,7 @@ class Fit:
 
 
 # Fitted on the playbook sweep's calibration file (../shared/playbook_runs/calibration.csv:
-# nanotron, H100, 1, 4 and 16 nodes of 8; 671 runs that ran) by
+# nanotron, H100, 1, 4 and 16 nodes of 8; the 666 runs that ran and it builds) by
 # `scripts/validate_planner.py FILE --fit`, which starts from the defaults above.
 NANOTRON = Fit(
     e_max=0.5857, w0=6.486e6, eta_intra=0.5036, eta_inter=0.4977, overlap=0.8066,
