@@ -363,6 +363,13 @@ class Term:
     what: str
     formula: str
     traffic: float  # bytes one device sends per step
+    axis: str  # the mesh axes it runs over: data (data x fsdp), fsdp, tensor, sequence,
+    # pipeline, data+pipeline
+    # when it runs, for the overlap rules of the step-time model (ultrajax/steptime.py):
+    # "tp" in every block (critical path), "p2p" between pipeline stages, "context" the
+    # K/V ring beside attention, "gathers" ZeRO-3's per-layer gathers, "hidden" a gradient
+    # reduction behind the backward pass, "exposed" once per step after it
+    when: str
 
 
 def _ring(nbytes: float, n: int, factor: float = 1.0) -> float:
@@ -404,6 +411,8 @@ def expected(cfg: Config) -> list[Term]:
                 "gradients over data x fsdp" + (" x sequence" if mesh.sequence > 1 else ""),
                 "2Ψ(N-1)/N",
                 _ring(grads, dp, 2.0),
+                "data",
+                "hidden",
             )
         )
     if zero >= 1 and pp == 1:
@@ -415,6 +424,8 @@ def expected(cfg: Config) -> list[Term]:
                 + (", every micro-batch" if rs_times > 1 else ""),
                 f"{rs_times}·Ψ(N-1)/N" if rs_times > 1 else "Ψ(N-1)/N",
                 rs_times * _ring(grads, fs),
+                "fsdp",
+                "hidden",
             )
         )
         if dp_d > 1:
@@ -424,6 +435,8 @@ def expected(cfg: Config) -> list[Term]:
                     "gradient shards over data" + (" x sequence" if mesh.sequence > 1 else ""),
                     "2(Ψ/N_fsdp)(N_data-1)/N_data",
                     _ring(grads / fs, dp_d, 2.0),
+                    "data",
+                    "hidden",
                 )
             )
         if zero == 3:
@@ -443,6 +456,8 @@ def expected(cfg: Config) -> list[Term]:
                     "layer weights over fsdp (forward and backward, every micro-batch)",
                     f"{2 * accum}·Ψ_layers(N-1)/N",
                     2 * accum * _ring(c * psi_layers, fs),
+                    "fsdp",
+                    "gathers",
                 )
             )
             terms.append(
@@ -451,11 +466,20 @@ def expected(cfg: Config) -> list[Term]:
                     "embedding, final norm, LM head over fsdp (once per step)",
                     "Ψ_rest(N-1)/N",
                     _ring(c * rest, fs),
+                    "fsdp",
+                    "exposed",
                 )
             )
         else:
             terms.append(
-                Term("all-gather", "parameters over fsdp (updated)", "Ψ(N-1)/N", _ring(weights, fs))
+                Term(
+                    "all-gather",
+                    "parameters over fsdp (updated)",
+                    "Ψ(N-1)/N",
+                    _ring(weights, fs),
+                    "fsdp",
+                    "exposed",
+                )  # fmt: skip
             )
     if mesh.sequence > 1:
         from ultrajax.parallel.context import permute_bytes
@@ -468,7 +492,7 @@ def expected(cfg: Config) -> list[Term]:
         )
         for kind, nbytes in permute_bytes(cfg).items():
             formula = "L·m·[2(cp-1)·kv_block + cp·dkv_block]" if ring else "L·m·(cp-1)·kv_block"
-            terms.append(Term(kind, what, formula, nbytes))
+            terms.append(Term(kind, what, formula, nbytes, "sequence", "context"))
     if tp > 1:
         # b·s·h of one micro-batch (the device's part of the sequence under CP)
         act = c * t.micro_batch_size * (m.seq_len // mesh.sequence) * m.d_model
@@ -479,11 +503,25 @@ def expected(cfg: Config) -> list[Term]:
         if cfg.parallel.sequence_parallel:
             for kind in ("all-gather", "reduce-scatter"):
                 terms.append(
-                    Term(kind, what + " (SP)", f"{n_ops}·bsh(t-1)/t", n_ops * _ring(act, tp))
+                    Term(
+                        kind,
+                        what + " (SP)",
+                        f"{n_ops}·bsh(t-1)/t",
+                        n_ops * _ring(act, tp),
+                        "tensor",
+                        "tp",
+                    )  # fmt: skip
                 )
         else:
             terms.append(
-                Term("all-reduce", what, f"{n_ops}·2bsh(t-1)/t", n_ops * _ring(act, tp, 2.0))
+                Term(
+                    "all-reduce",
+                    what,
+                    f"{n_ops}·2bsh(t-1)/t",
+                    n_ops * _ring(act, tp, 2.0),
+                    "tensor",
+                    "tp",
+                )  # fmt: skip
             )
     return terms
 
@@ -519,6 +557,8 @@ def _pipeline_terms(cfg: Config, grads: float, psi: int, dp_d: int, fs: int, zer
                 f"gradients over fsdp (ZeRO-{zero}, once per step)",
                 "Ψ(N-1)/N",
                 _ring(grads, fs),
+                "fsdp",
+                "hidden",
             )
         )
     shard = fs if zero >= 1 else 1
@@ -531,6 +571,8 @@ def _pipeline_terms(cfg: Config, grads: float, psi: int, dp_d: int, fs: int, zer
                 f"layer {over} over the data axes",
                 "2Ψ_layers(N-1)/N",
                 _ring(layers / shard, n, 2.0),
+                "data",
+                "hidden",
             )
         )
     terms.append(
@@ -539,13 +581,22 @@ def _pipeline_terms(cfg: Config, grads: float, psi: int, dp_d: int, fs: int, zer
             f"embedding, final norm, LM head {over} over data x pipeline",
             "2Ψ_rest(N·p-1)/(N·p)",
             _ring(rest / shard, n * p, 2.0),
+            "data+pipeline",
+            "hidden",
         )
     )
     if zero >= 1:
         weights = grads / memory.dtype_bytes(cfg.parallel.grad_reduce_dtype)
         weights *= memory.dtype_bytes(cfg.model.dtype)
         terms.append(
-            Term("all-gather", "parameters over fsdp (updated)", "Ψ(N-1)/N", _ring(weights, fs))
+            Term(
+                "all-gather",
+                "parameters over fsdp (updated)",
+                "Ψ(N-1)/N",
+                _ring(weights, fs),
+                "fsdp",
+                "exposed",
+            )  # fmt: skip
         )
     table = memory.pipeline_plan(cfg).table
     sends = sum(schedule.p2p_messages(table))
@@ -556,6 +607,8 @@ def _pipeline_terms(cfg: Config, grads: float, psi: int, dp_d: int, fs: int, zer
             "stage boundary once each way)",
             "2·m·(v·p-1)/p·bsh",
             sends / p * pipeline_message_bytes(cfg),
+            "pipeline",
+            "p2p",
         )
     )
     return terms

@@ -144,26 +144,10 @@ class Features:
 
 
 def _axis_of(term: comms.Term) -> tuple[str, str]:
-    """(mesh axis, when) of one of comms.expected's terms: per micro-batch on the
-    critical path (tensor), the pipeline's sends, the K/V ring, the gradient reduction
+    """(mesh axis, when) of one of comms.expected's terms (typed there): per micro-batch on
+    the critical path (tensor), the pipeline's sends, the K/V ring, the gradient reduction
     (hidden behind the backward), ZeRO-3's per-layer gathers, or exposed once per step."""
-    what = term.what
-    if "activations b·s·h" in what:
-        return "tensor", "tp"
-    if term.kind == "collective-permute" and "pipeline" in what:
-        return "pipeline", "p2p"
-    if "K/V" in what:
-        return "sequence", "context"
-    if "layer weights over fsdp" in what:
-        return "fsdp", "gathers"
-    if "over fsdp" in what:
-        when = "exposed" if term.kind == "all-gather" else "hidden"
-        return "fsdp", when
-    if "data x pipeline" in what:
-        return "data+pipeline", "hidden"
-    if "over data" in what or "over the data axes" in what:
-        return "data", "hidden"
-    raise ValueError(f"steptime: no mesh axis known for the communication term {what!r}")
+    return term.axis, term.when
 
 
 def _scaled_terms(cfg: Config, cache: dict | None = None) -> list[tuple[comms.Term, float]]:
