@@ -1,25 +1,47 @@
-"""Fit the memory model's working-set coefficients (ultrajax/memory.py, WORK) to XLA.
+"""Fit the memory model's working-set coefficients (ultrajax/memory.py) to XLA, and check
+them on shapes they were not fitted to.
 
-`python scripts/fit_memory.py` compiles the train step for a set of small fp32 shapes and
-layouts on 8 simulated CPU devices (nothing runs), takes each compiled temporary size
+`python scripts/fit_memory.py` compiles the train step for FIT_SHAPES (small fp32 shapes
+and layouts on 8 simulated CPU devices; nothing runs), takes each compiled temporary size
 minus everything the model predicts exactly (saved activations, gradients, copies), and
-solves for the coefficients of one layer's backward working set per remat policy by
-least squares (copies bounded below by zero). It prints the fitted table to paste into WORK, and the
-predicted/compiled peak ratio of every shape with it. Run it after a change to the step
-changes what the compiled program keeps (the tests' grid then checks the fit).
+solves for
+  - WORK: one layer's backward working set per remat policy, by least squares (copies
+    bounded below by zero), over the shapes whose peak is the layer backward;
+  - CP_WORK: the ring's own working set (context parallelism), by least squares over the
+    mesh.sequence > 1 shapes;
+  - PIPE_WORK and PIPE_ATTN_S: the share of a layer's working set a pipeline tick keeps
+    and its attention's copies of the scores, by a grid search for the smallest worst
+    error over the mesh.pipeline > 1 shapes.
+It prints the fitted values to paste into memory.py, and the predicted/compiled peak
+ratio of every fitting shape with them.
+
+`python scripts/fit_memory.py --validate` compiles VALIDATION_SHAPES, kept apart from the
+fitting shapes (sequences to 4096, every remat policy, ZeRO 0-3, TP and SP, context and
+pipeline parallelism, gradient accumulation: tests/test_memory.py asserts the two sets
+are disjoint and compiles a subset), and prints the markdown table of docs/memory.md.
+
+Run the fit after a change to the step changes what the compiled program keeps, then
+the validation.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import math
 import os
+import platform
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LONG = ("train.micro_batch_size=1",)  # long sequences: one row keeps the compiles cheap
 
-def shapes() -> list[tuple[str, ...]]:
+
+def _fit_shapes() -> list[tuple[str, ...]]:
     out = []
     model = [
         ("model.seq_len=32",),
@@ -31,44 +53,215 @@ def shapes() -> list[tuple[str, ...]]:
     ]
     layouts = [(), ("mesh.fsdp=8", "parallel.zero=3"), ("mesh.tensor=2",),
                ("mesh.tensor=2", "parallel.sequence_parallel=true")]  # fmt: skip
-    for remat, layout, shape in itertools.product(("none", "full", "selective"), layouts, model):
+    policies = ("none", "full", "selective")
+    for remat, layout, shape in itertools.product(policies, layouts, model):
         out.append((f"model.remat={remat}", *layout, *shape))
+    # context parallelism (CP_WORK)
+    for remat, (cp, s, b) in itertools.product(policies, ((2, 256, 2), (4, 1024, 1), (2, 2048, 2))):
+        out.append((f"mesh.sequence={cp}", f"model.remat={remat}", f"model.seq_len={s}",
+                    f"train.micro_batch_size={b}"))  # fmt: skip
+    # pipeline parallelism (PIPE_WORK, PIPE_ATTN_S)
+    for kind, remat, s in itertools.product(("1f1b", "afab", "zb-h1"), policies, (256, 2048)):
+        out.append(("mesh.pipeline=2", "train.grad_accum=4", f"parallel.pipeline_schedule={kind}",
+                    f"model.remat={remat}", f"model.seq_len={s}", *LONG))  # fmt: skip
     return out
 
 
-def main() -> int:
+FIT_SHAPES: list[tuple[str, ...]] = _fit_shapes()
+
+# Shapes the coefficients never see: longer sequences (to 4096), every remat policy and a
+# list of names, ZeRO 0-3 over fsdp, TP with and without SP, context parallelism, every
+# pipeline schedule, gradient accumulation, wider layers, vocabulary- and weight-bound
+# shapes. On top of the harness's BASE (tests/harness.py: L=2, b=2, s=64, h=64, 4 heads,
+# 2 kv heads, d_ff 192, vocabulary 256, fp32).
+VALIDATION_SHAPES: list[tuple[str, ...]] = [
+    ("model.remat=none", "model.seq_len=1024", *LONG),
+    ("model.remat=selective", "model.seq_len=1024", *LONG),
+    ("model.remat=full", "model.seq_len=1024", *LONG),
+    ("model.remat=none", "model.seq_len=4096", *LONG),
+    ("model.remat=selective", "model.seq_len=4096", *LONG),
+    ("model.remat=full", "model.seq_len=4096", *LONG),
+    ("model.remat=selective", "model.seq_len=512", "train.micro_batch_size=2"),
+    ("model.remat=full", "model.seq_len=896", *LONG),
+    ("model.remat=[query,key,value]", "model.seq_len=2048", *LONG),
+    ("model.remat=[attn_out]", "model.seq_len=1024", *LONG),
+    ("model.remat=[mlp_in]", "model.seq_len=1024", *LONG),
+    ("model.remat=selective", "model.seq_len=256", "train.micro_batch_size=16"),
+    ("model.remat=full", "model.seq_len=768", "model.n_heads=8", "model.n_kv_heads=8", *LONG),
+    ("model.remat=none", "model.vocab_size=2048"),  # the LM head's phase is the peak
+    ("model.remat=none", "model.seq_len=256", "model.vocab_size=8192", "train.micro_batch_size=4"),
+    ("model.remat=none", "model.seq_len=8", "model.d_ff=2048"),  # weights dominate
+    ("model.remat=selective", "model.n_layers=4", "model.seq_len=2048", *LONG),
+    ("mesh.data=8", "model.remat=none"),
+    ("mesh.data=8", "model.remat=full", "model.n_layers=4", "model.seq_len=4096", *LONG),
+    ("mesh.fsdp=8", "parallel.zero=0", "model.remat=none", "model.seq_len=1024", *LONG),
+    ("mesh.fsdp=8", "parallel.zero=1", "model.remat=selective", "model.seq_len=1024", *LONG),
+    ("mesh.fsdp=8", "parallel.zero=2", "model.remat=full", "model.seq_len=1024", *LONG),
+    ("mesh.fsdp=8", "parallel.zero=3", "model.remat=none", "model.seq_len=1024", *LONG),
+    ("mesh.fsdp=8", "parallel.zero=3", "model.remat=full", "model.seq_len=2048", *LONG),
+    (
+        "mesh.fsdp=8",
+        "parallel.zero=3",
+        "model.remat=selective",
+        "model.seq_len=1024",
+        "model.d_model=256",
+        "model.d_ff=768",
+        "model.vocab_size=4096",
+        *LONG,
+    ),  # fmt: skip
+    ("mesh.fsdp=8", "parallel.zero=1", "model.remat=none"),
+    ("mesh.fsdp=8", "parallel.zero=2", "model.remat=none"),
+    ("mesh.tensor=2", "model.remat=none", "model.seq_len=1024", *LONG),
+    ("mesh.tensor=2", "model.remat=selective", "model.seq_len=2048", *LONG),
+    ("mesh.tensor=4", "model.n_kv_heads=4", "model.remat=full", "model.seq_len=1024", *LONG),
+    ("mesh.tensor=4", "model.n_kv_heads=4", "model.remat=none"),
+    (
+        "mesh.tensor=2",
+        "parallel.sequence_parallel=true",
+        "model.remat=none",
+        "model.seq_len=1024",
+        *LONG,
+    ),  # fmt: skip
+    (
+        "mesh.tensor=2",
+        "parallel.sequence_parallel=true",
+        "model.remat=selective",
+        "model.seq_len=2048",
+        *LONG,
+    ),  # fmt: skip
+    (
+        "mesh.tensor=4",
+        "model.n_kv_heads=4",
+        "parallel.sequence_parallel=true",
+        "model.remat=full",
+        "model.seq_len=4096",
+        *LONG,
+    ),  # fmt: skip
+    (
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "parallel.zero=3",
+        "parallel.sequence_parallel=true",
+        "model.remat=none",
+        "model.seq_len=1024",
+        *LONG,
+    ),  # fmt: skip
+    ("mesh.sequence=2", "model.remat=none", "model.seq_len=1024", *LONG),
+    ("mesh.sequence=2", "model.remat=full", "model.seq_len=4096", *LONG),
+    ("mesh.sequence=4", "model.remat=selective", "model.seq_len=2048", *LONG),
+    ("mesh.sequence=4", "model.remat=none", "model.seq_len=4096", *LONG),
+    ("mesh.sequence=8", "model.remat=full", "model.seq_len=4096", *LONG),
+    ("mesh.sequence=2", "mesh.tensor=2", "model.remat=none", "model.seq_len=2048", *LONG),
+    ("mesh.pipeline=2", "train.grad_accum=4", "model.remat=none", "model.seq_len=1024", *LONG),
+    (
+        "mesh.pipeline=2",
+        "train.grad_accum=4",
+        "parallel.pipeline_schedule=afab",
+        "model.remat=full",
+        "model.seq_len=1024",
+        *LONG,
+    ),  # fmt: skip
+    (
+        "mesh.pipeline=2",
+        "train.grad_accum=4",
+        "parallel.pipeline_schedule=zb-h1",
+        "model.remat=selective",
+        "model.seq_len=1024",
+        *LONG,
+    ),  # fmt: skip
+    (
+        "mesh.pipeline=2",
+        "model.n_layers=4",
+        "parallel.virtual_stages=2",
+        "parallel.pipeline_schedule=interleaved",
+        "train.grad_accum=4",
+        "model.remat=none",
+        "model.seq_len=512",
+        *LONG,
+    ),  # fmt: skip
+    (
+        "mesh.pipeline=4",
+        "model.n_layers=4",
+        "model.seq_len=128",
+        "train.micro_batch_size=4",
+        "train.grad_accum=8",
+        "model.remat=full",
+        "parallel.pipeline_schedule=afab",
+    ),  # fmt: skip
+    ("train.grad_accum=4", "model.remat=none", "model.seq_len=1024", *LONG),
+    (
+        "mesh.fsdp=4",
+        "parallel.zero=2",
+        "train.grad_accum=4",
+        "model.remat=selective",
+        "model.seq_len=1024",
+        *LONG,
+    ),  # fmt: skip
+]
+
+
+def _harness():
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import harness
+
+    return harness
+
+
+def compile_all(shapes, threads: int = 2, cache: str | None = None):
+    """[(overrides, config, compiled memory)] for each shape, compiled on the simulated CPU
+    devices (XLA compiles outside the GIL: two at a time). `cache`: a JSON file of
+    compiled figures by shape, read and written (refitting without recompiling)."""
+    import json
+
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
+    from ultrajax import analyze
+
+    harness = _harness()
+
+    known = json.load(open(cache)) if cache and os.path.exists(cache) else {}
+
+    def one(overrides):
+        cfg, devices = harness.make(*overrides)
+        key = " ".join(overrides)
+        if key not in known:
+            compiled = analyze.compile_step(cfg, devices, harness.FAST)
+            known[key] = analyze.compiled_memory(compiled)
+        return overrides, cfg, known[key]
+
+    with ThreadPoolExecutor(threads) as pool:
+        results = list(pool.map(one, shapes))
+    if cache:
+        with open(cache, "w") as f:
+            json.dump(known, f)
+    return results
+
+
+def fit(results) -> None:
+    """Fit WORK, CP_WORK, PIPE_WORK and PIPE_ATTN_S in place (memory's module tables)."""
     import numpy as np
     from scipy.optimize import lsq_linear
 
-    from ultrajax import analyze, config, memory
+    from ultrajax import memory
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, "tests"))
-    from analysis_shapes import BASE, FAST, TINY
+    plain = [r for r in results if r[1].mesh.sequence == 1 and r[1].mesh.pipeline == 1]
+    ring = [r for r in results if r[1].mesh.sequence > 1]
+    piped = [r for r in results if r[1].mesh.pipeline > 1]
 
-    def one(overrides):
-        cfg = config.load(TINY, BASE + list(overrides))
-        n = int(np.prod(list(cfg.mesh.sizes().values())))
-        config.resolve_mesh(cfg, n)
-        compiled = analyze.compiled_memory(analyze.compile_step(cfg, jax.devices()[:n], FAST))
-        return overrides, cfg, compiled
-
-    with ThreadPoolExecutor(2) as pool:  # XLA compiles outside the GIL
-        results = list(pool.map(one, shapes()))
     rows: dict[str, list] = {}
-    for _overrides, cfg, compiled in results:
+    names: list[str] = []
+    for _overrides, cfg, compiled in plain:
         est = memory.estimate(cfg)
-        if est.peak_phase != "layer backward":
+        if est.peak_phase != memory.Phase.LAYER_BACKWARD:
             continue
         pol, common, mlp = memory.work_features(cfg)
-        known = est.phases["layer backward"] - memory.layer_work(cfg)
+        known = est.phases[memory.Phase.LAYER_BACKWARD] - est.parts.work
         d = memory.dims(cfg)
         target = compiled["temp"] - known - d.c * memory.layer_weight_elements(cfg)["norm"]
         rows.setdefault(pol, []).append(([*common.values(), *mlp.values()], target))
-    names = [*common, *mlp]
+        names = [*common, *mlp]
     for pol, data in rows.items():
         a = np.array([f for f, _ in data])
         b = np.array([t for _, t in data])
@@ -76,15 +269,98 @@ def main() -> int:
         # exact terms downwards where XLA reuses a buffer they count
         lower = [-np.inf if k == "Z" else 0.0 for k in names]
         coef = lsq_linear(a, b, bounds=(lower, np.inf)).x
-        fitted = {k: round(float(v), 1) for k, v in zip(names, coef, strict=True)}
-        memory.WORK[pol] = fitted
-        print(f'    "{pol}": {fitted},'.replace("'", '"'))
+        memory.WORK[pol] = {k: round(float(v), 1) for k, v in zip(names, coef, strict=True)}
+
+    if ring:  # the ring's own working set: what the layer's does not explain, relative
+        for k in memory.CP_WORK:
+            memory.CP_WORK[k] = 0.0
+        a, b = [], []
+        for _overrides, cfg, compiled in ring:
+            feats = memory.ring_features(cfg)
+            w = 1.0 / compiled["peak"]
+            a.append([w * v for v in feats.values()])
+            b.append(w * (compiled["temp"] - memory.estimate(cfg).temp))
+        coef = lsq_linear(np.array(a), np.array(b), bounds=(0.0, np.inf)).x
+        for k, v in zip(memory.CP_WORK, coef, strict=True):
+            memory.CP_WORK[k] = round(float(v), 2)
+
+    if piped:  # smallest worst |log(predicted / compiled)|, on a grid of values
+        best = None
+        for attn in np.arange(2.0, 4.01, 0.25):
+            memory.PIPE_ATTN_S = float(attn)
+            worst = {}
+            for share in np.arange(0.5, 1.21, 0.05):
+                for pol in memory.PIPE_WORK:
+                    memory.PIPE_WORK[pol] = float(share)
+                for _o, cfg, compiled in piped:
+                    pol = memory.work_features(cfg)[0]
+                    err = abs(math.log(memory.estimate(cfg).peak / compiled["peak"]))
+                    key = (pol, round(float(share), 2))
+                    worst[key] = max(worst.get(key, 0.0), err)
+            shares = {}
+            for pol in {memory.work_features(cfg)[0] for _o, cfg, _c in piped}:
+                shares[pol] = min((e, s) for (p, s), e in worst.items() if p == pol)
+            total = max(e for e, _ in shares.values())
+            if best is None or total < best[0]:
+                best = (total, float(attn), {p: s for p, (_, s) in shares.items()})
+        _, memory.PIPE_ATTN_S, shares = best
+        memory.PIPE_WORK.update(shares)
+
+    print("WORK = {")
+    for pol, coef in memory.WORK.items():
+        print(f'    "{pol}": {coef},'.replace("'", '"'))
+    print("}")
+    print(f"CP_WORK = {memory.CP_WORK}".replace("'", '"'))
+    print(f"PIPE_WORK = {memory.PIPE_WORK}".replace("'", '"'))
+    print(f"PIPE_ATTN_S = {memory.PIPE_ATTN_S}")
+
+
+def table(results) -> tuple[list[str], float]:
+    """The markdown table (shape, predicted, compiled, ratio) and the worst ratio."""
+    from ultrajax import memory
+
+    lines = [
+        "| shape (over BASE) | peak phase | predicted | compiled | ratio |",
+        "|---|---|---:|---:|---:|",
+    ]
     worst = 1.0
     for overrides, cfg, compiled in results:
-        ratio = memory.estimate(cfg).peak / compiled["peak"]
-        worst = max(worst, ratio, 1 / ratio)
-        print(f"  {ratio:6.3f}  {' '.join(overrides)}")
-    print(f"worst ratio with the fitted table: {worst:.3f} over {len(results)} shapes")
+        est = memory.estimate(cfg)
+        ratio = est.peak / compiled["peak"]
+        worst = max(worst, ratio, key=lambda r: abs(math.log(r)))
+        shape = " ".join(o.split(".", 1)[1] for o in overrides)
+        lines.append(
+            f"| `{shape}` | {est.peak_phase} | {est.peak / 2**20:.2f} MiB"
+            f" | {compiled['peak'] / 2**20:.2f} MiB | {ratio:.3f} |"
+        )
+    return lines, worst
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--validate", action="store_true", help="the validation table instead")
+    ap.add_argument("--cache", help="JSON file of compiled figures to reuse and extend")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, ROOT)
+    import jax
+
+    start = time.time()
+    if args.validate:
+        results = compile_all(VALIDATION_SHAPES, cache=args.cache)
+        lines, worst = table(results)
+        print(
+            f"Validation, {time.strftime('%Y-%m-%d')}: {len(results)} shapes, XLA:CPU fp32 "
+            f"(jax {jax.__version__}, {os.cpu_count()}-core {platform.machine()} CPU, 8 "
+            f"simulated devices), compiled in {time.time() - start:.0f} s; worst "
+            f"predicted / compiled {worst:.3f}\n"
+        )
+        print("\n".join(lines))
+        return 0 if 0.9 <= worst <= 1.1 else 1
+    results = compile_all(FIT_SHAPES, cache=args.cache)
+    fit(results)
+    lines, worst = table(results)
+    print("\n".join(lines))
+    print(f"worst ratio with the fitted values: {worst:.3f} over {len(results)} fitting shapes")
     return 0
 
 

@@ -522,47 +522,39 @@ def format_report(r: dict) -> str:
     c = r.get("compiled")
     lines.append("")
     lines.append(f"{'memory per device':<46}{'predicted':>12}{'compiled':>12}  ratio")
-    rows = p["rows"]
-    for name in (k for k in rows if k.startswith(("parameters", "optimizer", "batch"))):
-        lines.append(_row(name, rows[name], indent=4))
+    parts = p["parts"]
+    cf_dtype, cf_master = cf["dtype"], cf["param_dtype"]
+    for key, label in (
+        ("master", f"parameters (master, {cf_master})"),
+        ("optimizer", "optimizer state (Adam mu, nu)"),
+        ("batch", "batch (int32, 5 fields)"),
+    ):
+        lines.append(_row(label, parts[key], indent=4))
     lines.append(_row("= arguments", p["arguments"], c and c["argument"]))
-    for name in ("compute copy", "gradients (", "gradient accumulators", "ZeRO-3"):
-        for k, v in rows.items():
-            if k.startswith(name) and v:
-                lines.append(_row(k, v, indent=4))
+    pipelined = p["pipelined"]
+    reduced = "reduced after the ticks" if pipelined else "reduced"
+    for key, label in (
+        ("compute_copy", f"compute copy ({cf_dtype})"),
+        ("gradients", f"gradients (fp32, {reduced})"),
+        ("accumulators", "gradient accumulators (fp32)"),
+        ("embed_grad", "whole embedding gradient (fp32)"),
+        ("head_copy", "ZeRO-3 LM head, gathered (head backward)"),
+    ):
+        if parts[key]:
+            lines.append(_row(label, parts[key], indent=4))
     saved = (
-        "activations saved (pipeline buffers)"
-        if r.get("pipeline")
-        else "activations saved for backward"
+        "activations saved (pipeline buffers)" if pipelined else "activations saved for backward"
     )
-    lines.append(_row(saved, rows["activations saved for backward"], indent=4))
+    lines.append(_row(saved, parts["saved"], indent=4))
     for part, v in p["activations"].items():
-        if part.startswith("logits"):
-            continue
         label = "norms and block inputs" if part == "norms" else part
         lines.append(_row(label, v, indent=6))
-    lines.append(
-        _row(
-            "logits and loss (working set)",
-            p["activations"]["logits and loss (working set)"],
-            indent=4,
-        )
-    )
-    if "one chunk's residuals (the tick's own)" in rows:  # mesh.pipeline > 1
+    lines.append(_row("logits and loss (working set)", parts["head_work"], indent=4))
+    if pipelined:
         lines.append(
-            _row(
-                "one chunk's residuals (the tick's own)",
-                rows["one chunk's residuals (the tick's own)"],
-                indent=4,
-            )
+            _row("one chunk's residuals (the tick's own)", parts["chunk_residuals"], indent=4)
         )
-    lines.append(
-        _row(
-            "one layer's backward (working set)",
-            rows["one layer's backward (working set)"],
-            indent=4,
-        )
-    )
+    lines.append(_row("one layer's backward (working set)", parts["work"], indent=4))
     for phase, v in p["phases"].items():
         mark = "  <- peak" if phase == p["peak_phase"] else ""
         lines.append(f"      phase: {phase:<36}{fmt_bytes(v):>12}{mark}")
@@ -708,32 +700,27 @@ def _pyplot():
 def plot_breakdown(r: dict, path: str) -> None:
     """Stacked bars: the predicted breakdown beside XLA's compiled figures."""
     plt = _pyplot()
-    p, rows = r["predicted"], r["predicted"]["rows"]
+    p, parts = r["predicted"], r["predicted"]["parts"]
     unit, uname = (memory.GiB, "GiB") if p["peak"] > memory.GiB else (2**20, "MiB")
     phase = p["peak_phase"]
-    acts = {k: v for k, v in p["activations"].items() if not k.startswith("logits")}
     predicted = [
-        ("master weights", rows[next(k for k in rows if k.startswith("parameters"))]),
-        ("Adam moments", rows["optimizer state (Adam mu, nu)"]),
-        (
-            "batch + outputs",
-            rows[next(k for k in rows if k.startswith("batch"))] + p["outputs"] + 8,
-        ),
+        ("master weights", parts["master"]),
+        ("Adam moments", parts["optimizer"]),
+        ("batch + outputs", parts["batch"] + p["outputs"] + 8),
     ]
-    # mesh.pipeline > 1: the gradients are reduced after the ticks, not during them
-    grads = 0 if r.get("pipeline") else rows[next(k for k in rows if k.startswith("gradients ("))]
-    if phase in ("optimizer update", "gradient reduction"):
+    if phase in memory.AFTER_BACKWARD:
         predicted.append(("optimizer temporaries", p["phases"][phase]))
     else:
-        predicted += [
-            ("compute copy", rows[next(k for k in rows if k.startswith("compute copy"))]),
-            ("gradients", grads),
-            ("fp32 accumulators", rows["gradient accumulators (fp32)"]),
-            ("ZeRO-3 whole embedding gradient", rows.get("ZeRO-3 whole embedding gradient", 0)),
+        # mesh.pipeline > 1: the gradients are reduced after the ticks, not during them
+        held = [
+            ("compute copy", parts["compute_copy"]),
+            ("gradients", 0 if p["pipelined"] else parts["gradients"]),
+            ("fp32 accumulators", parts["accumulators"]),
+            ("whole embedding gradient", 0 if p["pipelined"] else parts["embed_grad"]),
         ]
-        predicted += [(f"saved: {k}", v) for k, v in acts.items()]
-        work = p["phases"][phase] - sum(v for _, v in predicted[3:])
-        predicted.append((f"working set ({phase})", work))
+        saved = [(f"saved: {k}", v) for k, v in p["activations"].items()]
+        work = p["phases"][phase] - p["held"] - parts["saved"]
+        predicted += held + saved + [(f"working set ({phase})", work)]
     fig, ax = plt.subplots(figsize=(9, 6))
     colors = plt.get_cmap("tab20").colors
     bottom = 0.0
@@ -790,12 +777,10 @@ def sweep(cfg: Config, seq_lens=None, policies=("none", "selective", "full")) ->
             c = copy.deepcopy(cfg)
             c.model.seq_len, c.model.remat = s, pol
             e = memory.estimate(c)
-            saved = sum(v for k, v in e.activations.items() if not k.startswith("logits"))
-            acts.append(saved + e.rows["one layer's backward (working set)"])
+            acts.append(e.parts.saved + e.parts.work)
             peaks.append(e.peak)
         out["policies"][pol] = {"activations": acts, "peak": peaks}
-    e = memory.estimate(cfg)
-    out["model_states"] = e.arguments - e.rows[next(k for k in e.rows if k.startswith("batch"))]
+    out["model_states"] = memory.estimate(cfg).weights
     return out
 
 

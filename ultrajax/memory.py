@@ -13,7 +13,12 @@ Adam moments, the batch) plus the largest of its phases' temporaries:
     gradients, the layer's weights and weight gradients);
   - head backward: the same saved activations, the gradient buffers, and the
     logits' working set (exp(logits), their gradient and its transposed copy);
+  - layer forward (plain xla attention): the mask's hoisted broadcasts, and under
+    recomputation the layer's scores and probabilities live again;
   - optimizer update: the fp32 gradients and the update's temporaries.
+
+`estimate(cfg).parts` is the typed breakdown (`Breakdown`) that analyze's report, the
+train summary and the planner read; display labels live where the text is printed.
 
 With mesh.pipeline > 1 the executor's fixed buffers (parallel/pipeline.py) replace the
 saved activations: per device, (slots + 1) micro-batch chunks of n_layers / (p v) layers'
@@ -32,7 +37,8 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 
 import jax
 import jax.numpy as jnp
@@ -49,23 +55,33 @@ GiB = 2**30
 #   X  b·s·h inside a TP region         R  b·s·h of the residual stream (/tp with SP)
 #   K  b·s·kv·hd keys                   Wm h·d_ff one MLP matrix
 #   Wa h·hd·(a + kv) attention weights  Z  the whole layer's weights, ZeRO-3 only
-# Fitted by least squares over 72 compiled shapes and layouts (fp32, XLA:CPU: one
-# device, ZeRO-3, TP, TP+SP) by scripts/fit_memory.py; docs/memory.md. All but S count
-# compute-dtype bytes. Z < 0 for `none`: under ZeRO-3 XLA reuses buffers the exact
-# terms count.
+# Fitted by least squares over scripts/fit_memory.py's FIT_SHAPES (72 compiled shapes and
+# layouts for these: fp32, XLA:CPU, one device, ZeRO-3, TP, TP+SP) and checked on its
+# VALIDATION_SHAPES, kept apart; docs/memory.md. All but S count compute-dtype bytes.
+# Z < 0 for `none`: under ZeRO-3 XLA reuses buffers the exact terms count.
 WORK = {
     "none": {"X": 4.0, "R": 7.6, "K": 6.4, "Wm": 9.1, "Wa": 6.2, "Z": -1.7, "S": 2.0, "F": 2.6},
-    "full": {"X": 4.5, "R": 7.0, "K": 10.2, "Wm": 3.1, "Wa": 0.1, "Z": 0.0, "S": 2.5, "F": 5.2},
+    "full": {"X": 4.6, "R": 7.1, "K": 9.1, "Wm": 2.7, "Wa": 0.5, "Z": 0.0, "S": 2.5, "F": 5.4},
     "selective": {"X": 2.7, "R": 4.8, "K": 0.0, "Wm": 3.7, "Wa": 1.8, "Z": 0.1, "S": 3.0, "F": 3.0},
 }
-BATCH_ROW = "batch (int32, 5 fields)"
 ATTN_S = 3.75  # fitted: scores, probabilities, their gradient, a transposed copy (fp32)
+# Not fitted, read off XLA:CPU's buffer assignment: from this many softmax rows (b·a·s per
+# device) XLA:CPU's fusion writes the normalised probabilities as an fp32 array of their
+# own instead of fusing the division into the consumer (the step lies between b·a·s =
+# 4032 and 4096, whatever b, a or s), so a recomputing forward holds one more copy of the
+# scores (s = 1008 -> 1040 at b = 1, a = 4: predicted/compiled 0.99 -> 0.81 without it)
+SOFTMAX_ROWS_SPLIT = 4096
+# mesh.sequence > 1, the ring's own working set beyond one layer's, in copies of a pair of
+# chunks' fp32 scores (S) and of an fp32 b·s·a·hd (Q: the running output and dq); fitted
+CP_WORK = {"S": 0.94, "Q": 4.54}
 HEAD_WORK_V = 2.0  # exp(logits) and d logits: fp32 b·s·v each
 HEAD_WORK_X = 3.0  # final norm input, output and their gradient: b·s·h
 OPT_WORK = 1.0  # fp32 parameter-sized temporaries of the AdamW update beyond the gradients
-# mesh.pipeline > 1: the share of one layer's backward working set (layer_work) live at a
-# tick beside the chunk's residuals; fitted on XLA:CPU, fp32 (tests/test_memory.py)
-PIPE_WORK = {"none": 0.75, "full": 0.9, "selective": 0.9}
+# mesh.pipeline > 1: the share of one layer's backward working set (layer_work, but its
+# attention moment) live at a tick beside the chunk's residuals, and the copies of the fp32
+# scores its attention backward holds; fitted on XLA:CPU, fp32 (scripts/fit_memory.py)
+PIPE_WORK = {"none": 0.5, "full": 1.05, "selective": 1.0}
+PIPE_ATTN_S = 3.0
 
 
 def dtype_bytes(name: str) -> int:
@@ -379,26 +395,46 @@ def work_features(cfg: Config) -> tuple[str, dict[str, float], dict[str, float]]
     return ("full" if pol == "offload" else pol), common, mlp
 
 
-def layer_work(cfg: Config) -> float:
+def layer_work(cfg: Config, share: float = 1.0, attn_s: float = ATTN_S) -> float:
     """One layer's backward working set (bytes per device), from the WORK table.
 
     Two moments compete: the MLP's backward (its hidden-size temporaries, with the
     layer's attention scores already sliced out or recomputed: the `S` coefficient),
     and the attention's backward (scores, probabilities, their gradients and a
-    transposed copy: ATTN_S copies of the scores). The larger is the working set.
+    transposed copy: `attn_s` copies of the fp32 scores). The larger is the working set.
+    `share` scales everything but the attention's moment (the pipeline's tick keeps a
+    share of it: PIPE_WORK).
     """
     pol, common, mlp = work_features(cfg)
     coef = WORK[pol]
     d = dims(cfg)
     norms = layer_weight_elements(cfg)["norm"]
-    attn = 0.0 if _flash(cfg) else ATTN_S * 4 * d.S
+    attn = 0.0 if _flash(cfg) else attn_s * 4 * d.S
     if cfg.mesh.sequence > 1:  # context parallelism: one pair of chunks' fp32 scores at a
         # time, (s / 2cp)² = S / 4 with d.s = s / cp, unless a flash kernel runs the pair
         from ultrajax.parallel.context import pair_kernel
 
-        attn = ATTN_S * d.S if pair_kernel(cfg, "cpu") == "xla" else 0.0
+        attn = attn_s * d.S if pair_kernel(cfg, "cpu") == "xla" else 0.0
     base = sum(coef[k] * v for k, v in common.items()) + d.c * norms
-    return base + max(sum(coef[k] * v for k, v in mlp.items()), attn)
+    moment = max(share * sum(coef[k] * v for k, v in mlp.items()), attn)
+    return share * base + moment + ring_work(cfg)
+
+
+def ring_features(cfg: Config) -> dict[str, float]:
+    """Context parallelism (mesh.sequence > 1): bytes per unit of each CP_WORK coefficient,
+    S a pair of chunks' fp32 scores (b·a·(s/2)², s per device; none when a flash kernel
+    runs the pair), Q an fp32 b·s·a·hd (the ring's running output and dq)."""
+    if cfg.mesh.sequence == 1:
+        return {"S": 0.0, "Q": 0.0}
+    from ultrajax.parallel.context import pair_kernel
+
+    d = dims(cfg)
+    return {"S": d.S if pair_kernel(cfg, "cpu") == "xla" else 0.0, "Q": 4.0 * d.Q}
+
+
+def ring_work(cfg: Config) -> float:
+    """The ring's own working set beside one layer's (CP_WORK . ring_features)."""
+    return sum(CP_WORK[k] * v for k, v in ring_features(cfg).items())
 
 
 # --------------------------------------------------------------------------- pipeline
@@ -471,41 +507,93 @@ def pipeline_buffers(cfg: Config) -> dict[str, float]:
 # --------------------------------------------------------------------------- the estimate
 
 
-@dataclass
-class Estimate:
-    """Bytes per device. `rows` are the table analyze prints; `phases` the temporaries
-    each phase of the step needs on top of the arguments."""
+class Phase(StrEnum):
+    """The phases of a step whose temporaries compete for the peak (docs/memory.md)."""
 
-    rows: dict[str, float] = field(default_factory=dict)
+    LAYER_BACKWARD = "layer backward"
+    LAYER_FORWARD = "layer forward"
+    HEAD_BACKWARD = "head backward"
+    PIPELINE_TICK = "pipeline tick"
+    GRADIENT_REDUCTION = "gradient reduction"
+    OPTIMIZER_UPDATE = "optimizer update"
+
+
+AFTER_BACKWARD = (Phase.OPTIMIZER_UPDATE, Phase.GRADIENT_REDUCTION)
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes per device by what they hold: the typed breakdown the report (analyze.py),
+    the train summary and the planner read. Display text lives where it is printed."""
+
+    master: float = 0.0  # master weights, model.param_dtype (an argument)
+    optimizer: float = 0.0  # Adam mu, nu (an argument; mu is fp32 whatever param_dtype)
+    batch: float = 0.0  # the batch, five int32 fields (an argument)
+    compute_copy: float = 0.0  # the model.dtype copy of the weights, where a separate array
+    gradients: float = 0.0  # fp32 gradients, reduced (pipeline: after the ticks)
+    accumulators: float = 0.0  # fp32 running sums over micro-batches
+    embed_grad: float = 0.0  # the whole fp32 embedding gradient beyond its shard (ZeRO >= 1)
+    head_copy: float = 0.0  # ZeRO-3: the LM head's gathered copy beyond its shard
+    saved: float = 0.0  # activations saved for backward (pipeline: the executor's buffers)
+    chunk_residuals: float = 0.0  # pipeline: one chunk's residuals, the tick's own
+    head_work: float = 0.0  # the logits' and loss's working set
+    work: float = 0.0  # one layer's backward working set
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per device. `parts` is the typed breakdown; `activations` the saved
+    activations by part of the model; `phases` the temporaries each phase of the step
+    needs on top of the arguments."""
+
+    parts: Breakdown
     activations: dict[str, float] = field(default_factory=dict)
-    phases: dict[str, float] = field(default_factory=dict)
+    phases: dict[Phase, float] = field(default_factory=dict)
     arguments: float = 0.0
     outputs: float = 0.0  # outputs not aliased with donated arguments (the metrics)
     host: float = 0.0  # remat=offload: bytes in pinned host memory
+    pipelined: bool = False  # mesh.pipeline > 1: `saved` holds the executor's buffers
 
     @property
     def temp(self) -> float:
         return max(self.phases.values())
 
     @property
-    def peak_phase(self) -> str:
+    def peak_phase(self) -> Phase:
         return max(self.phases, key=self.phases.get)
 
     @property
     def peak(self) -> float:
         return self.arguments + self.outputs + self.temp
 
+    @property
+    def weights(self) -> float:
+        """The arguments but the batch: master weights, Adam moments and their counts."""
+        return self.arguments - self.parts.batch
+
+    @property
+    def held(self) -> float:
+        """Gradients and copies of the weights held through the backward pass (the
+        pipeline reduces its gradients after the ticks)."""
+        p = self.parts
+        if self.pipelined:
+            return p.compute_copy + p.accumulators
+        return p.compute_copy + p.gradients + p.accumulators + p.embed_grad
+
     def to_dict(self) -> dict:
         return {
-            "rows": self.rows,
-            "activations": self.activations,
-            "phases": self.phases,
+            "parts": asdict(self.parts),
+            "activations": dict(self.activations),
+            "phases": {str(k): v for k, v in self.phases.items()},
             "arguments": self.arguments,
             "outputs": self.outputs,
             "temp": self.temp,
             "peak": self.peak,
-            "peak_phase": self.peak_phase,
+            "peak_phase": str(self.peak_phase),
             "host": self.host,
+            "pipelined": self.pipelined,
+            "weights": self.weights,
+            "held": self.held,
         }
 
 
@@ -545,21 +633,23 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
     head_elems = param_elements(cfg, "compute", where=lambda p: "lm_head" in p)
     # the five int32 fields of batch.Batch, (grad_accum, rows, seq_len) each
     batch = 5 * 4 * t.grad_accum * d.b * (m.seq_len // cfg.mesh.sequence)
-
-    e = Estimate()
-    e.rows["parameters (master, " + m.param_dtype + ")"] = pb * stored
-    e.rows["optimizer state (Adam mu, nu)"] = (4 + pb) * stored  # mu is fp32 (optim.py)
-    e.rows[BATCH_ROW] = batch
-    e.arguments = (2 * pb + 4) * stored + batch + 8  # + step counter and Adam's count
-    e.outputs = 4 * 4  # loss, grad_norm, lr, n_targets
+    states = dict(
+        master=pb * stored,
+        optimizer=(4 + pb) * stored,  # mu is fp32 (optim.py)
+        batch=batch,
+    )
+    arguments = (2 * pb + 4) * stored + batch + 8  # + step counter and Adam's count
+    outputs = 4 * 4  # loss, grad_norm, lr, n_targets
 
     # the compute-dtype copy: a separate array when the dtype differs, or when ZeRO-1/2
     # all-gather the (sharded) masters into a whole copy
     z = Zero(zero, fsdp)
     copy = c * compute if (c != pb or (z.active in (1, 2))) else 0.0
-    e.rows["compute copy (" + m.dtype + ")"] = copy
+    # model.loss_chunk: the logits of one chunk of the sequence at a time (ultrajax/loss.py)
+    chunk = m.loss_chunk / m.seq_len if 0 < m.loss_chunk < m.seq_len else 1.0
+    head_work = HEAD_WORK_V * 4 * d.V * chunk + HEAD_WORK_X * c * d.X
     if cfg.mesh.pipeline > 1:
-        return _pipelined(cfg, e, copy)
+        return _pipelined(cfg, states, arguments, outputs, copy, head_work)
     # gradients leave each weight's backward rule in fp32, reduced (ultrajax/weights.py):
     # ZeRO >= 1 scatters them per layer, so only shards are kept; before the last
     # micro-batch ZeRO-0/1 accumulate whole, unreduced gradients (parallel/data.py)
@@ -568,22 +658,11 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
     acc_elems = stored if z.active >= 2 else whole
     grads = 4.0 * final
     accum = 4.0 * acc_elems if t.grad_accum > 1 else 0.0
-    e.rows["gradients (fp32, reduced)"] = grads
-    e.rows["gradient accumulators (fp32)"] = accum
 
-    per_layer = saved_per_layer(cfg)
-    for part, nbytes in per_layer.items():
-        e.activations[part] = d.L * nbytes
-    e.activations["masks and rotary tables"] = invariant_activations(cfg)
-    saved = sum(e.activations.values())
-    e.host = d.L * offloaded_per_layer(cfg)
-    # model.loss_chunk: the logits of one chunk of the sequence at a time (ultrajax/loss.py)
-    chunk = m.loss_chunk / m.seq_len if 0 < m.loss_chunk < m.seq_len else 1.0
-    head_work = HEAD_WORK_V * 4 * d.V * chunk + HEAD_WORK_X * c * d.X
-    e.activations["logits and loss (working set)"] = head_work
+    activations = {part: d.L * nbytes for part, nbytes in saved_per_layer(cfg).items()}
+    activations["masks and rotary tables"] = invariant_activations(cfg)
+    saved = sum(activations.values())
     work = layer_work(cfg)
-    e.rows["one layer's backward (working set)"] = work
-    e.rows["activations saved for backward"] = saved
 
     # the embedding's gradient is a whole fp32 table through the backward pass (read twice
     # when tied, it is reduced after it): beyond the shard kept under ZeRO >= 1; ZeRO-3
@@ -597,31 +676,46 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
 
     embed_full = beyond_shard("embed", 4) if z.active >= 1 else 0.0
     head_full = beyond_shard("lm_head", c) if z.shards_params and z.active else 0.0
-    e.rows["whole embedding gradient (fp32)"] = embed_full
     kept = copy + grads + accum + embed_full
-    e.phases["layer backward"] = saved + kept + work
+    phases = {Phase.LAYER_BACKWARD: saved + kept + work}
     if not _flash(cfg):
         # XLA hoists the mask's broadcasts out of the layer loop: two fp32 and one bool
         # array of scores' size; under remat the layer's scores and probabilities are live
-        # again on top of them during the forward pass
-        hoisted = (2 * 4 + 1) * d.S + (2 * 4 * d.S if _policy(m) != "none" else 0)
-        e.phases["layer forward"] = saved + kept + hoisted
-    e.phases["head backward"] = saved + kept - c * head_elems + head_work + head_full
+        # again on top of them during the forward pass, and XLA:CPU writes the normalised
+        # probabilities as a third fp32 array once the softmax has SOFTMAX_ROWS_SPLIT rows
+        recompute = _policy(m) != "none"
+        hoisted = (2 * 4 + 1) * d.S + (2 * 4 * d.S if recompute else 0)
+        if recompute and d.b * d.a * d.s >= SOFTMAX_ROWS_SPLIT:
+            hoisted += 4 * d.S
+        phases[Phase.LAYER_FORWARD] = saved + kept + hoisted
+    phases[Phase.HEAD_BACKWARD] = saved + kept - c * head_elems + head_work + head_full
     grads_f32 = 4.0 * stored  # after the reduction: the optimizer's input
-    e.phases["optimizer update"] = grads_f32 + OPT_WORK * 4 * stored
-    return e
+    phases[Phase.OPTIMIZER_UPDATE] = grads_f32 + OPT_WORK * 4 * stored
+    parts = Breakdown(
+        **states,
+        compute_copy=copy,
+        gradients=grads,
+        accumulators=accum,
+        embed_grad=embed_full,
+        head_copy=head_full,
+        saved=saved,
+        head_work=head_work,
+        work=work,
+    )
+    host = d.L * offloaded_per_layer(cfg)
+    return Estimate(parts, activations, phases, arguments, outputs, host)
 
 
-def _pipelined(cfg: Config, e: Estimate, copy: float) -> Estimate:
+def _pipelined(cfg: Config, states, arguments, outputs, copy, head_work) -> Estimate:
     """mesh.pipeline > 1 (parallel/pipeline.py): the executor's buffers replace the saved
     activations, every device holds one stage's layers and the whole embedding, final
     norm and LM head, and no gradient is reduced before the last micro-batch is done.
 
     Phases: a tick (the buffers, the fp32 accumulators, one chunk's residuals being read
-    or written, and PIPE_WORK of one layer's backward working set); the last stage's
-    head (the logits' working set instead of the chunk's); then the reduction and the
-    optimizer."""
-    m, d = cfg.model, dims(cfg)
+    or written, and one layer's backward working set, PIPE_WORK of it beside the
+    attention's PIPE_ATTN_S copies of the scores); the last stage's head (the logits'
+    working set instead of the chunk's); then the reduction and the optimizer."""
+    m = cfg.model
     z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
     plan = pipeline_plan(cfg)
     stored = param_elements(cfg, "stored")
@@ -630,46 +724,44 @@ def _pipelined(cfg: Config, e: Estimate, copy: float) -> Estimate:
     # lookup and LM head add into one)
     accum = 4.0 * whole
     grads = 4.0 * (stored if z.active >= 1 else whole)
-    e.rows["gradient accumulators (fp32)"] = accum
-    e.rows["gradients (fp32, reduced after the ticks)"] = grads
-    e.activations.update(pipeline_buffers(cfg))
-    saved = sum(e.activations.values())
+    activations = pipeline_buffers(cfg)
+    saved = sum(activations.values())
     per_chunk = m.n_layers // (plan.p * plan.v)
-    e.host = (plan.slots["res"] + 1) * per_chunk * offloaded_per_layer(cfg)
+    host = (plan.slots["res"] + 1) * per_chunk * offloaded_per_layer(cfg)
     # a chunk of several layers stacks its residuals before they go into their slot
     chunk_res = per_chunk * sum(pipeline_saved_per_layer(cfg).values()) if per_chunk > 1 else 0
-    loss_chunk = m.loss_chunk / m.seq_len if 0 < m.loss_chunk < m.seq_len else 1.0
-    head_work = HEAD_WORK_V * 4 * d.V * loss_chunk + HEAD_WORK_X * d.c * d.X
-    e.activations["logits and loss (working set)"] = head_work
-    work = PIPE_WORK[work_features(cfg)[0]] * layer_work(cfg)
-    e.rows["one chunk's residuals (the tick's own)"] = chunk_res
-    e.rows["one layer's backward (working set)"] = work
-    e.rows["activations saved for backward"] = saved
+    work = layer_work(cfg, PIPE_WORK[work_features(cfg)[0]], PIPE_ATTN_S)
     kept = copy + accum
-    e.phases["pipeline tick"] = saved + kept + chunk_res + work
-    e.phases["head backward"] = saved + kept + head_work
-    e.phases["gradient reduction"] = accum + grads
-    e.phases["optimizer update"] = 4.0 * stored + OPT_WORK * 4 * stored
-    return e
+    phases = {
+        Phase.PIPELINE_TICK: saved + kept + chunk_res + work,
+        Phase.HEAD_BACKWARD: saved + kept + head_work,
+        Phase.GRADIENT_REDUCTION: accum + grads,
+        Phase.OPTIMIZER_UPDATE: 4.0 * stored + OPT_WORK * 4 * stored,
+    }
+    parts = Breakdown(
+        **states,
+        compute_copy=copy,
+        gradients=grads,
+        accumulators=accum,
+        saved=saved,
+        chunk_residuals=chunk_res,
+        head_work=head_work,
+        work=work,
+    )
+    return Estimate(parts, activations, phases, arguments, outputs, host, pipelined=True)
 
 
 def summary_lines(cfg: Config, measured_peak: int | None = None) -> list[str]:
     """Lines for train.py's summary: the predicted per-device breakdown beside the
     backend's measured peak (device.memory_stats on GPU), where there is one."""
     e = estimate(cfg)
-    r = e.rows
-    weights = e.arguments - r[BATCH_ROW]
-    during = ("compute copy", "gradient", "whole embedding")
-    if cfg.mesh.pipeline > 1:  # the reduced gradients come after the ticks
-        during = ("compute copy", "gradient accumulators")
-    grads = sum(v for k, v in r.items() if k.startswith(during))
-    saved = r["activations saved for backward"]
-    after = ("optimizer update", "gradient reduction")
-    work = e.temp - saved - grads if e.peak_phase not in after else e.temp
+    p = e.parts
+    after = e.peak_phase in AFTER_BACKWARD
+    work = e.temp if after else e.temp - p.saved - e.held
     lines = [
         f"  predicted    {fmt_bytes(e.peak)} per device at the {e.peak_phase}: weights + Adam "
-        f"{fmt_bytes(weights)}, gradients and copies {fmt_bytes(grads)}, saved activations "
-        f"{fmt_bytes(saved)}, working set {fmt_bytes(work)} (python -m ultrajax.analyze)"
+        f"{fmt_bytes(e.weights)}, gradients and copies {fmt_bytes(e.held)}, saved activations "
+        f"{fmt_bytes(p.saved)}, working set {fmt_bytes(work)} (python -m ultrajax.analyze)"
     ]
     if measured_peak:
         lines.append(f"  predicted / measured peak  {e.peak / measured_peak:.2f}")
