@@ -64,6 +64,18 @@ def _fit_shapes() -> list[tuple[str, ...]]:
     for kind, remat, s in itertools.product(("1f1b", "afab", "zb-h1"), policies, (256, 2048)):
         out.append(("mesh.pipeline=2", "train.grad_accum=4", f"parallel.pipeline_schedule={kind}",
                     f"model.remat={remat}", f"model.seq_len={s}", *LONG))  # fmt: skip
+    # attention tiled and blocked (KERNEL_WORK)
+    for remat, s, b in itertools.product(policies, (1024, 2048), (1, 2)):
+        out.append(("model.attention=blocked", f"model.remat={remat}", f"model.seq_len={s}",
+                    f"train.micro_batch_size={b}"))  # fmt: skip
+    for remat, layout in itertools.product(
+        policies, (("mesh.tensor=2",), ("mesh.fsdp=8", "parallel.zero=3"))
+    ):
+        out.append((*layout, "model.attention=blocked", f"model.remat={remat}",
+                    "model.seq_len=1024", "train.micro_batch_size=2"))  # fmt: skip
+    for remat, s, b in itertools.product(policies, (128, 256), (1, 4)):
+        out.append(("model.attention=tiled", f"model.remat={remat}", f"model.seq_len={s}",
+                    f"train.micro_batch_size={b}"))  # fmt: skip
     return out
 
 
@@ -190,6 +202,38 @@ VALIDATION_SHAPES: list[tuple[str, ...]] = [
         "parallel.pipeline_schedule=afab",
     ),  # fmt: skip
     ("train.grad_accum=4", "model.remat=none", "model.seq_len=1024", *LONG),
+    ("model.attention=blocked", "model.remat=none", "model.seq_len=4096", *LONG),
+    ("model.attention=blocked", "model.remat=selective", "model.seq_len=4096", *LONG),
+    ("model.attention=blocked", "model.remat=full", "model.seq_len=4096", *LONG),
+    ("model.attention=blocked", "model.remat=selective", "model.seq_len=1536", *LONG),
+    (
+        "mesh.fsdp=8",
+        "parallel.zero=3",
+        "model.attention=blocked",
+        "model.remat=none",
+        "model.seq_len=2048",
+        *LONG,
+    ),  # fmt: skip
+    (
+        "mesh.tensor=2",
+        "model.attention=blocked",
+        "model.remat=selective",
+        "model.seq_len=2048",
+        *LONG,
+    ),  # fmt: skip
+    ("model.attention=tiled", "model.remat=none", "model.seq_len=512", "train.micro_batch_size=4"),
+    ("model.attention=tiled", "model.remat=selective", "model.seq_len=512", *LONG),
+    ("model.attention=tiled", "model.remat=full", "model.seq_len=512", "train.micro_batch_size=2"),
+    ("model.attention=tiled", "model.remat=none", "train.micro_batch_size=8"),
+    ("mesh.data=8", "model.attention=tiled", "model.remat=selective", "model.seq_len=256"),
+    (
+        "mesh.fsdp=4",
+        "parallel.zero=1",
+        "parallel.collectives=gspmd",
+        "model.attention=tiled",
+        "model.remat=none",
+        "model.seq_len=256",
+    ),  # fmt: skip
     (
         "mesh.fsdp=4",
         "parallel.zero=2",
@@ -246,7 +290,9 @@ def fit(results) -> None:
 
     from ultrajax import memory
 
+    kernels = [r for r in results if r[1].model.attention in ("tiled", "blocked")]
     plain = [r for r in results if r[1].mesh.sequence == 1 and r[1].mesh.pipeline == 1]
+    plain = [r for r in plain if r not in kernels]
     ring = [r for r in results if r[1].mesh.sequence > 1]
     piped = [r for r in results if r[1].mesh.pipeline > 1]
 
@@ -284,6 +330,25 @@ def fit(results) -> None:
         for k, v in zip(memory.CP_WORK, coef, strict=True):
             memory.CP_WORK[k] = round(float(v), 2)
 
+    if kernels:  # what the layer's working set does not explain, relative
+        for k in memory.KERNEL_WORK:
+            memory.KERNEL_WORK[k] = 0.0
+        for name, keys in (("tiled", ("T",)), ("blocked", ("P", "M"))):
+            a, b = [], []
+            for _overrides, cfg, compiled in kernels:
+                if cfg.model.attention != name:
+                    continue
+                w = 1.0 / compiled["peak"]
+                feats = memory.kernel_features(cfg)
+                a.append([w * feats[k] for k in keys])
+                target = compiled["temp"] - memory.estimate(cfg).temp
+                if name == "blocked":  # its moment replaces the MLP's, where it is larger
+                    target += memory.mlp_moment(cfg)
+                b.append(w * target)
+            coef = lsq_linear(np.array(a), np.array(b), bounds=(0.0, np.inf)).x
+            for k, v in zip(keys, coef, strict=True):
+                memory.KERNEL_WORK[k] = round(float(v), 2)
+
     if piped:  # smallest worst |log(predicted / compiled)|, on a grid of values
         best = None
         for attn in np.arange(2.0, 4.01, 0.25):
@@ -311,6 +376,7 @@ def fit(results) -> None:
         print(f'    "{pol}": {coef},'.replace("'", '"'))
     print("}")
     print(f"CP_WORK = {memory.CP_WORK}".replace("'", '"'))
+    print(f"KERNEL_WORK = {memory.KERNEL_WORK}".replace("'", '"'))
     print(f"PIPE_WORK = {memory.PIPE_WORK}".replace("'", '"'))
     print(f"PIPE_ATTN_S = {memory.PIPE_ATTN_S}")
 

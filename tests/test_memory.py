@@ -65,6 +65,23 @@ def test_saved_activations_equal_print_saved_residuals(remat, dtype, capsys):
     assert got == want, (memory.saved_per_layer(cfg), want / cfg.model.n_layers)
 
 
+@pytest.mark.parametrize("remat", ["none", "selective"])
+@pytest.mark.parametrize("attention", ["tiled", "blocked"])
+def test_saved_activations_of_the_memory_efficient_attentions(attention, remat, capsys):
+    """attention.py's tiled and blocked attention store no scores; without recomputation
+    they keep their output twice (their own residual and wo's input), tiled without the
+    log-sum-exp."""
+    over = [
+        "model.n_layers=3", "train.micro_batch_size=2", "model.seq_len=40", "model.d_model=48",
+        "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=80", "model.vocab_size=56",
+        f"model.remat={remat}", f"model.attention={attention}",
+    ]  # fmt: skip
+    cfg, _ = make(base=over)
+    want = stacked_residuals(cfg, capsys)
+    got = cfg.model.n_layers * sum(memory.saved_per_layer(cfg).values())
+    assert got == want, (memory.saved_per_layer(cfg), want / cfg.model.n_layers)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -195,9 +212,10 @@ def _fit_memory():
 
 FIT_MEMORY = _fit_memory()
 LONG = FIT_MEMORY.LONG
-# a representative subset of VALIDATION_SHAPES (compiled here in about a minute): long
+# a representative subset of VALIDATION_SHAPES (compiled here in under a minute): long
 # sequences on both sides of XLA:CPU's softmax split, names, ZeRO 0-3, TP, SP, 3-D,
-# context and pipeline parallelism, gradient accumulation, head- and weight-bound shapes
+# context and pipeline parallelism, gradient accumulation, head- and weight-bound shapes,
+# the tiled and blocked attentions
 VALIDATION_SUBSET = [
     ("model.remat=selective", "model.seq_len=1024", *LONG),
     ("model.remat=full", "model.seq_len=4096", *LONG),
@@ -265,6 +283,9 @@ VALIDATION_SUBSET = [
         "model.seq_len=1024",
         *LONG,
     ),  # fmt: skip
+    ("model.attention=tiled", "model.remat=selective", "model.seq_len=512", *LONG),
+    ("mesh.data=8", "model.attention=tiled", "model.remat=selective", "model.seq_len=256"),
+    ("model.attention=blocked", "model.remat=full", "model.seq_len=4096", *LONG),
 ]
 
 

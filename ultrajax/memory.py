@@ -74,6 +74,10 @@ SOFTMAX_ROWS_SPLIT = 4096
 # mesh.sequence > 1, the ring's own working set beyond one layer's, in copies of a pair of
 # chunks' fp32 scores (S) and of an fp32 b·s·a·hd (Q: the running output and dq); fitted
 CP_WORK = {"S": 0.94, "Q": 4.54}
+# attention tiled / blocked (memory-efficient, plain XLA: XLA:CPU's `auto`): the scores
+# they hold while one layer's attention runs, in copies of kernel_features' units (T one
+# row group's fp32 scores, P one key block's, M the bool masks of every block); fitted
+KERNEL_WORK = {"T": 1.46, "P": 4.16, "M": 1.55}
 HEAD_WORK_V = 2.0  # exp(logits) and d logits: fp32 b·s·v each
 HEAD_WORK_X = 3.0  # final norm input, output and their gradient: b·s·h
 OPT_WORK = 1.0  # fp32 parameter-sized temporaries of the AdamW update beyond the gradients
@@ -334,6 +338,10 @@ def saved_per_layer(cfg: Config) -> dict[str, float]:
         norms = 2 * (8 * d.X_res + c * d.X + 8 * d.N_res + 4 * d.h)  # + the broadcast scale
         if flash:
             attention = c * (2 * d.Q + 2 * d.K) + 4 * d.a * d.N
+            if cfg.mesh.sequence == 1 and m.attention == "blocked":
+                attention += c * d.Q  # its own `out` beside the one wo reads
+            if cfg.mesh.sequence == 1 and m.attention == "tiled":
+                attention += c * d.Q - 4 * d.a * d.N  # a head-major output, no log-sum-exp
         else:
             attention = c * (2 * d.Q + 2 * d.K) + (4 + c) * d.S + 8 * d.a * d.N
         return {"attention": attention, "mlp": 6 * c * d.F, "norms": norms}
@@ -415,9 +423,19 @@ def layer_work(cfg: Config, share: float = 1.0, attn_s: float = ATTN_S) -> float
         from ultrajax.parallel.context import pair_kernel
 
         attn = attn_s * d.S if pair_kernel(cfg, "cpu") == "xla" else 0.0
+    # tiled / blocked attention (KERNEL_WORK): blocked's loop over key blocks is a moment
+    # of its own, in place of the s² scores; tiled's row groups add to the layer's
+    kernel = {k: KERNEL_WORK[k] * v for k, v in kernel_features(cfg).items()}
+    attn += kernel["P"] + kernel["M"]
     base = sum(coef[k] * v for k, v in common.items()) + d.c * norms
     moment = max(share * sum(coef[k] * v for k, v in mlp.items()), attn)
-    return share * base + moment + ring_work(cfg)
+    return share * base + moment + ring_work(cfg) + kernel["T"]
+
+
+def mlp_moment(cfg: Config) -> float:
+    """The MLP's moment of layer_work (the fit of KERNEL_WORK replaces it)."""
+    pol, _common, mlp = work_features(cfg)
+    return sum(WORK[pol][k] * v for k, v in mlp.items())
 
 
 def ring_features(cfg: Config) -> dict[str, float]:
@@ -430,6 +448,31 @@ def ring_features(cfg: Config) -> dict[str, float]:
 
     d = dims(cfg)
     return {"S": d.S if pair_kernel(cfg, "cpu") == "xla" else 0.0, "Q": 4.0 * d.Q}
+
+
+def kernel_features(cfg: Config) -> dict[str, float]:
+    """The plain-XLA attentions that store no s² scores (attention.py's `tiled` and
+    `blocked`: counted as flash kernels in what they save) still hold scores while one
+    layer's attention runs: bytes per unit of each KERNEL_WORK coefficient.
+      T  tiled: r·a·s² fp32, the scores of one row group (r rows per iteration of its
+         loop: TILE_ROWS of this device's rows, all of them under the partitioner);
+      P  blocked: b·a·s·min(s, BLOCK) fp32, the scores of one block of keys;
+      M  blocked: b·a·s² bytes, the bool masks of every block (XLA:CPU hoists them out of
+         the loop over blocks)."""
+    out = {"T": 0.0, "P": 0.0, "M": 0.0}
+    name = cfg.model.attention
+    if cfg.mesh.sequence > 1 or name not in ("tiled", "blocked"):
+        return out
+    d = dims(cfg)
+    if name == "tiled":
+        shared = cfg.parallel.collectives == "gspmd" and math.prod(cfg.mesh.sizes().values()) > 1
+        rows = min(attention_lib.TILE_ROWS, d.b)
+        rows = d.b if shared or d.b % rows else rows
+        out["T"] = 4.0 * rows * d.a * d.s * d.s
+    else:
+        out["P"] = 4.0 * d.b * d.a * d.s * min(d.s, attention_lib.BLOCK)
+        out["M"] = float(d.S)
+    return out
 
 
 def ring_work(cfg: Config) -> float:
