@@ -22,6 +22,7 @@ SHAPE = [
     "model.n_layers=2", "train.micro_batch_size=1", "train.grad_accum=1", "model.seq_len=256",
     "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
     "model.vocab_size=256", "model.dtype=float32", "model.scan_unroll=1",
+    "model.attention=xla",  # the plain attention, whose scores the policies keep or drop
 ]  # fmt: skip
 
 

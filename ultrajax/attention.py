@@ -62,8 +62,7 @@ def xla_attention(q, k, v, segment_ids=None, q_offset=0):
     return out.reshape(b, t, h, d)
 
 
-BLOCK = 512  # keys per block of the blocked attention (the memory model does not count its
-# per-block working set yet: it treats it as a flash kernel, no scores kept)
+BLOCK = 512  # keys per block of the blocked attention (its working set: memory.KERNEL_WORK)
 
 
 def _blocked_parts(q, k, v, segment_ids, block):
