@@ -71,11 +71,11 @@ def pp(p, kind, *extra, v=1, collectives="explicit"):
     return tuple(layout.items())
 
 
-# (layout, m, model overrides): p=2 and p=4, m=4 and 8, every schedule, tied and untied
+# (layout, m, model overrides): p=2 and p=4, m=4 and 8, every schedule, tied and untied,
+# the CPU's attentions (interleaved at p=2: in COMPOSED)
 SCHEDULES = {
-    "p2-m4-afab": (pp(2, "afab"), 4, ()),
+    "p2-m4-afab-tiled-attention": (pp(2, "afab"), 4, ("model.attention=tiled",)),
     "p2-m4-1f1b": (pp(2, "1f1b"), 4, ()),
-    "p2-m4-interleaved-v2": (pp(2, "interleaved", v=2), 4, ("model.n_layers=4",)),
     "p2-m4-zb-h1": (pp(2, "zb-h1"), 4, ()),
     "p4-m8-afab-tied": (pp(4, "afab"), 8, ("model.n_layers=4", "model.tie_embeddings=true")),
     "p4-m8-1f1b-tied": (pp(4, "1f1b"), 8, ("model.n_layers=4", "model.tie_embeddings=true")),
