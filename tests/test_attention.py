@@ -232,7 +232,7 @@ def test_blocked_attention_matches_xla(packed, monkeypatch):
 
 @pytest.mark.parametrize(
     "b, t, h, kv, rows, dtype",
-    [(4, 40, 4, 2, 2, "float32"), (3, 24, 4, 1, 4, "float32"), (2, 16, 2, 2, 2, "bfloat16")],
+    [(3, 24, 4, 1, 4, "float32"), (4, 16, 4, 2, 2, "bfloat16")],
 )
 def test_tiled_attention_matches_xla(b, t, h, kv, rows, dtype, monkeypatch):
     """Query tiles over the keys up to their end, row groups in a loop (rows dividing the

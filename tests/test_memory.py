@@ -219,11 +219,9 @@ LONG = FIT_MEMORY.LONG
 VALIDATION_SUBSET = [
     ("model.remat=selective", "model.seq_len=1024", *LONG),
     ("model.remat=full", "model.seq_len=4096", *LONG),
-    ("model.remat=none", "model.seq_len=4096", *LONG),
     ("model.remat=[query,key,value]", "model.seq_len=2048", *LONG),
     ("mesh.data=8", "model.remat=none"),
     ("mesh.fsdp=8", "parallel.zero=1", "model.remat=selective", "model.seq_len=1024", *LONG),
-    ("mesh.fsdp=8", "parallel.zero=3", "model.remat=none", "model.seq_len=1024", *LONG),
     (
         "mesh.fsdp=8",
         "parallel.zero=3",
@@ -234,7 +232,6 @@ VALIDATION_SUBSET = [
         "model.vocab_size=4096",
         *LONG,
     ),  # fmt: skip
-    ("mesh.tensor=2", "model.remat=selective", "model.seq_len=2048", *LONG),
     (
         "mesh.tensor=2",
         "parallel.sequence_parallel=true",

@@ -169,25 +169,29 @@ def assert_same_training(got, ref):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
+# tp4 without SP trains as tp2 does; its collectives are checked below
+GRID = [name for name in LAYOUTS if name != "tp4"]
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", GRID)
 def test_layout_matches_single_device(name, mode):
     ref = run(None)
     assert_same_training(run(name, mode), ref)
     assert ref[0][-1] < ref[0][0]  # the reference actually trains
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["explicit"])
 def test_tiled_attention_trains_like_the_plain_one_under_a_layout(mode):
     """The CPU's default attention (tiles of queries in a loop over rows) under data, ZeRO-3,
     tensor and sequence parallelism: the single-device plain attention's training. Its
-    row loop runs over this device's rows inside shard_map, over all rows under the
-    partitioner."""
+    row loop runs over this device's rows inside shard_map (under the partitioner, all rows
+    in one iteration: tests/test_pipeline.py's gspmd cases run that way)."""
     got = run("dp2-fsdp2-tp2-zero3-sp", mode, "model.attention=tiled")
     assert_same_training(got, run(None))
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", GRID)
 def test_modes_agree(name):
     assert_same_training(run(name, "gspmd"), run(name, "explicit"))
 
@@ -202,8 +206,6 @@ CAUSAL_ONLY = "data.cross_doc_mask=false"
         ("cp4-ring-data2", "explicit", (CAUSAL_ONLY,)),
         ("cp4-ring-data2", "gspmd", ()),
         ("cp2-fsdp2-tp2-zero3-sp", "gspmd", ()),
-        ("cp2-fsdp2-tp2-zero2", "gspmd", ()),
-        ("cp2-allgather", "gspmd", ()),
     ],
 )
 def test_context_parallel_matches_single_device(name, mode, extra):
@@ -416,8 +418,7 @@ def partitioned(name, mode, *extra):
     return found
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ["fsdp8-zero1", "fsdp8-zero3"])
+@pytest.mark.parametrize("name, mode", [("fsdp8-zero1", "explicit"), ("fsdp8-zero3", "gspmd")])
 def test_bf16_weights_gather_in_bf16_and_gradients_reduce_in_fp32(name, mode):
     found = partitioned(name, mode, *BF16)
     floats = ("bf16", "f32")  # (the partitioner also moves token ids, in s32)

@@ -72,13 +72,10 @@ def pp(p, kind, *extra, v=1, collectives="explicit"):
 
 
 # (layout, m, model overrides): p=2 and p=4, m=4 and 8, every schedule, tied and untied,
-# the CPU's attentions (interleaved at p=2: in COMPOSED)
+# the CPU's attentions (interleaved at p=2 and 1F1B beside other axes: in COMPOSED)
 SCHEDULES = {
     "p2-m4-afab-tiled-attention": (pp(2, "afab"), 4, ("model.attention=tiled",)),
     "p2-m4-1f1b": (pp(2, "1f1b"), 4, ()),
-    "p2-m4-zb-h1": (pp(2, "zb-h1"), 4, ()),
-    "p4-m8-afab-tied": (pp(4, "afab"), 8, ("model.n_layers=4", "model.tie_embeddings=true")),
-    "p4-m8-1f1b-tied": (pp(4, "1f1b"), 8, ("model.n_layers=4", "model.tie_embeddings=true")),
     "p4-m8-interleaved-v2-tied": (
         pp(4, "interleaved", v=2),
         8,
@@ -257,15 +254,10 @@ def _train(run_dir: Path, steps: int, *extra: str) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_checkpoints_move_between_pipeline_and_no_pipeline(tmp_path):
-    """Interleaved PP writes step 3 -> a layout without PP resumes it, and writes step 6
-    -> PP resumes that: the same next losses either way (the stored layer order is the
-    model's, whatever the schedule)."""
+    """Interleaved PP writes step 3 -> a layout without PP resumes it: the same next
+    losses (the stored layer order is the model's, whatever the schedule)."""
     a = _train(tmp_path / "a", 8, *PIPELINED)  # every run: the same 8-step schedule
     b = _train(tmp_path / "b", 8, *NO_PIPELINE,
                f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / '3'}")  # fmt: skip
     assert sorted(b) == list(range(4, 9))
     np.testing.assert_allclose([b[s] for s in b], [a[s] for s in b], rtol=2e-5)
-    c = _train(tmp_path / "c", 8, *PIPELINED,
-               f"checkpoint.resume={tmp_path / 'b' / 'checkpoints' / '6'}")  # fmt: skip
-    assert sorted(c) == [7, 8]
-    np.testing.assert_allclose([c[7], c[8]], [b[7], b[8]], rtol=2e-5)
