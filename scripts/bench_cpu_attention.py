@@ -14,20 +14,9 @@ asserted.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
-
-def median_ms(f, iters: int) -> float:
-    f()
-    f()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+from timing import median_ms
 
 
 def jax_rows(args) -> list[tuple[str, float, float]]:

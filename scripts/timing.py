@@ -1,11 +1,24 @@
-"""What the benchmark scripts share: the median time of a compiled train step, from a
-fresh sharded state, on one host batch."""
+"""What the benchmark scripts share: the median time of a call, and of a compiled train
+step from a fresh sharded state on one host batch."""
 
 from __future__ import annotations
 
 import functools
 import statistics
 import time
+
+
+def median_ms(f, iters: int, warmup: int = 2) -> float:
+    """`f()` (which blocks until its work is done) `warmup` times, then `iters` times
+    timed: the median in ms."""
+    for _ in range(warmup):
+        f()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
 
 
 def median_step_ms(compiled, cfg, devices, batch, steps: int) -> float:

@@ -260,18 +260,21 @@ def test_tiled_attention_matches_xla(b, t, h, kv, rows, dtype, monkeypatch):
         np.testing.assert_allclose(a.astype(np.float32), w.astype(np.float32), **tol)
 
 
+def grad_temp_bytes(f, rows: int, seq: int) -> int:
+    """XLA's compiled temporaries of forward + backward of attention `f` on fp32 q (rows,
+    seq, 4 heads, 16) and k, v with 2 kv heads: nothing runs."""
+    q = jax.ShapeDtypeStruct((rows, seq, 4, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((rows, seq, 2, 16), jnp.float32)
+    g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), (0, 1, 2)))
+    return g.lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
+
+
 def test_tiled_attention_never_stores_the_scores():
     """What the backward keeps of the tiled attention is its inputs and output, not the
     scores: compiled temporaries of forward + backward at seq 256, 16 rows (4 groups of
     4), less than one copy of the fp32 scores; the plain attention's are 4x that."""
-    shape = jax.ShapeDtypeStruct((16, 256, 4, 16), jnp.float32)
-    kv = jax.ShapeDtypeStruct((16, 256, 2, 16), jnp.float32)
-
-    def temp(f):
-        g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), (0, 1, 2)))
-        return g.lower(shape, kv, kv).compile().memory_analysis().temp_size_in_bytes
-
-    tiled, plain = temp(attention.tiled_attention), temp(attention.xla_attention)
+    tiled, plain = (grad_temp_bytes(f, 16, 256) for f in (attention.tiled_attention,
+                                                         attention.xla_attention))  # fmt: skip
     scores = 16 * 4 * 256 * 256 * 4  # rows x heads x s x s fp32
     assert plain > 4 * scores
     assert tiled < scores, (tiled, scores)
@@ -281,14 +284,8 @@ def test_blocked_attention_holds_far_less_than_the_scores(monkeypatch):
     """Compiled temporaries of forward + backward at seq 1024: the blocked attention
     keeps one (1024 x 128) block of scores at a time, the plain one all of them."""
     monkeypatch.setattr(attention, "BLOCK", 128)
-    shape = jax.ShapeDtypeStruct((1, 1024, 4, 16), jnp.float32)
-    kv = jax.ShapeDtypeStruct((1, 1024, 2, 16), jnp.float32)
-
-    def temp(f):
-        g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), (0, 1, 2)))
-        return g.lower(shape, kv, kv).compile().memory_analysis().temp_size_in_bytes
-
-    blocked, plain = temp(attention.blocked_attention), temp(attention.xla_attention)
+    blocked, plain = (grad_temp_bytes(f, 1, 1024) for f in (attention.blocked_attention,
+                                                           attention.xla_attention))  # fmt: skip
     scores = 4 * 1024 * 1024 * 4  # heads x s x s fp32
     assert plain > scores
     assert blocked < 0.35 * plain, (blocked, plain)

@@ -212,72 +212,6 @@ def _fit_memory():
 
 FIT_MEMORY = _fit_memory()
 LONG = FIT_MEMORY.LONG
-# a representative subset of VALIDATION_SHAPES (compiled here in under a minute): long
-# sequences on both sides of XLA:CPU's softmax split, names, ZeRO 0-3, TP, SP, 3-D,
-# context and pipeline parallelism, gradient accumulation, head- and weight-bound shapes,
-# the tiled and blocked attentions
-VALIDATION_SUBSET = [
-    ("model.remat=selective", "model.seq_len=1024", *LONG),
-    ("model.remat=full", "model.seq_len=4096", *LONG),
-    ("model.remat=[query,key,value]", "model.seq_len=2048", *LONG),
-    ("mesh.data=8", "model.remat=none"),
-    ("mesh.fsdp=8", "parallel.zero=1", "model.remat=selective", "model.seq_len=1024", *LONG),
-    (
-        "mesh.fsdp=8",
-        "parallel.zero=3",
-        "model.remat=selective",
-        "model.seq_len=1024",
-        "model.d_model=256",
-        "model.d_ff=768",
-        "model.vocab_size=4096",
-        *LONG,
-    ),  # fmt: skip
-    (
-        "mesh.tensor=2",
-        "parallel.sequence_parallel=true",
-        "model.remat=none",
-        "model.seq_len=1024",
-        *LONG,
-    ),  # fmt: skip
-    (
-        "mesh.data=2",
-        "mesh.fsdp=2",
-        "mesh.tensor=2",
-        "parallel.zero=3",
-        "parallel.sequence_parallel=true",
-        "model.remat=none",
-        "model.seq_len=1024",
-        *LONG,
-    ),  # fmt: skip
-    ("mesh.sequence=2", "model.remat=none", "model.seq_len=1024", *LONG),
-    ("mesh.sequence=4", "model.remat=selective", "model.seq_len=2048", *LONG),
-    (
-        "mesh.pipeline=2",
-        "train.grad_accum=4",
-        "parallel.pipeline_schedule=zb-h1",
-        "model.remat=selective",
-        "model.seq_len=1024",
-        *LONG,
-    ),  # fmt: skip
-    (
-        "mesh.pipeline=2",
-        "train.grad_accum=4",
-        "parallel.pipeline_schedule=afab",
-        "model.remat=full",
-        "model.seq_len=1024",
-        *LONG,
-    ),  # fmt: skip
-    (
-        "mesh.fsdp=4",
-        "parallel.zero=2",
-        "train.grad_accum=4",
-        "model.remat=selective",
-        "model.seq_len=1024",
-        *LONG,
-    ),  # fmt: skip
-    ("model.attention=tiled", "model.remat=selective", "model.seq_len=512", *LONG),
-    ("model.attention=blocked", "model.remat=full", "model.seq_len=4096", *LONG),
-]
 
 
 def test_fitting_and_validation_shapes_are_apart():
@@ -287,8 +221,8 @@ def test_fitting_and_validation_shapes_are_apart():
     valid = {frozenset(s) for s in FIT_MEMORY.VALIDATION_SHAPES}
     assert len(valid) == len(FIT_MEMORY.VALIDATION_SHAPES) >= 40
     assert not fit & valid
-    assert {frozenset(s) for s in VALIDATION_SUBSET} <= valid
-    assert max(make(*s)[0].model.seq_len for s in VALIDATION_SUBSET) == 4096
+    assert {frozenset(s) for s in FIT_MEMORY.TESTED} <= valid
+    assert max(make(*s)[0].model.seq_len for s in FIT_MEMORY.TESTED) == 4096
 
 
 @pytest.mark.slow
@@ -299,7 +233,7 @@ def test_estimate_within_10_percent_of_compiled_peak_on_unfitted_shapes():
         return overrides, memory.estimate(cfg), compiled
 
     with ThreadPoolExecutor(2) as pool:  # XLA compiles outside the GIL
-        results = list(pool.map(one, VALIDATION_SUBSET))
+        results = list(pool.map(one, FIT_MEMORY.TESTED))
     bad = []
     print(f"\n{'shape':<100} {'predicted':>10} {'compiled':>10}  ratio")
     for overrides, est, compiled in results:
@@ -310,7 +244,7 @@ def test_estimate_within_10_percent_of_compiled_peak_on_unfitted_shapes():
         )
         if not 0.9 <= ratio <= 1.1:  # NaN fails too
             bad.append((overrides, ratio))
-    assert len(results) == len(VALIDATION_SUBSET)
+    assert len(results) == len(FIT_MEMORY.TESTED)
     assert not bad, bad
 
 

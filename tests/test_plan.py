@@ -196,43 +196,15 @@ def _run(argv):
 def test_plan_command_ranks_layouts(tmp_path, capsys):
     path = tmp_path / "small.yaml"
     path.write_text(config.dump(_small()))
-    assert (
-        _run(
-            [
-                "--config",
-                str(path),
-                "--gpus",
-                "16",
-                "--tokens-per-step",
-                str(64 * 2048),
-                "--top",
-                "3",
-            ]
-        )
-        == 0
-    )
+    args = ["--config", str(path), "--gpus", "16", "--tokens-per-step", str(64 * 2048)]
+    assert _run([*args, "--top", "3"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert "16 x h100 (8 per node), 131,072 tokens per step (64 x 2048)" in lines[0]
     ranked = [ln for ln in lines if ln[:2].strip() in ("1", "2", "3")]
     assert len(ranked) == 3
     assert "slower (" in out and "#1: python -m ultrajax.train" in out
-    assert (
-        _run(
-            [
-                "--config",
-                str(path),
-                "--gpus",
-                "16",
-                "--tokens-per-step",
-                str(64 * 2048),
-                "--top",
-                "2",
-                "--json",
-            ]
-        )
-        == 0
-    )
+    assert _run([*args, "--top", "2", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert len(r["best"]) == 2 and r["gpus"] == 16
     first, second = r["best"]
@@ -245,8 +217,7 @@ def test_plan_command_ranks_layouts(tmp_path, capsys):
     assert all(s["lost"].endswith(("slower", "%")) or "slower:" in s["lost"] for s in r["slower"])
     pytest.importorskip("matplotlib")
     png = tmp_path / "plan.png"
-    argv = ["--config", str(path), "--gpus", "16", "--tokens-per-step", str(64 * 2048)]
-    assert _run([*argv, "--plot", str(png)]) == 0
+    assert _run([*args, "--plot", str(png)]) == 0
     assert png.stat().st_size > 10_000 and f"plot: {png}" in capsys.readouterr().out
 
 

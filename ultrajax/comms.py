@@ -376,6 +376,12 @@ def _ring(nbytes: float, n: int, factor: float = 1.0) -> float:
     return factor * nbytes * (n - 1) / n if n > 1 else 0.0
 
 
+def _updated_gather(weights: float, fs: int) -> Term:
+    """ZeRO-1/2: the updated parameter shards all-gathered over fsdp, once per step."""
+    return Term("all-gather", "parameters over fsdp (updated)", "Ψ(N-1)/N",
+                _ring(weights, fs), "fsdp", "exposed")  # fmt: skip
+
+
 def expected(cfg: Config) -> list[Term]:
     """The playbook's per-step communication for this layout, per device.
 
@@ -471,16 +477,7 @@ def expected(cfg: Config) -> list[Term]:
                 )
             )
         else:
-            terms.append(
-                Term(
-                    "all-gather",
-                    "parameters over fsdp (updated)",
-                    "Ψ(N-1)/N",
-                    _ring(weights, fs),
-                    "fsdp",
-                    "exposed",
-                )  # fmt: skip
-            )
+            terms.append(_updated_gather(weights, fs))
     if mesh.sequence > 1:
         from ultrajax.parallel.context import permute_bytes
 
@@ -588,16 +585,7 @@ def _pipeline_terms(cfg: Config, grads: float, psi: int, dp_d: int, fs: int, zer
     if zero >= 1:
         weights = grads / memory.dtype_bytes(cfg.parallel.grad_reduce_dtype)
         weights *= memory.dtype_bytes(cfg.model.dtype)
-        terms.append(
-            Term(
-                "all-gather",
-                "parameters over fsdp (updated)",
-                "Ψ(N-1)/N",
-                _ring(weights, fs),
-                "fsdp",
-                "exposed",
-            )  # fmt: skip
-        )
+        terms.append(_updated_gather(weights, fs))
     table = memory.pipeline_plan(cfg).table
     sends = sum(schedule.p2p_messages(table))
     terms.append(
