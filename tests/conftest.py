@@ -1,8 +1,14 @@
-"""Every test runs on CPU with 8 simulated devices, set before JAX starts its backend."""
+"""Every test runs on CPU with 8 simulated devices, set before JAX starts its backend.
+
+Triton kernels run in Triton's interpreter, which must be chosen before triton is
+first imported (kernels/triton_call.py). A GPU test starts its own process without
+these settings (tests/test_triton.py).
+"""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import jax  # noqa: E402
 
