@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from ultrajax.kernels.varying import struct
 
 NEG_INF = -1e30  # finite: a masked score, so exp() is exactly 0 and max() stays finite
 PAD_Q, PAD_K = -2, -1  # segment ids of padding rows and columns: never equal to a real id
@@ -41,12 +42,24 @@ PAD_Q, PAD_K = -2, -1  # segment ids of padding rows and columns: never equal to
 
 @dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes (queries x keys) of the forward and the two backward kernels."""
+    """Tile sizes (queries x keys) of the forward and the two backward kernels, and the
+    Triton lowering's warps per program and software-pipelining stages on a GPU.
+    `model.attention_blocks` sets the four tile sizes; `scripts/bench_attention.py
+    --sweep` times other choices on a GPU."""
 
     q: int = 128
     k: int = 128
     q_bwd: int = 64
     k_bwd: int = 64
+    warps: int = 4
+    stages: int = 2
+
+    @classmethod
+    def of(cls, sizes) -> BlockSizes:
+        """From `model.attention_blocks` ([q, k, q_bwd, k_bwd], or None: the defaults)."""
+        if isinstance(sizes, cls):
+            return sizes
+        return cls() if sizes is None else cls(*sizes)
 
 
 def reference(q, k, v, q_segment_ids=None, kv_segment_ids=None, causal=True):
@@ -172,31 +185,16 @@ def _dkv_kernel(
 # --------------------------------------------------------------------------- calls
 
 
-def _compiler_params(interpret: bool):
+def _compiler_params(interpret: bool, blocks: BlockSizes):
     if interpret:
         return None
     from jax.experimental.pallas import triton as pltriton  # GPU only
 
-    return pltriton.CompilerParams(num_warps=4, num_stages=2)
+    return pltriton.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages)
 
 
-def _struct(shape, dtype, *like):
-    """An output's ShapeDtypeStruct, varying over the manual mesh axes its inputs vary over
-    (inside `shard_map` with `check_vma`, as ring attention calls the kernel)."""
-    types = [jax.typeof(x) for x in like]
-    manual = [getattr(t, "manual_axis_type", None) for t in types]
-    if all(m is not None for m in manual):  # jax 0.10
-        most = max(manual, key=lambda m: len(m.varying))
-        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=most)
-    vma = frozenset().union(*(getattr(t, "vma", frozenset()) for t in types))
-    try:
-        return jax.ShapeDtypeStruct(shape, dtype, vma=vma)
-    except TypeError:  # a jax without varying-axes types
-        return jax.ShapeDtypeStruct(shape, dtype)
-
-
-def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name):
-    params = _compiler_params(interpret)
+def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, blocks):
+    params = _compiler_params(interpret, blocks)
     extra = {} if params is None else {"compiler_params": params}
     return pl.pallas_call(
         kernel,
@@ -240,9 +238,10 @@ def _forward(q, k, v, qs, ks, *, blocks: BlockSizes, causal: bool, interpret: bo
         (b, h, t // bq),
         [qspec, kvspec, kvspec, qsspec, ksspec],
         [qspec, row],
-        [_struct(q.shape, q.dtype, q, k), _struct((b, h, t), jnp.float32, q, k)],
+        [struct(q.shape, q.dtype, q, k), struct((b, h, t), jnp.float32, q, k)],
         interpret,
         "flash_attention_forward",
+        blocks,
     )(q, k, v, qs, ks)
 
 
@@ -264,14 +263,15 @@ def _backward(q, k, v, qs, ks, delta, lse, do, *, blocks: BlockSizes, causal: bo
         (b, h, t // bq),
         [qspec, kvspec, kvspec, qsspec, ksspec, qspec, row, row],
         qspec,
-        _struct(q.shape, q.dtype, q, k),
+        struct(q.shape, q.dtype, q, k),
         interpret,
         "flash_attention_dq",
+        blocks,
     )(q, k, v, qs, ks, do, lse, delta)
     qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, False)
     # dK, dV per query head (kv_heads x group), summed over each group afterwards
     per_head = pl.BlockSpec((None, bk, None, d), lambda bi, hi, j: (bi, j, hi, 0))
-    shape = _struct((b, s, h, d), jnp.float32, q, k)
+    shape = struct((b, s, h, d), jnp.float32, q, k)
     dk, dv = _call(
         functools.partial(_dkv_kernel, **common),
         (b, h, s // bk),
@@ -280,6 +280,7 @@ def _backward(q, k, v, qs, ks, delta, lse, do, *, blocks: BlockSizes, causal: bo
         [shape, shape],
         interpret,
         "flash_attention_dkv",
+        blocks,
     )(q, k, v, qs, ks, do, lse, delta)
     group = h // kv
     dk = dk.reshape(b, s, kv, group, d).sum(axis=3).astype(k.dtype)

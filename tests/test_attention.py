@@ -203,6 +203,27 @@ def test_pallas_backend_in_the_model_matches_xla():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_attention_blocks_reach_the_kernel(monkeypatch):
+    """model.attention_blocks, through the interface and the layout's context, become the
+    kernel's tiles; the result is the plain attention's with tiles that do not divide it."""
+    from ultrajax.kernels import flash_attention as fa
+
+    from ultrajax.parallel.context import Context
+
+    seen = []
+    real = fa.flash_attention
+    spy = lambda *a, **kw: seen.append(kw["blocks"]) or real(*a, **kw)
+    monkeypatch.setattr(fa, "flash_attention", spy)
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((1, 40, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, 40, 2, 8)), jnp.float32) for _ in range(2))
+    seg = jnp.asarray(np.where(np.arange(40) < 17, 1, 2)[None], jnp.int32)
+    got = Context(blocks=(16, 32, 16, 16)).attend(q, k, v, seg, "pallas")
+    assert seen == [fa.BlockSizes(16, 32, 16, 16)]
+    want = attention.attend(q, k, v, seg, implementation="xla")
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-5)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_blocked_attention_matches_xla(packed, monkeypatch):
     """Keys in blocks of 16 (the last one partial) with an online softmax: the plain

@@ -212,6 +212,8 @@ def test_override_without_equals_sign():
         (["model.loss_chunk=100", "model.seq_len=256"], "model.loss_chunk"),
         (["model.loss_chunk=-1"], "model.loss_chunk"),
         (["model.attention=flash9000"], "model.attention"),
+        (["model.attention_blocks=[64, 64]"], "model.attention_blocks"),
+        (["model.attention_blocks=[64, 64, 48, 64]"], "model.attention_blocks"),
         (["parallel.collectives=nccl"], "parallel.collectives"),
         (["parallel.grad_reduce_dtype=float16"], "parallel.grad_reduce_dtype"),
     ],
@@ -290,6 +292,7 @@ def test_data_path_without_the_files_source_is_an_error():
         (["parallel.context=allgather"], "parallel.context"),
         (["data.source=prepared", "data.path=d", "data.tokenizer=t.json"], "data.tokenizer"),
         (["train.noise_every=10"], "train.noise_every"),
+        (["model.attention=tiled", "model.attention_blocks=[64,64,64,64]"], "model.attention_b"),
     ],
 )
 def test_settings_without_effect_are_named_once(overrides, key):
@@ -338,7 +341,7 @@ def test_run_directory_is_named_after_the_config_and_what_defines_the_run(tmp_pa
     same = ["train.steps=70", "data.prefetch=0", "mesh.data=2", "train.log_every=3",
             "train.grad_accum=4", "optim.schedule_steps=50", "checkpoint.every=5",
             "model.attention=blocked", "model.remat=full", "model.scan_unroll=2",
-            "model.loss_chunk=16"]  # fmt: skip
+            "model.loss_chunk=16", "model.attention_blocks=[64,64,32,32]"]  # fmt: skip
     for override in same:
         assert load(path, [override]).train.run_dir == base, override
     others = {load(path, [o]).train.run_dir for o in (

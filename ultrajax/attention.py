@@ -32,6 +32,7 @@ class Backend:
     q_offset: bool  # queries after earlier keys (KV-cache decoding)
     flash: bool  # never stores the (length x length) scores; saves the log-sum-exp instead
     note: str
+    tiles: bool = False  # takes model.attention_blocks (the Pallas kernel's tile sizes)
 
 
 def mask(segment_ids: jax.Array | None, length: int, kv_length=None, q_offset=0) -> jax.Array:
@@ -312,13 +313,16 @@ def cudnn_attention(q, k, v, segment_ids=None, q_offset=0):
     )
 
 
-def pallas_attention(q, k, v, segment_ids=None, q_offset=0):
+def pallas_attention(q, k, v, segment_ids=None, q_offset=0, *, blocks=None):
     """Our Pallas flash attention (kernels/flash_attention.py): segment ids per block, no
-    dense mask. Interpreted on a CPU (slow: for tests), compiled through Triton on a GPU."""
-    from ultrajax.kernels.flash_attention import flash_attention
+    dense mask. Interpreted on a CPU (slow: for tests), compiled through Triton on a GPU.
+    `blocks`: model.attention_blocks ([q, k, q_bwd, k_bwd]; None: the kernel's defaults)."""
+    from ultrajax.kernels.flash_attention import BlockSizes, flash_attention
 
     interpret = jax.default_backend() != "gpu"
-    out, _ = flash_attention(q, k, v, segment_ids, segment_ids, interpret=interpret)
+    out, _ = flash_attention(
+        q, k, v, segment_ids, segment_ids, blocks=BlockSizes.of(blocks), interpret=interpret
+    )
     return out
 
 
@@ -327,7 +331,9 @@ BACKENDS = {
     for b in (
         Backend("xla", xla_attention, False, False, True, False, "plain einsum, s² fp32 scores"),
         Backend("cudnn", cudnn_attention, True, False, False, True, "cuDNN via jax.nn"),
-        Backend("pallas", pallas_attention, False, True, False, True, "kernels/, Pallas"),
+        Backend(
+            "pallas", pallas_attention, False, True, False, True, "kernels/, Pallas", tiles=True
+        ),
         Backend(
             "blocked",
             lambda q, k, v, seg=None: blocked_attention(q, k, v, seg),
@@ -374,8 +380,9 @@ def problem(name: str, platform: str) -> str | None:
     return None
 
 
-def attend(q, k, v, segment_ids=None, *, implementation: str = "xla", q_offset=0):
-    """Dispatch to a backend of the table; `auto` resolves for the platform compiling."""
+def attend(q, k, v, segment_ids=None, *, implementation: str = "xla", q_offset=0, blocks=None):
+    """Dispatch to a backend of the table; `auto` resolves for the platform compiling.
+    `blocks` (model.attention_blocks) reaches the backends that take tile sizes."""
     if implementation == "auto":
         implementation = resolve(
             "auto", jax.default_backend(), segment_ids is not None, seq_len=k.shape[1]
@@ -387,6 +394,8 @@ def attend(q, k, v, segment_ids=None, *, implementation: str = "xla", q_offset=0
             f"model.attention: unknown implementation {implementation!r}; "
             f"use one of {', '.join(CHOICES)}"
         ) from None
+    if backend.tiles and blocks is not None:
+        return backend.fn(q, k, v, segment_ids, q_offset, blocks=blocks)
     if isinstance(q_offset, int) and q_offset == 0:
         return backend.fn(q, k, v, segment_ids)
     if not backend.q_offset:

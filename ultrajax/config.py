@@ -52,6 +52,11 @@ class ModelConfig:
     # auto: cuDNN (causal) or our Pallas kernel (packed documents) on a GPU; elsewhere tiled
     # up to 512 tokens and blocked beyond
     attention: Literal["auto", "xla", "cudnn", "pallas", "blocked", "tiled"] = "auto"
+    # the Pallas flash kernel's tiles [q, k, q_bwd, k_bwd] (powers of two, >= 16; the
+    # sequence is padded to their least common multiple); null: kernels/flash_attention.py's
+    # BlockSizes defaults. Used where the kernel runs: pallas, auto on a GPU with packed
+    # documents, and the ring's pairs under context parallelism
+    attention_blocks: list[int] | None = None
     # LM head and loss over this many tokens of the sequence at a time (0: all at once)
     loss_chunk: int = 0
     # layers per iteration of the layer loop (lax.scan's unroll): 1 keeps one compiled
@@ -348,7 +353,8 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
 IDENTITY = ("model", "data", "optim")  # with train.seed: what makes two runs the same run
 
 
-HOW = ("attention", "remat", "loss_chunk", "scan_unroll")  # model keys outside the identity
+# model keys outside the identity
+HOW = ("attention", "attention_blocks", "remat", "loss_chunk", "scan_unroll")
 
 
 def run_identity(cfg: Config) -> str:
@@ -423,6 +429,13 @@ def validate(cfg: Config) -> None:
     )
     _check(m.norm_eps > 0, "model.norm_eps must be positive")
     _check(m.scan_unroll >= 1, f"model.scan_unroll must be >= 1, got {m.scan_unroll}")
+    if m.attention_blocks is not None:
+        _check(
+            len(m.attention_blocks) == 4
+            and all(b >= 16 and b & (b - 1) == 0 for b in m.attention_blocks),
+            f"model.attention_blocks must be four powers of two >= 16 [q, k, q_bwd, k_bwd], "
+            f"got {m.attention_blocks}",
+        )
     remat = [m.remat] if isinstance(m.remat, str) else m.remat
     if isinstance(m.remat, str):
         _check(
@@ -656,6 +669,12 @@ def no_effect(cfg: Config) -> list[str]:
             f"train.noise_every={t.noise_every} has no effect with train.grad_accum=1 (the noise "
             "scale compares one micro-batch's gradient with the step's): set "
             "train.grad_accum >= 2, or drop it"
+        )
+    m = cfg.model
+    if m.attention_blocks is not None and m.attention in ("xla", "blocked", "tiled"):
+        out.append(
+            f"model.attention_blocks has no effect with model.attention={m.attention} (they "
+            "are the Pallas kernel's tiles): use model.attention=pallas, or drop them"
         )
     default = ParallelConfig()
     axis_keys = {

@@ -80,7 +80,7 @@ def pair_kernel(cfg, platform: str) -> str:
         return "xla"
     from ultrajax.kernels.flash_attention import BlockSizes
 
-    b = BlockSizes()
+    b = BlockSizes.of(cfg.model.attention_blocks)
     chunk = cfg.model.seq_len // (2 * cfg.mesh.sequence)
     return "pallas" if chunk % math.lcm(b.q, b.k, b.q_bwd, b.k_bwd) == 0 else "xla"
 
@@ -264,12 +264,12 @@ class Context:
     # the attention of one pair of chunks: "xla" (plain jnp, fp32 scores of the pair) or
     # "pallas" (kernels/flash_attention.py; chunk length a multiple of its block sizes)
     kernel: str = "xla"
-    blocks: object = None  # the Pallas kernel's BlockSizes (None: its defaults)
+    blocks: tuple | None = None  # model.attention_blocks: the Pallas tiles (None: defaults)
     axis: str = AXIS
 
     def attend(self, q, k, v, segment_ids, implementation: str):
         if self.size == 1:
-            return attend(q, k, v, segment_ids, implementation=implementation)
+            return attend(q, k, v, segment_ids, implementation=implementation, blocks=self.blocks)
         if segment_ids is None:
             segment_ids = jnp.ones(q.shape[:2], jnp.int32)
         if not self.own_shard_map:
@@ -288,7 +288,7 @@ class Context:
             return pair_forward(q, k, v, qs, ks, causal)
         from ultrajax.kernels import flash_attention as fa
 
-        opts = dict(blocks=self.blocks or fa.BlockSizes(), interpret=_interpret())
+        opts = dict(blocks=fa.BlockSizes.of(self.blocks), interpret=_interpret())
 
         def run(c):
             return lambda: fa.pair_forward(q, k, v, qs, ks, causal=c, **opts)
@@ -301,7 +301,7 @@ class Context:
             return pair_backward(q, k, v, qs, ks, lse, delta, do, causal)
         from ultrajax.kernels import flash_attention as fa
 
-        opts = dict(blocks=self.blocks or fa.BlockSizes(), interpret=_interpret())
+        opts = dict(blocks=fa.BlockSizes.of(self.blocks), interpret=_interpret())
 
         def run(c):
             return lambda: fa.pair_backward(q, k, v, qs, ks, lse, delta, do, causal=c, **opts)
