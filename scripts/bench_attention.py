@@ -2,20 +2,37 @@
 
     python scripts/bench_attention.py                       # seq 2048, 4096, 8192
     python scripts/bench_attention.py --seqs 2048 --heads 32 --kv-heads 8 --head-dim 64
+    python scripts/bench_attention.py --seqs 4096 --sweep    # tile sizes, warps, stages
 
 Each row: 16,384 tokens (batch = 16384 / seq), bf16, causal; with `--packed` four
 documents per row (segment ids; cuDNN then gets the equivalent dense mask). Forward +
 backward of sum(out * random) through `jax.grad`, median of timed calls after warm-up.
 The largest error of the kernel's output and gradients against cuDNN's is printed beside
-(bf16: expect ~1e-2). A benchmark, not a test: nothing is asserted.
+(bf16: expect ~1e-2). `--sweep` times each of SWEEP (or the `q,k,q_bwd,k_bwd,warps,stages`
+choices given) at every sequence length: what to set as `model.attention_blocks` and
+BlockSizes' defaults. A benchmark, not a test: nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
+
+from timing import median_ms
+
+# (q, k, q_bwd, k_bwd, warps, stages): the defaults first, then each one changed alone,
+# then the Triton tutorial's flash-attention choices (larger tiles, deeper pipelines)
+SWEEP = (
+    (128, 128, 64, 64, 4, 2),
+    (128, 64, 64, 64, 4, 2),
+    (64, 64, 64, 64, 4, 2),
+    (128, 128, 64, 64, 8, 2),
+    (128, 128, 64, 64, 4, 3),
+    (128, 64, 64, 64, 4, 4),
+    (128, 128, 32, 128, 4, 2),
+    (128, 128, 128, 128, 8, 2),
+    (128, 64, 64, 64, 8, 3),
+)
 
 
 def row(seq: int, args, blocks) -> str:
@@ -54,12 +71,8 @@ def row(seq: int, args, blocks) -> str:
     for name, fn in (("pallas", pallas), ("cudnn", cudnn)):
         f = fwd_bwd(fn)
         out = jax.block_until_ready(f(q, k, v))
-        times = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(q, k, v))
-            times.append(time.perf_counter() - t0)
-        results[name] = (statistics.median(times) * 1e3, out, jax.jit(fn)(q, k, v))
+        ms = median_ms(lambda f=f: jax.block_until_ready(f(q, k, v)), args.iters)
+        results[name] = (ms, out, jax.jit(fn)(q, k, v))
     (tp, gp, op), (tc, gc, oc) = results["pallas"], results["cudnn"]
     out_diff = float(jnp.abs(op.astype(jnp.float32) - oc.astype(jnp.float32)).max())
     grad_diff = max(
@@ -84,6 +97,13 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--block-q", type=int, default=128)
     p.add_argument("--block-k", type=int, default=64)
+    p.add_argument(
+        "--sweep",
+        nargs="?",
+        const="",
+        default=None,
+        help="time SWEEP, or 'q,k,q_bwd,k_bwd,warps,stages;...' (then --block-* are unused)",
+    )
     args = p.parse_args(argv)
 
     import jax
@@ -92,15 +112,24 @@ def main(argv=None) -> int:
     if jax.default_backend() != "gpu":
         print("bench_attention needs a GPU (cuDNN and the Triton lowering)", file=sys.stderr)
         return 2
-    blocks = BlockSizes(q=args.block_q, k=args.block_k, q_bwd=64, k_bwd=64)
-    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; blocks {blocks}")
+    if args.sweep is None:
+        choices = [BlockSizes(q=args.block_q, k=args.block_k, q_bwd=64, k_bwd=64)]
+    else:
+        given = [tuple(int(x) for x in c.split(",")) for c in args.sweep.split(";") if c]
+        choices = [BlockSizes(*c) for c in (given or SWEEP)]
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     print(
-        "| seq | batch | heads/kv | masks | pallas fwd+bwd ms | cudnn fwd+bwd ms | "
-        "pallas/cudnn | max |out diff| | max |grad diff| |"
+        "| q,k,q_bwd,k_bwd,warps,stages | seq | batch | heads/kv | masks | pallas fwd+bwd ms | "
+        "cudnn fwd+bwd ms | pallas/cudnn | max |out diff| | max |grad diff| |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for seq in (int(s) for s in args.seqs.split(",")):
-        print(row(seq, args, blocks), flush=True)
+        for b in choices:
+            name = f"{b.q},{b.k},{b.q_bwd},{b.k_bwd},{b.warps},{b.stages}"
+            try:
+                print(f"| {name} {row(seq, args, b)}", flush=True)
+            except Exception as e:  # a choice the GPU cannot hold (shared memory): say so
+                print(f"| {name} | {seq} | failed: {type(e).__name__}: {str(e)[:120]} |")
     return 0
 
 

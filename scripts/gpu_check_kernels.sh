@@ -1,16 +1,29 @@
 #!/usr/bin/env bash
-# One GPU call for the kernels: the Pallas flash attention's numerics against the jnp
-# reference at small shapes (compiled, not interpreted), then its speed beside cuDNN's.
+# One GPU call for the kernels: their numerics against the jnp references (the CPU tests,
+# then compiled: the Pallas flash attention, and the Triton RMSNorm through jax-triton),
+# then their speed: the flash attention beside cuDNN (default tiles and a sweep of tile
+# sizes, warps and stages) and the fused add + RMSNorm beside XLA's fusion.
 #   bash scripts/gpu_check_kernels.sh [OUT_DIR]
+# Wheels the GPU image lacks (grain, array-record, portpicker, jax-triton) come from .whl/;
+# each step has its own time limit inside a running budget (BUDGET s, default 480) and
+# writes OUT_DIR/<name>.txt.
 set -u
 OUT=${1:-${OUT:-/tmp/gpu_kernels}}
+BUDGET=${BUDGET:-480}
 mkdir -p "$OUT"
-[ -e ultrajax/kernels ] || ln -s ../kernels ultrajax/kernels  # what pip's mapping does
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/versions.txt"
-timeout 120 python3 -m pytest -q -x tests/test_kernels.py -p no:cacheprovider \
-  --override-ini="addopts=" 2>&1 | tail -5 | tee "$OUT/kernels-interpret.txt"
-timeout 100 python3 - <<'PY' 2>&1 | tee "$OUT/kernels-compiled.txt"
+start=$(date +%s)
+source "$(dirname "$0")/gpu_common.sh"
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  python3 -c "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__)"
+  python3 -c "import jax_triton; print('jax-triton', jax_triton.__version__)"
+  git log -1 --format='commit %h %s' 2>/dev/null || true
+} 2>&1 | tee "$OUT/versions.txt"
+
+PYTEST=(python3 -m pytest -q -p no:cacheprovider --override-ini=addopts= -rs)
+run tests-kernels 150 "${PYTEST[@]}" tests/test_kernels.py tests/test_triton.py
+run flash-compiled 100 python3 - <<'PY'
 import jax, jax.numpy as jnp, numpy as np
 from ultrajax.kernels.flash_attention import BlockSizes, flash_attention, reference
 rng = np.random.default_rng(0)
@@ -27,5 +40,8 @@ for (b, t, h, kv, d, dt) in [(2, 200, 8, 2, 64, jnp.float32), (2, 512, 8, 2, 64,
     err = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b).max())
     print(dt.__name__, "out", err(o, ro), "lse", err(lse, rl), "grads", [err(a, b) for a, b in zip(g, gr)])
 PY
-timeout 150 python3 scripts/bench_attention.py 2>&1 | tee "$OUT/bench-causal.txt"
-timeout 90 python3 scripts/bench_attention.py --seqs 2048,8192 --packed 2>&1 | tee "$OUT/bench-packed.txt"
+run bench-norm 60 python3 scripts/bench_norm.py
+run bench-causal 100 python3 scripts/bench_attention.py
+run bench-packed 80 python3 scripts/bench_attention.py --seqs 2048,8192 --packed
+run sweep-4096 150 python3 scripts/bench_attention.py --seqs 4096 --sweep --iters 5
+echo "total $(($(date +%s) - start)) s"

@@ -2,9 +2,9 @@
 # the Python path, and `run`, which gives each measurement its own time limit inside a
 # running budget. Needs OUT, BUDGET and start (date +%s) set by the caller.
 
-# Wheels the GPU image lacks (grain, array-record, portpicker), from .whl/ if present;
-# flax and jax are the image's own. kernels/ is reached as ultrajax.kernels through a
-# link, as pip's package mapping would.
+# Wheels the GPU image lacks (grain, array-record, portpicker, jax-triton), from .whl/ if
+# present; flax and jax are the image's own. kernels/ is reached as ultrajax.kernels
+# through a link, as pip's package mapping would.
 if compgen -G ".whl/*.whl" >/dev/null; then
   rm -rf /tmp/site
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
