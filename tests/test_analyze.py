@@ -325,3 +325,19 @@ def test_pipeline_report_against_the_compiled_sends():
     text = analyze.format_report(report)
     for needle in ("pipeline: 1f1b, p=4", "formula 2·m·(v·p-1)/p = 12 messages", "static count"):
         assert needle in text, text
+
+
+@pytest.mark.parametrize(
+    "attention, compiled", [("tiled", "tiled"), ("blocked", "blocked"), ("pallas", "xla")]
+)
+def test_compiled_attention_is_the_one_that_runs_here(attention, compiled):
+    """Off a GPU, a GPU kernel (interpreted here, its memory meaningless) is compiled as
+    xla with a note saying so; the XLA attentions run here and are compiled as given."""
+    from ultrajax import config as config_lib
+
+    cfg = config_lib.load(TINY, [f"model.attention={attention}"])
+    ccfg, notes = analyze._compile_config(cfg)
+    assert ccfg.model.attention == compiled
+    assert any(f"attention={attention} runs on a GPU" in n for n in notes) == (
+        compiled != attention
+    )

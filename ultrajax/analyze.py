@@ -58,7 +58,7 @@ def _compile_config(cfg: Config) -> tuple[Config, list[str]]:
     notes = []
     backend = jax.default_backend()
     on_gpu = attention.resolve(cfg.model.attention, "gpu", cfg.data.cross_doc_mask)
-    if backend != "gpu" and on_gpu != "xla":
+    if backend != "gpu" and attention.BACKENDS[on_gpu].gpu_kernel:
         cfg = copy.deepcopy(cfg)
         cfg.model.attention = "xla"
         notes.append(

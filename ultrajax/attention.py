@@ -33,6 +33,9 @@ class Backend:
     flash: bool  # never stores the (length x length) scores; saves the log-sum-exp instead
     note: str
     tiles: bool = False  # takes model.attention_blocks (the Pallas kernel's tile sizes)
+    # a GPU kernel: off a GPU it cannot run (gpu_only) or runs interpreted, for tests only,
+    # so its speed and memory there say nothing (analyze compiles xla in its place)
+    gpu_kernel: bool = False
 
 
 def mask(segment_ids: jax.Array | None, length: int, kv_length=None, q_offset=0) -> jax.Array:
@@ -330,9 +333,19 @@ BACKENDS = {
     b.name: b
     for b in (
         Backend("xla", xla_attention, False, False, True, False, "plain einsum, s² fp32 scores"),
-        Backend("cudnn", cudnn_attention, True, False, False, True, "cuDNN via jax.nn"),
         Backend(
-            "pallas", pallas_attention, False, True, False, True, "kernels/, Pallas", tiles=True
+            "cudnn", cudnn_attention, True, False, False, True, "cuDNN via jax.nn", gpu_kernel=True
+        ),
+        Backend(
+            "pallas",
+            pallas_attention,
+            False,
+            True,
+            False,
+            True,
+            "kernels/, Pallas",
+            tiles=True,
+            gpu_kernel=True,
         ),
         Backend(
             "blocked",
