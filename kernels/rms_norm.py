@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from ultrajax.kernels.triton_call import call
 from ultrajax.kernels.varying import sum_like
 

@@ -20,6 +20,7 @@ import threading
 
 import jax
 import numpy as np
+
 from ultrajax.kernels.varying import vary_like
 
 

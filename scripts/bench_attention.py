@@ -40,6 +40,7 @@ def row(seq: int, args, blocks) -> str:
     import jax
     import jax.numpy as jnp
     import numpy as np
+
     from ultrajax.kernels.flash_attention import flash_attention
 
     b = max(1, args.tokens // seq)
@@ -107,6 +108,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import jax
+
     from ultrajax.kernels.flash_attention import BlockSizes
 
     if jax.default_backend() != "gpu":

@@ -25,6 +25,7 @@ def row(d: int, args) -> str:
     import jax
     import jax.numpy as jnp
     import numpy as np
+
     from ultrajax.kernels.rms_norm import reference, rms_norm
 
     rng = np.random.default_rng(d)

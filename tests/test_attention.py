@@ -207,7 +207,6 @@ def test_attention_blocks_reach_the_kernel(monkeypatch):
     """model.attention_blocks, through the interface and the layout's context, become the
     kernel's tiles; the result is the plain attention's with tiles that do not divide it."""
     from ultrajax.kernels import flash_attention as fa
-
     from ultrajax.parallel.context import Context
 
     seen = []
