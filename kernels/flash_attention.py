@@ -7,7 +7,10 @@ probabilities from the saved log-sum-exp instead of storing them.
 
 What it supports, and how:
 - causal masking by index, and packed documents by segment ids (a query attends to keys
-  of its own segment only): no dense mask is ever built, each block builds its own;
+  of its own segment only): no dense mask is ever built, each block builds its own, and
+  blocks that cannot share a document are skipped: the loops start and end where the
+  segment ids' block minima and maxima allow (`_visible`), so with several documents in a
+  row the work falls with the documents' lengths, not the row's;
 - grouped-query attention without repeating K/V: query head h reads K/V head
   h // (heads / kv_heads) through the BlockSpec's index map;
 - fp32 accumulation in every dot; returns the output and the log-sum-exp (natural log,
@@ -34,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
 from ultrajax.kernels.varying import struct
 
 NEG_INF = -1e30  # finite: a masked score, so exp() is exactly 0 and max() stays finite
@@ -103,7 +107,9 @@ def _mask(q_seg, k_seg, q_start, k_start, causal):
     return visible
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, *, scale, bq, bk, causal):
+def _fwd_kernel(
+    q_ref, k_ref, v_ref, qs_ref, ks_ref, first_ref, o_ref, lse_ref, *, scale, bq, bk, causal
+):
     i = pl.program_id(2)
     n_k = k_ref.shape[0] // bk
     q = q_ref[...]
@@ -124,7 +130,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, *, scale, b
     last = jnp.minimum(n_k, pl.cdiv((i + 1) * bq, bk)) if causal else n_k
     acc = jnp.zeros(q.shape, jnp.float32)
     m = jnp.full((bq,), NEG_INF, jnp.float32)
-    acc, m, denom = lax.fori_loop(0, last, body, (acc, m, jnp.zeros((bq,), jnp.float32)))
+    first = first_ref[...].min()  # key blocks before it hold other documents only
+    acc, m, denom = lax.fori_loop(first, last, body, (acc, m, jnp.zeros((bq,), jnp.float32)))
     seen = denom > 0
     safe = jnp.where(seen, denom, 1.0)
     o_ref[...] = jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(o_ref.dtype)
@@ -139,8 +146,8 @@ def _probs(q, k, lse, q_seg, k_seg, q_start, k_start, scale, causal):
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, bq, bk,
-    causal,
+    q_ref, k_ref, v_ref, qs_ref, ks_ref, first_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
+    scale, bq, bk, causal,
 ):  # fmt: skip
     i = pl.program_id(2)
     n_k = k_ref.shape[0] // bk
@@ -154,13 +161,13 @@ def _dq_kernel(
         return dq + _dot(ds.astype(k.dtype), k)
 
     last = jnp.minimum(n_k, pl.cdiv((i + 1) * bq, bk)) if causal else n_k
-    dq = lax.fori_loop(0, last, body, jnp.zeros(q.shape, jnp.float32))
+    dq = lax.fori_loop(first_ref[...].min(), last, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale,
-    bq, bk, causal,
+    q_ref, k_ref, v_ref, qs_ref, ks_ref, end_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
+    scale, bq, bk, causal,
 ):  # fmt: skip
     j = pl.program_id(2)
     n_q = q_ref.shape[0] // bq
@@ -177,7 +184,8 @@ def _dkv_kernel(
 
     first = (j * bk) // bq if causal else 0
     zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = lax.fori_loop(first, n_q, body, (zeros, zeros))
+    end = jnp.minimum(n_q, end_ref[...].max())  # query blocks after it: later documents only
+    dk, dv = lax.fori_loop(first, end, body, (zeros, zeros))
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -233,16 +241,37 @@ def _forward(q, k, v, qs, ks, *, blocks: BlockSizes, causal: bool, interpret: bo
     bq, bk = blocks.q, blocks.k
     qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, True)
     kernel = functools.partial(_fwd_kernel, scale=d**-0.5, bq=bq, bk=bk, causal=causal)
+    first, _ = _visible(qs, ks, bq, bk)
     return _call(
         kernel,
         (b, h, t // bq),
-        [qspec, kvspec, kvspec, qsspec, ksspec],
+        [qspec, kvspec, kvspec, qsspec, ksspec, qsspec],
         [qspec, row],
         [struct(q.shape, q.dtype, q, k), struct((b, h, t), jnp.float32, q, k)],
         interpret,
         "flash_attention_forward",
         blocks,
-    )(q, k, v, qs, ks)
+    )(q, k, v, qs, ks, first)
+
+
+def _visible(qs, ks, bq, bk):
+    """Which blocks can see each other at all, from the segment ids: (first, end).
+
+    first (b, t): for each query, the first key block its query block may attend to;
+    every earlier key block holds only segment ids below all of the query block's, so
+    none can match. end (b, s): for each key, one past the last query block that may see
+    its key block; every later query block holds only ids above all of the key block's.
+    With packed documents (ids rising along the row) the loops then skip the blocks of
+    other documents; with none (or in any other order) they skip nothing, never too much."""
+    b, t = qs.shape
+    s = ks.shape[1]
+    q_min = qs.reshape(b, t // bq, bq).min(axis=-1)  # (b, query blocks)
+    k_max = ks.reshape(b, s // bk, bk).max(axis=-1)  # (b, key blocks)
+    sees = k_max[:, None, :] >= q_min[:, :, None]  # (b, query block, key block)
+    n_q, n_k = sees.shape[1:]
+    first = jnp.where(sees, jnp.arange(n_k), n_k).min(axis=2)
+    end = jnp.where(sees, jnp.arange(1, n_q + 1)[:, None], 0).max(axis=1)
+    return jnp.repeat(first, bq, axis=1), jnp.repeat(end, bk, axis=1)
 
 
 def _delta(o, do):
@@ -257,17 +286,18 @@ def _backward(q, k, v, qs, ks, delta, lse, do, *, blocks: BlockSizes, causal: bo
     bq, bk = blocks.q_bwd, blocks.k_bwd
     scale = d**-0.5
     common = dict(scale=scale, bq=bq, bk=bk, causal=causal)
+    first, end = _visible(qs, ks, bq, bk)
     qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, True)
     dq = _call(
         functools.partial(_dq_kernel, **common),
         (b, h, t // bq),
-        [qspec, kvspec, kvspec, qsspec, ksspec, qspec, row, row],
+        [qspec, kvspec, kvspec, qsspec, ksspec, qsspec, qspec, row, row],
         qspec,
         struct(q.shape, q.dtype, q, k),
         interpret,
         "flash_attention_dq",
         blocks,
-    )(q, k, v, qs, ks, do, lse, delta)
+    )(q, k, v, qs, ks, first, do, lse, delta)
     qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, False)
     # dK, dV per query head (kv_heads x group), summed over each group afterwards
     per_head = pl.BlockSpec((None, bk, None, d), lambda bi, hi, j: (bi, j, hi, 0))
@@ -275,13 +305,13 @@ def _backward(q, k, v, qs, ks, delta, lse, do, *, blocks: BlockSizes, causal: bo
     dk, dv = _call(
         functools.partial(_dkv_kernel, **common),
         (b, h, s // bk),
-        [qspec, kvspec, kvspec, qsspec, ksspec, qspec, row, row],
+        [qspec, kvspec, kvspec, qsspec, ksspec, ksspec, qspec, row, row],
         [per_head, per_head],
         [shape, shape],
         interpret,
         "flash_attention_dkv",
         blocks,
-    )(q, k, v, qs, ks, do, lse, delta)
+    )(q, k, v, qs, ks, end, do, lse, delta)
     group = h // kv
     dk = dk.reshape(b, s, kv, group, d).sum(axis=3).astype(k.dtype)
     dv = dv.reshape(b, s, kv, group, d).sum(axis=3).astype(v.dtype)

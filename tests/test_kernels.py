@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from ultrajax.kernels.flash_attention import BlockSizes, flash_attention, reference
 
 BLOCKS = BlockSizes(q=16, k=16, q_bwd=8, k_bwd=16)
@@ -96,3 +97,36 @@ def test_rows_with_nothing_to_attend_to_give_zeros_not_nan():
                                            interpret=True)[0].sum())(q)  # fmt: skip
     assert not np.isnan(np.asarray(g)).any()
     np.testing.assert_array_equal(np.asarray(g[:, :5]), 0.0)
+
+
+def test_blocks_of_other_documents_are_skipped_and_nothing_else():
+    """Three documents in a row of 64 (tiles of 16): the loops start and end at the blocks
+    that can share a document, and the result (output, lse, gradients) is unchanged."""
+    from ultrajax.kernels.flash_attention import _visible
+
+    seg = np.concatenate([np.full(20, 1), np.full(25, 2), np.full(15, 3), np.zeros(4)])
+    seg = jnp.asarray(np.stack([seg, np.ones(64)]).astype(np.int32))  # row 2: one document
+    first, end = _visible(seg, seg, 16, 16)
+    # query blocks' smallest ids 1, 1, 2, 0 (padding); key blocks' largest 1, 2, 2, 3
+    np.testing.assert_array_equal(first[0, ::16], [0, 0, 1, 0])
+    np.testing.assert_array_equal(end[0, ::16], [4, 4, 4, 4])  # padding last: no end skip
+    np.testing.assert_array_equal(first[1, ::16], 0)
+    rising = jnp.asarray(np.repeat([[1, 1, 2, 3]], 16, axis=1), jnp.int32)  # no padding
+    first, end = _visible(rising, rising, 16, 16)
+    np.testing.assert_array_equal(first[0, ::16], [0, 0, 2, 3])
+    np.testing.assert_array_equal(end[0, ::16], [2, 2, 3, 4])
+    falling = rising[:, ::-1]  # nothing can be skipped, and nothing is
+    np.testing.assert_array_equal(_visible(falling, falling, 16, 16)[0], 0)
+    np.testing.assert_array_equal(_visible(falling, falling, 16, 16)[1], 4)
+    q, k, v, _ = inputs(2, 64, 4, 2, 8, jnp.float32, seed=9, packed=False)
+    blocks = BlockSizes(16, 16, 16, 16)
+    o, lse = flash_attention(q, k, v, seg, seg, blocks=blocks, interpret=True)
+    ro, rlse = reference(q, k, v, seg, seg)
+    np.testing.assert_allclose(o, ro, atol=2e-6, rtol=2e-5)
+    np.testing.assert_allclose(lse, rlse, atol=2e-6, rtol=2e-6)
+    do = jnp.asarray(np.random.default_rng(1).standard_normal(o.shape), jnp.float32)
+    kernel = lambda q, k, v: flash_attention(q, k, v, seg, seg, blocks=blocks, interpret=True)
+    got = grads(kernel, q, k, v, seg, do)
+    want = grads(lambda q, k, v: reference(q, k, v, seg, seg), q, k, v, seg, do)
+    for g, w, name in zip(got, want, "qkv", strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4, err_msg=f"d{name}")
