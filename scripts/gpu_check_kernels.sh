@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One GPU call for the kernels: their numerics against the jnp references (the CPU tests,
 # then compiled: the Pallas flash attention, and the Triton RMSNorm through jax-triton),
-# then their speed: the flash attention beside cuDNN (default tiles and a sweep of tile
-# sizes, warps and stages) and the fused add + RMSNorm beside XLA's fusion.
+# then their speed: the fused add + RMSNorm beside XLA's fusion, the flash attention
+# beside cuDNN (packed documents, a sweep of tile sizes, warps and stages, causal), in
+# that order, so that a small budget keeps the first.
 #   bash scripts/gpu_check_kernels.sh [OUT_DIR]
+# With issue 10's benchmark in one call of at most 10 minutes (docs/kernels.md):
+#   BUDGET=210 bash scripts/gpu_check_kernels.sh $OUT/kernels; BUDGET=330 bash scripts/bench_gpu.sh $OUT/bench
 # Wheels the GPU image lacks (grain, array-record, portpicker, jax-triton) come from .whl/;
 # each step has its own time limit inside a running budget (BUDGET s, default 480) and
 # writes OUT_DIR/<name>.txt.
@@ -41,7 +44,7 @@ for (b, t, h, kv, d, dt) in [(2, 200, 8, 2, 64, jnp.float32), (2, 512, 8, 2, 64,
     print(dt.__name__, "out", err(o, ro), "lse", err(lse, rl), "grads", [err(a, b) for a, b in zip(g, gr)])
 PY
 run bench-norm 60 python3 scripts/bench_norm.py
-run bench-causal 100 python3 scripts/bench_attention.py
 run bench-packed 80 python3 scripts/bench_attention.py --seqs 2048,8192 --packed
 run sweep-4096 150 python3 scripts/bench_attention.py --seqs 4096 --sweep --iters 5
+run bench-causal 100 python3 scripts/bench_attention.py
 echo "total $(($(date +%s) - start)) s"
