@@ -121,7 +121,6 @@ def _fused_bwd(eps, interpret, res, cotangents):
         rows,
         d,
         d,
-        per_program,
         out_shape=[
             jax.ShapeDtypeStruct((rows, d), h.dtype),
             jax.ShapeDtypeStruct((programs, d), jnp.float32),
@@ -130,6 +129,7 @@ def _fused_bwd(eps, interpret, res, cotangents):
         interpret=interpret,
         num_warps=_warps(_block(d)),
         HAS_DH=has_residual,
+        ROWS=per_program,
         BLOCK=_block(d),
     )
     dx = dx.reshape(h.shape)

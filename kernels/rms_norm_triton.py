@@ -39,30 +39,32 @@ def forward_kernel(
 
 
 def backward_kernel(
-    dy_ptr, dh_ptr, h_ptr, w_ptr, rstd_ptr, n_rows, n_cols, stride, rows_per_program,
-    dx_ptr, dw_ptr, HAS_DH: tl.constexpr, BLOCK: tl.constexpr,
+    dy_ptr, dh_ptr, h_ptr, w_ptr, rstd_ptr, n_rows, n_cols, stride,
+    dx_ptr, dw_ptr, HAS_DH: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """dx = rstd * (g - x̂ * mean(g * x̂)) + dh with g = dy * w and x̂ = h * rstd: the
     gradient through the norm plus the one that reached h by the residual stream (which
     is also the gradient of both addends). dw accumulates dy * x̂ over this program's
-    rows, in fp32."""
+    ROWS rows (a constant: the loop's bounds are never tensors), in fp32; rows past
+    n_rows load zeros and store nothing."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < n_cols
     w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), tl.float32)
-    start = pid * rows_per_program
-    end = tl.minimum(start + rows_per_program, n_rows)
-    for row in range(start, end):
+    for i in range(ROWS):
+        row = pid * ROWS + i
+        # as a block: Triton 3.9's interpreter mis-types a scalar mask and'ed with a block
+        real = (cols * 0 + row) < n_rows
         offs = row * stride + cols
-        x = tl.load(h_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row)
+        x = tl.load(h_ptr + offs, mask=inside & real, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=inside & real, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + tl.minimum(row, n_rows - 1))  # its x, dy are zeros past
         xhat = x * rstd
         g = dy * w
         dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / n_cols))
         if HAS_DH:
-            dx += tl.load(dh_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=inside)
+            dx += tl.load(dh_ptr + offs, mask=inside & real, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=inside & real)
         dw += dy * xhat
     tl.store(dw_ptr + pid * n_cols + cols, dw, mask=inside)
