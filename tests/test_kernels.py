@@ -130,3 +130,25 @@ def test_blocks_of_other_documents_are_skipped_and_nothing_else():
     want = grads(lambda q, k, v: reference(q, k, v, seg, seg), q, k, v, seg, do)
     for g, w, name in zip(got, want, "qkv", strict=True):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("blocks", [BlockSizes(), BlockSizes(64, 64, 32, 64, warps=8, stages=3)])
+def test_kernels_lower_to_triton_for_a_gpu(blocks):
+    """What the interpreter cannot show: forward, dQ and dK/dV go through Pallas's Triton
+    lowering for a GPU (lowered here for the cuda platform, not compiled): bf16, GQA 4:1,
+    packed documents, a length that is not a multiple of the tiles."""
+    q = jax.ShapeDtypeStruct((1, 200, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 200, 1, 64), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, 200), jnp.int32)
+
+    def grads(q, k, v, seg):
+        def loss(q, k, v):
+            o, _ = flash_attention(q, k, v, seg, seg, blocks=blocks, interpret=False)
+            return jnp.sum(o.astype(jnp.float32))
+
+        return jax.grad(loss, (0, 1, 2))(q, k, v)
+
+    text = jax.jit(grads).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()
+    for name in ("forward", "dq", "dkv"):
+        assert f'name = "flash_attention_{name}"' in text
+        assert f"num_warps = {blocks.warps}" in text and f"num_stages = {blocks.stages}" in text

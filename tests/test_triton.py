@@ -2,8 +2,9 @@
 
 On this CPU the kernel's own Triton source runs in Triton's interpreter, launched by the
 same JAX wrapper as on a GPU (kernels/triton_call.py): forward, backward, bf16, rows
-split over several backward programs, and inside `shard_map`. Where a GPU is present,
-one test compiles it through jax-triton in a process of its own.
+split over several backward programs, and inside `shard_map`; and Triton's compiler
+takes it to an sm_90 cubin. Where a GPU is present, one test runs it through jax-triton
+in a process of its own.
 """
 
 import os
@@ -127,6 +128,47 @@ def test_mismatched_inputs_are_refused():
         kernel.rms_norm(x, w[:8])
     with pytest.raises(ValueError, match="residual"):
         kernel.rms_norm(x, w, r.astype(jnp.bfloat16))
+
+
+COMPILE_CHECK = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ultrajax.kernels import rms_norm_triton as source
+
+def signature(fn, types, constants):
+    names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
+    return {n: types.get(n, "constexpr" if n in constants else "i32") for n in names}
+
+for dt in ("bf16", "fp32"):
+    ptr = {n: f"*{dt}" for n in ("x_ptr", "r_ptr", "y_ptr", "h_ptr", "dy_ptr", "dh_ptr", "dx_ptr")}
+    ptr.update(w_ptr="*fp32", rstd_ptr="*fp32", dw_ptr="*fp32", eps="fp32")
+    for fn, constants in (
+        (source.forward_kernel, dict(HAS_RESIDUAL=True, BLOCK=2048)),
+        (source.forward_kernel, dict(HAS_RESIDUAL=False, BLOCK=64)),
+        (source.backward_kernel, dict(HAS_DH=True, ROWS=32, BLOCK=2048)),
+        (source.backward_kernel, dict(HAS_DH=False, ROWS=1, BLOCK=64)),
+    ):
+        ast = ASTSource(fn=triton.jit(fn), signature=signature(fn, ptr, constants),
+                        constexprs=constants)
+        kernel = triton.compile(ast, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        assert kernel.asm["cubin"], fn.__name__
+        print(dt, fn.__name__, constants, len(kernel.asm["ptx"]), "bytes of PTX")
+print("ok")
+"""
+
+
+def test_triton_source_compiles_for_an_h100(tmp_path):
+    """What the interpreter cannot show: Triton's own compiler takes the kernels to an
+    sm_90 cubin (its bundled ptxas; no GPU needed), both dtypes and both variants, in a
+    process without the interpreter setting."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # never the user's ~/.triton
+    out = subprocess.run(
+        [sys.executable, "-c", COMPILE_CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+    assert out.stdout.count("bytes of PTX") == 8
 
 
 GPU_CHECK = """
