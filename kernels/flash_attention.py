@@ -61,8 +61,6 @@ class BlockSizes:
     @classmethod
     def of(cls, sizes) -> BlockSizes:
         """From `model.attention_blocks` ([q, k, q_bwd, k_bwd], or None: the defaults)."""
-        if isinstance(sizes, cls):
-            return sizes
         return cls() if sizes is None else cls(*sizes)
 
 

@@ -99,11 +99,12 @@ def _forward(x, residual, weight, eps, interpret):
 def _fused_fwd(x, residual, weight, eps, interpret):
     y, h, rstd = _forward(x, residual, weight, eps, interpret)
     out = (y, h) if residual is not None else y
-    return out, (h, weight, rstd, residual is not None)
+    return out, (h, weight, rstd)
 
 
 def _fused_bwd(eps, interpret, res, cotangents):
-    h, weight, rstd, has_residual = res
+    h, weight, rstd = res
+    has_residual = isinstance(cotangents, tuple)  # (dy, dh) where the output was (y, h)
     dy, dh = cotangents if has_residual else (cotangents, None)
     d = h.shape[-1]
     rows = h.size // d

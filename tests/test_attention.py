@@ -175,8 +175,9 @@ def test_auto_resolves_from_the_table():
     assert "needs a GPU" in attention.problem("cudnn", "cpu")
     # only a backend that says so is given a query offset
     q = jnp.zeros((1, 2, 2, 4))
-    with pytest.raises(ValueError, match="cannot place queries"):
-        attention.attend(q, q, q, implementation="pallas", q_offset=3)
+    for blocks in (None, (16, 16, 16, 16)):  # tile sizes do not get past the check either
+        with pytest.raises(ValueError, match="cannot place queries"):
+            attention.attend(q, q, q, implementation="pallas", q_offset=3, blocks=blocks)
 
 
 def test_pallas_backend_in_the_model_matches_xla():

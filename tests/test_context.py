@@ -153,7 +153,8 @@ def test_context_attention_equals_plain_attention(ctx):
     if ctx.kernel == "pallas":
         from test_kernels import BLOCKS
 
-        ctx = context.Context(ctx.size, ctx.mode, ctx.zigzag, kernel="pallas", blocks=BLOCKS)
+        tiles = (BLOCKS.q, BLOCKS.k, BLOCKS.q_bwd, BLOCKS.k_bwd)  # as model.attention_blocks
+        ctx = context.Context(ctx.size, ctx.mode, ctx.zigzag, kernel="pallas", blocks=tiles)
     t = 64
     rng = np.random.default_rng(7)
     q, k, v = (jnp.asarray(rng.standard_normal((2, t, n, 16)), jnp.float32) for n in (4, 2, 2))

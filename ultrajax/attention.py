@@ -407,10 +407,9 @@ def attend(q, k, v, segment_ids=None, *, implementation: str = "xla", q_offset=0
             f"model.attention: unknown implementation {implementation!r}; "
             f"use one of {', '.join(CHOICES)}"
         ) from None
-    if backend.tiles and blocks is not None:
-        return backend.fn(q, k, v, segment_ids, q_offset, blocks=blocks)
+    tiles = {"blocks": blocks} if backend.tiles and blocks is not None else {}
     if isinstance(q_offset, int) and q_offset == 0:
-        return backend.fn(q, k, v, segment_ids)
+        return backend.fn(q, k, v, segment_ids, **tiles)
     if not backend.q_offset:
         raise ValueError(f"attention backend {implementation!r} cannot place queries after keys")
-    return backend.fn(q, k, v, segment_ids, q_offset)
+    return backend.fn(q, k, v, segment_ids, q_offset, **tiles)
