@@ -23,6 +23,8 @@ import numpy as np
 
 from ultrajax.kernels.varying import vary_like
 
+SCALARS = (bool, int, float, np.generic)  # kernel arguments passed by value, not pointer
+
 
 def call(kernel, *args, out_shape, grid, interpret: bool, num_warps=None, **meta):
     """Run Python function `kernel` (Triton source, undecorated) on `args`; returns one
@@ -41,7 +43,7 @@ def call(kernel, *args, out_shape, grid, interpret: bool, num_warps=None, **meta
             num_warps=num_warps,
             **meta,
         )
-    arrays = [a for a in args if isinstance(a, jax.Array)]
+    arrays = [a for a in args if not isinstance(a, SCALARS)]
     return [vary_like(out, *arrays) for out in outs]
 
 
@@ -84,7 +86,7 @@ def _interpreted(kernel, args, out_shape, grid, meta):
             "triton was first imported (its own library functions are compiled or "
             "interpreted at import); tests/conftest.py sets it off a GPU"
         )
-    arrays = [i for i, a in enumerate(args) if not isinstance(a, (bool, int, float, np.generic))]
+    arrays = [i for i, a in enumerate(args) if not isinstance(a, SCALARS)]
 
     def host(*values):
         import torch
