@@ -8,7 +8,7 @@ writes h and y together, and keeps one fp32 number per row (1 / rms) for the bac
 The backward fuses the norm's gradient with the gradient that reached h by the
 residual stream, and writes per-program fp32 partial sums of the scale's gradient.
 
-The arithmetic is the model's (`ultrajax.model.rms_norm`): h rounded to x's dtype, the
+The arithmetic is the model's (`ultrajax.model.nn.rms_norm`): h rounded to x's dtype, the
 mean of squares and the scaling in fp32, y rounded to x's dtype. Its Triton source is
 kernels/rms_norm_triton.py; kernels/triton_call.py launches it through jax-triton on a
 GPU and through Triton's interpreter with `interpret=True` (the CPU tests).

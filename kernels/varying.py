@@ -9,8 +9,7 @@ inputs vary over.
 from __future__ import annotations
 
 import jax
-
-from ultrajax.weights import vma
+import jax.numpy as jnp
 
 
 def struct(shape, dtype, *like):
@@ -40,3 +39,24 @@ def sum_like(ct, primal):
     JAX's own transpose does for a replicated input (a norm's scale under data parallel)."""
     extra = tuple(sorted(vma(ct) - vma(primal)))
     return jax.lax.psum(ct, extra) if extra else ct
+
+
+def vma(x) -> frozenset:
+    """The manual mesh axes over which x may differ (empty outside shard_map)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def vary(x, axes):
+    """x typed as varying over `axes` as well (no data moves)."""
+    missing = tuple(a for a in axes if a not in vma(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def zeros32(x):
+    """fp32 zeros with x's shape and varying axes."""
+    z = jnp.zeros(x.shape, jnp.float32)
+    return vary(z, tuple(sorted(vma(x))))

@@ -6,7 +6,7 @@ for each sequence-axis layout of the same model and global batch.
 Every row compiles the real train step (ultrajax.step, as `python -m ultrajax.train` runs
 it) on simulated CPU devices (or the GPUs present) and reports, per device: XLA's compiled
 temporaries (the activations and working set), the bytes its context-parallel
-collectives send per step, read from the compiled HLO (ultrajax/comms.py), beside the
+collectives send per step, read from the compiled HLO (ultrajax/tools/hlo.py), beside the
 formula, the causal attention work of the busiest device over the least busy
 (parallel/context.py), and the median step time. On a CPU the times say little about a
 GPU cluster; memory, bytes and balance do.
@@ -18,6 +18,10 @@ import argparse
 import sys
 
 from timing import median_step_ms
+
+from ultrajax.config import parse, validate
+from ultrajax.cost import comms as comms_lib
+from ultrajax.tools import hlo
 
 ROWS = (  # (label, overrides)
     ("cp=1, blocked attention", ["model.attention=blocked"]),
@@ -41,9 +45,9 @@ def main(argv=None) -> int:
     jax.config.update("jax_num_cpu_devices", 8)  # used only where the backend is the CPU
     import numpy as np
 
-    from ultrajax import analyze, comms, config
-    from ultrajax import batch as batch_lib
     from ultrajax.parallel import context
+    from ultrajax.tools import analyze
+    from ultrajax.train import batch as batch_lib
 
     base = [
         "model.n_layers=2",
@@ -63,13 +67,13 @@ def main(argv=None) -> int:
     head = f"{'layout':<28}{'temp MiB':>10}{'CP MiB':>10}{'formula':>9}{'work max/min':>14}"
     print(head + f"{'ms/step':>10}")
     for label, extra in ROWS:
-        cfg = config.load("configs/tiny.yaml", base + extra)
-        config.resolve_mesh(cfg, cfg.mesh.sequence)
+        cfg = parse.load("configs/tiny.yaml", base + extra)
+        validate.resolve_mesh(cfg, cfg.mesh.sequence)
         devices = jax.devices()[: cfg.mesh.sequence]
         compiled = analyze.compile_step(cfg, devices)
         temp = compiled.memory_analysis().temp_size_in_bytes
-        found, _ = comms.collectives(compiled.as_text())
-        expected = context.permute_bytes(cfg)  # the context-parallel kinds and their bytes
+        found, _ = hlo.collectives(compiled.as_text())
+        expected = comms_lib.permute_bytes(cfg)  # the context-parallel kinds and their bytes
         sent = sum(c.traffic * c.count for c in found if c.kind in expected)
         formula = sum(expected.values())
         cp = cfg.mesh.sequence

@@ -24,7 +24,7 @@ def jax_rows(args) -> list[tuple[str, float, float]]:
     import jax.numpy as jnp
     import numpy as np
 
-    from ultrajax import attention
+    from ultrajax.model.attention import backends as attention
 
     b, t, h, kv, d = args.batch, args.seq, args.heads, args.kv_heads, args.head_dim
     rng = np.random.default_rng(0)

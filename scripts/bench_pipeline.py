@@ -22,6 +22,9 @@ import sys
 
 from timing import median_step_ms
 
+from ultrajax.config import parse, validate
+from ultrajax.parallel.pipeline import plan as plan_lib
+
 KINDS = (("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
 
 
@@ -38,9 +41,9 @@ def main(argv=None) -> int:
     jax.config.update("jax_num_cpu_devices", max(8, args.p))
     import numpy as np
 
-    from ultrajax import analyze, config
-    from ultrajax import batch as batch_lib
-    from ultrajax.parallel import pipeline, schedule
+    from ultrajax.parallel.pipeline import schedules as schedule
+    from ultrajax.tools import analyze
+    from ultrajax.train import batch as batch_lib
 
     base = [
         f"model.n_layers={args.layers}",
@@ -64,14 +67,14 @@ def main(argv=None) -> int:
             over = [f"train.grad_accum={m}", *extra]
             if kind:
                 over += [f"parallel.pipeline_schedule={kind}", f"parallel.virtual_stages={v}"]
-            cfg = config.load("configs/tiny.yaml", base + over)
+            cfg = parse.load("configs/tiny.yaml", base + over)
             n = cfg.mesh.pipeline
-            config.resolve_mesh(cfg, n)
+            validate.resolve_mesh(cfg, n)
             devices = jax.devices()[:n]
             compiled = analyze.compile_step(cfg, devices)
             temp = compiled.memory_analysis().temp_size_in_bytes
             if kind:
-                plan = pipeline.make_plan(kind, n, m, v)
+                plan = plan_lib.make_plan(kind, n, m, v)
                 ticks, flight = plan.ticks, plan.slots["res"]
                 bubble = schedule.bubble(plan.table)
                 formula = schedule.formula(kind, n, m, v)

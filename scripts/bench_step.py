@@ -9,7 +9,7 @@ The step is built exactly as `python -m ultrajax.train` builds it
 (`ultrajax.train.prepare`: mesh, rules, sharded state created inside jit, the
 donated, jitted step), then compiled once ahead of time and fed random token
 batches that are already on the device, so the figures leave out the data
-pipeline. MFU and HFU use `ultrajax.metrics`: FLOPs per token 6N + 12·L·h·s
+pipeline. MFU and HFU use `ultrajax.cost.flops`: FLOPs per token 6N + 12·L·h·s
 against the data-sheet peak of a known GPU, or on a CPU a measured matmul rate
 (labelled as measured). This is a benchmark, not a test: nothing is asserted.
 """
@@ -19,6 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+
+from ultrajax.cost import flops
+from ultrajax.train import peaks
 
 # Each size: model shape, sequence length and micro-batch. `cpu` sizes keep a run of the
 # defaults under a minute on 2 cores; `gpu` sizes are Llama-style shapes at ~125M, ~350M, ~1B.
@@ -67,8 +70,8 @@ def size_overrides(name: str, platform: str, user: list[str]) -> list[str]:
 
 def random_batch(cfg, batch_sh, rng):
     """A Batch of random tokens, one document a row, on the devices."""
-    from ultrajax import batch
     from ultrajax.parallel.context import token_order
+    from ultrajax.train import batch
 
     packed = batch.random_packed(cfg.global_batch, cfg.model.seq_len, cfg.model.vocab_size, rng)
     b = batch.make(packed, cfg.data.cross_doc_mask, cfg.train.grad_accum, token_order(cfg))
@@ -79,9 +82,8 @@ def bench(name: str, cfg, steps: int, warmup: int) -> dict:
     import jax
     import numpy as np
 
-    from ultrajax import metrics
-    from ultrajax.model import param_count
-    from ultrajax.train import prepare
+    from ultrajax.model.llama import param_count
+    from ultrajax.train.setup import prepare
 
     mesh, _, _, state, step_fn, _, batch_sh = prepare(cfg)
     rng = np.random.default_rng(cfg.train.seed)
@@ -95,7 +97,7 @@ def bench(name: str, cfg, steps: int, warmup: int) -> dict:
             state, out = compiled(state, batches[i % 2], pos)
         jax.block_until_ready(state)
         # a CPU's peak is measured: measure it next to the timed steps, under the same load
-        peak, _ = metrics.host_peak(cfg)
+        peak, _ = peaks.host_peak(cfg)
         t0 = time.perf_counter()
         for i in range(steps):
             state, out = compiled(state, batches[i % 2], np.float32(warmup + i))
@@ -108,11 +110,11 @@ def bench(name: str, cfg, steps: int, warmup: int) -> dict:
         "tokens_per_step": cfg.tokens_per_step,
         "step_ms": step_s * 1e3,
         "tokens_per_s": tokens_per_s,
-        "mfu": tokens_per_s * metrics.flops_per_token(cfg.model) / peak,
-        "hfu": tokens_per_s * metrics.hardware_flops_per_token(cfg.model) / peak,
+        "mfu": tokens_per_s * flops.flops_per_token(cfg.model) / peak,
+        "hfu": tokens_per_s * flops.hardware_flops_per_token(cfg.model) / peak,
         "peak": peak,
         "compile_s": compile_s,
-        "memory": metrics.peak_memory_bytes(),  # GPU: the process's peak so far
+        "memory": peaks.peak_memory_bytes(),  # GPU: the process's peak so far
         "layout": f"{cfg.train.micro_batch_size}x{cfg.model.seq_len}, dp={cfg.dp},"
         + (f" cp={cfg.mesh.sequence}," if cfg.mesh.sequence > 1 else "")
         + (f" tp={cfg.mesh.tensor}," if cfg.mesh.tensor > 1 else "")
@@ -125,7 +127,7 @@ def _gib(nbytes) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    from ultrajax.metrics import human
+    from ultrajax.cost.units import human
 
     head = "| model | params | batch (mbs x seq, layout) | tokens/step | step ms | tokens/s | peak FLOP/s | MFU | HFU | compile s | peak memory |"  # noqa: E501
     lines = [head, "|" + "---|" * 11]
@@ -156,17 +158,17 @@ def main(argv=None) -> int:
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
 
-    from ultrajax import cli, overlap
-    from ultrajax.config import ConfigError, load
+    from ultrajax import cli
+    from ultrajax.config.parse import load
+    from ultrajax.config.schema import ConfigError
+    from ultrajax.train import overlap
 
-    try:  # the GPU overlap flags of parallel.*, as train.py sets them: before the backend
+    try:  # the GPU overlap flags of parallel.*, as the train command sets them: before the backend
         overlap.apply(load(None, [o for o in args.overrides if o.startswith("parallel.")]).parallel)
     except ConfigError as e:
         cli.fail(str(e))
     cli.setup_devices(args.cpu_devices)  # before anything asks JAX for devices
     import jax
-
-    from ultrajax import metrics
 
     platform = jax.default_backend()
     names = args.sizes.split(",") if args.sizes else DEFAULTS.get(platform, DEFAULTS["gpu"])
@@ -184,7 +186,7 @@ def main(argv=None) -> int:
     if platform == "cpu":
         source = "measured: fp32 1024x1024 matmul on this CPU, just before each size's steps"
     else:
-        source = metrics.device_peak(device, cfgs[0][1].model.dtype)[1] + " x devices"
+        source = peaks.device_peak(device, cfgs[0][1].model.dtype)[1] + " x devices"
     print(f"peak: {source}")
     print(f"timing: {args.warmup} warm-up + {args.steps} timed steps per size, random tokens")
     rows = []

@@ -1,4 +1,4 @@
-"""Fit the memory model's working-set coefficients (ultrajax/memory.py) to XLA, and check
+"""Fit the memory model's working-set coefficients (ultrajax/cost/activations.py) to XLA, and check
 them on shapes they were not fitted to.
 
 `python scripts/fit_memory.py` compiles the train step for FIT_SHAPES (small fp32 shapes
@@ -12,7 +12,7 @@ solves for
   - PIPE_WORK and PIPE_ATTN_S: the share of a layer's working set a pipeline tick keeps
     and its attention's copies of the scores, by a grid search for the smallest worst
     error over the mesh.pipeline > 1 shapes.
-It prints the fitted values to paste into memory.py, and the predicted/compiled peak
+It prints the fitted values to paste into cost/activations.py, and the predicted/compiled peak
 ratio of every fitting shape with them.
 
 `python scripts/fit_memory.py --validate` compiles VALIDATION_SHAPES, kept apart from the
@@ -34,6 +34,8 @@ import platform
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+from ultrajax.cost import activations, sizes
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -266,7 +268,7 @@ def compile_all(shapes, threads: int = 2, cache: str | None = None):
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    from ultrajax import analyze
+    from ultrajax.tools import analyze
 
     harness = _harness()
 
@@ -293,7 +295,7 @@ def fit(results) -> None:
     import numpy as np
     from scipy.optimize import lsq_linear
 
-    from ultrajax import memory
+    from ultrajax.cost import memory
 
     kernels = [r for r in results if r[1].model.attention in ("tiled", "blocked")]
     plain = [r for r in results if r[1].mesh.sequence == 1 and r[1].mesh.pipeline == 1]
@@ -307,10 +309,10 @@ def fit(results) -> None:
         est = memory.estimate(cfg)
         if est.peak_phase != memory.Phase.LAYER_BACKWARD:
             continue
-        pol, common, mlp = memory.work_features(cfg)
+        pol, common, mlp = activations.work_features(cfg)
         known = est.phases[memory.Phase.LAYER_BACKWARD] - est.parts.work
-        d = memory.dims(cfg)
-        target = compiled["temp"] - known - d.c * memory.layer_weight_elements(cfg)["norm"]
+        d = sizes.dims(cfg)
+        target = compiled["temp"] - known - d.c * sizes.layer_weight_elements(cfg)["norm"]
         rows.setdefault(pol, []).append(([*common.values(), *mlp.values()], target))
         names = [*common, *mlp]
     for pol, data in rows.items():
@@ -320,75 +322,75 @@ def fit(results) -> None:
         # exact terms downwards where XLA reuses a buffer they count
         lower = [-np.inf if k == "Z" else 0.0 for k in names]
         coef = lsq_linear(a, b, bounds=(lower, np.inf)).x
-        memory.WORK[pol] = {k: round(float(v), 1) for k, v in zip(names, coef, strict=True)}
+        activations.WORK[pol] = {k: round(float(v), 1) for k, v in zip(names, coef, strict=True)}
 
     if ring:  # the ring's own working set: what the layer's does not explain, relative
-        for k in memory.CP_WORK:
-            memory.CP_WORK[k] = 0.0
+        for k in activations.CP_WORK:
+            activations.CP_WORK[k] = 0.0
         a, b = [], []
         for _overrides, cfg, compiled in ring:
-            feats = memory.ring_features(cfg)
+            feats = activations.ring_features(cfg)
             w = 1.0 / compiled["peak"]
             a.append([w * v for v in feats.values()])
             b.append(w * (compiled["temp"] - memory.estimate(cfg).temp))
         coef = lsq_linear(np.array(a), np.array(b), bounds=(0.0, np.inf)).x
-        for k, v in zip(memory.CP_WORK, coef, strict=True):
-            memory.CP_WORK[k] = round(float(v), 2)
+        for k, v in zip(activations.CP_WORK, coef, strict=True):
+            activations.CP_WORK[k] = round(float(v), 2)
 
     if kernels:  # what the layer's working set does not explain, relative
-        for k in memory.KERNEL_WORK:
-            memory.KERNEL_WORK[k] = 0.0
+        for k in activations.KERNEL_WORK:
+            activations.KERNEL_WORK[k] = 0.0
         for name, keys in (("tiled", ("T",)), ("blocked", ("P", "M"))):
             a, b = [], []
             for _overrides, cfg, compiled in kernels:
                 if cfg.model.attention != name:
                     continue
                 w = 1.0 / compiled["peak"]
-                feats = memory.kernel_features(cfg)
+                feats = activations.kernel_features(cfg)
                 a.append([w * feats[k] for k in keys])
                 target = compiled["temp"] - memory.estimate(cfg).temp
                 if name == "blocked":  # its moment replaces the MLP's, where it is larger
-                    target += memory.mlp_moment(cfg)
+                    target += activations.mlp_moment(cfg)
                 b.append(w * target)
             coef = lsq_linear(np.array(a), np.array(b), bounds=(0.0, np.inf)).x
             for k, v in zip(keys, coef, strict=True):
-                memory.KERNEL_WORK[k] = round(float(v), 2)
+                activations.KERNEL_WORK[k] = round(float(v), 2)
 
     if piped:  # smallest worst |log(predicted / compiled)|, on a grid of values
         best = None
         for attn in np.arange(2.0, 4.01, 0.25):
-            memory.PIPE_ATTN_S = float(attn)
+            activations.PIPE_ATTN_S = float(attn)
             worst = {}
             for share in np.arange(0.5, 1.21, 0.05):
-                for pol in memory.PIPE_WORK:
-                    memory.PIPE_WORK[pol] = float(share)
+                for pol in activations.PIPE_WORK:
+                    activations.PIPE_WORK[pol] = float(share)
                 for _o, cfg, compiled in piped:
-                    pol = memory.work_features(cfg)[0]
+                    pol = activations.work_features(cfg)[0]
                     err = abs(math.log(memory.estimate(cfg).peak / compiled["peak"]))
                     key = (pol, round(float(share), 2))
                     worst[key] = max(worst.get(key, 0.0), err)
             shares = {}
-            for pol in {memory.work_features(cfg)[0] for _o, cfg, _c in piped}:
+            for pol in {activations.work_features(cfg)[0] for _o, cfg, _c in piped}:
                 shares[pol] = min((e, s) for (p, s), e in worst.items() if p == pol)
             total = max(e for e, _ in shares.values())
             if best is None or total < best[0]:
                 best = (total, float(attn), {p: s for p, (_, s) in shares.items()})
-        _, memory.PIPE_ATTN_S, shares = best
-        memory.PIPE_WORK.update(shares)
+        _, activations.PIPE_ATTN_S, shares = best
+        activations.PIPE_WORK.update(shares)
 
     print("WORK = {")
-    for pol, coef in memory.WORK.items():
+    for pol, coef in activations.WORK.items():
         print(f'    "{pol}": {coef},'.replace("'", '"'))
     print("}")
-    print(f"CP_WORK = {memory.CP_WORK}".replace("'", '"'))
-    print(f"KERNEL_WORK = {memory.KERNEL_WORK}".replace("'", '"'))
-    print(f"PIPE_WORK = {memory.PIPE_WORK}".replace("'", '"'))
-    print(f"PIPE_ATTN_S = {memory.PIPE_ATTN_S}")
+    print(f"CP_WORK = {activations.CP_WORK}".replace("'", '"'))
+    print(f"KERNEL_WORK = {activations.KERNEL_WORK}".replace("'", '"'))
+    print(f"PIPE_WORK = {activations.PIPE_WORK}".replace("'", '"'))
+    print(f"PIPE_ATTN_S = {activations.PIPE_ATTN_S}")
 
 
 def table(results) -> tuple[list[str], float]:
     """The markdown table (shape, predicted, compiled, ratio) and the worst ratio."""
-    from ultrajax import memory
+    from ultrajax.cost import memory
 
     lines = [
         "| shape (over BASE) | peak phase | predicted | compiled | ratio |",

@@ -33,7 +33,8 @@ GRACE=${ULTRAJAX_GRACE_S:-2}
 # train.run_dir as the run will see it (config file, then overrides); bad input -> one line, exit 2
 RUN_DIR=$("$PYTHON" - "$@" <<'EOF'
 import argparse, sys
-from ultrajax.config import ConfigError, load
+from ultrajax.config.parse import load
+from ultrajax.config.schema import ConfigError
 p = argparse.ArgumentParser(add_help=False)
 p.add_argument("--config")
 known, rest = p.parse_known_args(sys.argv[1:])

@@ -108,8 +108,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_step import random_batch, size_overrides
 
-    from ultrajax.config import load
-    from ultrajax.train import prepare
+    from ultrajax.config.parse import load
+    from ultrajax.train.setup import prepare
 
     cfg = load(None, size_overrides(args.size, jax.default_backend(), args.overrides))
     mesh, _, _, state, step_fn, _, batch_sh = prepare(cfg)

@@ -26,10 +26,10 @@ def median_step_ms(compiled, cfg, devices, batch, steps: int) -> float:
     command would, run `compiled` once to warm up, then `steps` times: the median in ms."""
     import jax
 
-    from ultrajax import batch as batch_lib
-    from ultrajax import mesh as mesh_lib
-    from ultrajax import optim
-    from ultrajax import step as step_lib
+    from ultrajax.parallel import mesh as mesh_lib
+    from ultrajax.train import batch as batch_lib
+    from ultrajax.train import optim
+    from ultrajax.train import step as step_lib
 
     mesh = mesh_lib.make_mesh(cfg, devices)
     tx = optim.optimizer(cfg)

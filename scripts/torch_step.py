@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. train.micro_batch_size=8")
     args = p.parse_args(argv)
 
-    from ultrajax.config import load
+    from ultrajax.config.parse import load
 
     platform = "gpu" if torch.cuda.is_available() else "cpu"
     cfg = load(None, size_overrides(args.size, platform, [*args.overrides, "mesh.data=1"]))

@@ -5,7 +5,7 @@
 FILE.csv has the sweep's columns (model,nodes,gpus,dp,tp,pp,gas,mbs,zero,status,
 tok_s_gpu,mem_gb,...; ../shared/playbook_runs/README.md): nanotron runs on H100 nodes
 of 8. For every run it predicts whether the layout runs (memory within the GPU, a
-pipeline the framework can build) and its tokens/s per GPU (ultrajax/steptime.py with
+pipeline the framework can build) and its tokens/s per GPU (ultrajax/cost/steptime.py with
 the NANOTRON constants, nanotron's mesh order), and prints three figures:
 
   verdict agreement   share of runs whose fits / does-not-fit verdict matches `status`
@@ -34,8 +34,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ultrajax import hardware, steptime  # noqa: E402
-from ultrajax.config import Config, ConfigError, ModelConfig  # noqa: E402
+from ultrajax.config.schema import Config, ConfigError, ModelConfig  # noqa: E402
+from ultrajax.cost import (
+    hardware,
+    steptime,  # noqa: E402
+)
 
 # the sweep's model shapes (../shared/playbook_runs/README.md): d_model, layers, heads
 # (= kv heads), d_ff, tied embeddings; vocabulary 128,256

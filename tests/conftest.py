@@ -38,7 +38,7 @@ def compile_once(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory):
-    """The session's own cache directory (the CPU peak cache of ultrajax.metrics), for this
+    """The session's own cache directory (the CPU peak cache of ultrajax.train.peaks), for this
     process and the runs it starts: tests never write into the user's ~/.cache."""
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
     yield
@@ -51,7 +51,7 @@ def random_params():
     Compiling `init_params` costs seconds per shape on a busy CPU; tests that only need
     some weights of the right structure build them here instead (norm scales near 1).
     """
-    from ultrajax.model import NORMS, init_params
+    from ultrajax.model.llama import NORMS, init_params
 
     def make(cfg, seed=0, scale=1.0):
         shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import jax
 
-from ultrajax import batch as batch_lib
-from ultrajax import config, optim
-from ultrajax import mesh as mesh_lib
-from ultrajax import step as step_lib
+from ultrajax.config import parse, validate
+from ultrajax.parallel import mesh as mesh_lib
+from ultrajax.train import batch as batch_lib
+from ultrajax.train import optim
+from ultrajax.train import step as step_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -34,9 +35,9 @@ BASE = [
 
 def make(*overrides, base=BASE, path=TINY):
     """(config, its devices): the mesh sizes, all five axes, give the device count."""
-    cfg = config.load(path, list(base) + list(overrides))
+    cfg = parse.load(path, list(base) + list(overrides))
     n = math.prod(cfg.mesh.sizes().values())
-    config.resolve_mesh(cfg, n)
+    validate.resolve_mesh(cfg, n)
     return cfg, jax.devices()[:n]
 
 

@@ -12,7 +12,10 @@ import sys
 import pytest
 from harness import BASE, FAST, ROOT, TINY, make
 
-from ultrajax import analyze, comms, metrics
+from ultrajax.config import parse
+from ultrajax.cost import flops
+from ultrajax.tools import analyze, hlo
+from ultrajax.tools import report as report_lib
 
 # --------------------------------------------------------------------------- the parser
 
@@ -65,7 +68,7 @@ ENTRY %main (arg: f32[16]) -> f32[16] {
 
 
 def test_parser_counts_loops_tuples_groups_and_async_forms():
-    found, notes = comms.collectives(SYNTHETIC)
+    found, notes = hlo.collectives(SYNTHETIC)
     by = {c.name: c for c in found}
     assert set(by) == {"ag", "rs", "ar", "cp", "ags", "a2a"}  # -done is not a second op
     # the inner loop's trip count comes from its condition (3), the outer from XLA (5)
@@ -82,14 +85,14 @@ def test_parser_counts_loops_tuples_groups_and_async_forms():
     assert by["rs"].traffic == pytest.approx(64 * 3)  # output 64 B = input 256 B / 4
     assert by["rs"].payload == 256
     assert by["cp"].traffic == 64
-    summary = comms.summarize(found)
+    summary = hlo.summarize(found)
     assert summary["all-gather"]["ops"] == 2 and summary["all-gather"]["count"] == 16
     assert summary["all-reduce"]["traffic"] == pytest.approx(5 * 2 * 104 * 3 / 4)
 
 
 def test_parser_reports_unknown_trip_counts():
     text = SYNTHETIC.replace(', backend_config={"known_trip_count":{"n":"5"}}', "")
-    found, notes = comms.collectives(text)
+    found, notes = hlo.collectives(text)
     assert any("trip count unknown" in n for n in notes)
     assert {c.name: c.count for c in found}["ar"] == 1
 
@@ -103,17 +106,16 @@ def test_parser_reads_a_trip_count_behind_copies():
         "  ROOT %lt = pred[] compare(%i, %n), direction=LT"
     )
     assert bound in SYNTHETIC
-    found, notes = comms.collectives(SYNTHETIC.replace(bound, copied))
+    found, notes = hlo.collectives(SYNTHETIC.replace(bound, copied))
     assert {c.name: c.count for c in found}["ag"] == 15 and notes == []
 
 
 def test_shape_bytes_and_group_size_forms():
-    assert comms.shape_bytes("(f32[2,3]{1,0}, /*index=1*/bf16[4], pred[8])") == 24 + 8 + 8
-    assert comms.group_size("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == 2
-    assert comms.group_size("replica_groups={}", 8) == 8
+    assert hlo.shape_bytes("(f32[2,3]{1,0}, /*index=1*/bf16[4], pred[8])") == 24 + 8 + 8
+    assert hlo.group_size("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == 2
+    assert hlo.group_size("replica_groups={}", 8) == 8
     assert (
-        comms.group_size("replica_groups=mesh['data'=2,'fsdp'=2,'tensor'=2] {'data','fsdp'}", 8)
-        == 4
+        hlo.group_size("replica_groups=mesh['data'=2,'fsdp'=2,'tensor'=2] {'data','fsdp'}", 8) == 4
     )
 
 
@@ -196,7 +198,7 @@ def test_flops_analytic_vs_compiled_dots(overrides):
     print(f"{overrides}: hardware {f['hardware']:.4g} compiled dots {f['hlo_dots']:.4g}")
     assert f["hlo_dots"] == pytest.approx(f["hardware"], rel=0.05)
     n = math.prod(cfg.mesh.sizes().values())
-    assert f["model"] == pytest.approx(metrics.flops_per_token(cfg.model) * cfg.tokens_per_step / n)
+    assert f["model"] == pytest.approx(flops.flops_per_token(cfg.model) * cfg.tokens_per_step / n)
 
 
 # --------------------------------------------------------------------------- the command line
@@ -322,7 +324,7 @@ def test_pipeline_report_against_the_compiled_sends():
     assert kinds["all-reduce"]["ratio"] == pytest.approx(1.0, abs=0.01)
     assert kinds["collective-permute"]["expected"] == pp["p2p"]["formula"]["bytes"]
     assert any("pipeline" in n for n in report["communication"]["notes"])
-    text = analyze.format_report(report)
+    text = report_lib.format_report(report)
     for needle in ("pipeline: 1f1b, p=4", "formula 2·m·(v·p-1)/p = 12 messages", "static count"):
         assert needle in text, text
 
@@ -333,9 +335,8 @@ def test_pipeline_report_against_the_compiled_sends():
 def test_compiled_attention_is_the_one_that_runs_here(attention, compiled):
     """Off a GPU, a GPU kernel (interpreted here, its memory meaningless) is compiled as
     xla with a note saying so; the XLA attentions run here and are compiled as given."""
-    from ultrajax import config as config_lib
 
-    cfg = config_lib.load(TINY, [f"model.attention={attention}"])
+    cfg = parse.load(TINY, [f"model.attention={attention}"])
     ccfg, notes = analyze._compile_config(cfg)
     assert ccfg.model.attention == compiled
     assert any(f"attention={attention} runs on a GPU" in n for n in notes) == (

@@ -7,9 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ultrajax import attention
+from ultrajax.model.attention import backends as attention
+from ultrajax.model.attention import blocked as blocked_lib
+from ultrajax.model.attention import tiled as tiled_lib
+from ultrajax.model.attention import xla as xla_lib
 
-xla = jax.jit(attention.xla_attention)  # one compile per shape, not one per op
+xla = jax.jit(xla_lib.xla_attention)  # one compile per shape, not one per op
 
 
 def naive_attention(q, k, v, segment_ids=None):
@@ -96,7 +99,7 @@ def test_padding_rows_give_no_nan_in_values_or_gradients():
     seg[1] = 0  # a row made entirely of padding
 
     def f(q, k, v):
-        return jnp.sum(attention.xla_attention(q, k, v, jnp.asarray(seg)) ** 2)
+        return jnp.sum(xla_lib.xla_attention(q, k, v, jnp.asarray(seg)) ** 2)
 
     out = xla(q, k, v, jnp.asarray(seg))
     grads = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)
@@ -107,7 +110,7 @@ def test_padding_rows_give_no_nan_in_values_or_gradients():
 
 def test_mask_is_causal_and_segment_local():
     seg = jnp.asarray([[1, 1, 2, 2, 0]])
-    m = np.asarray(attention.mask(seg, 5))
+    m = np.asarray(xla_lib.mask(seg, 5))
     assert m.shape == (1, 1, 5, 5)
     expected = np.array(
         [
@@ -121,7 +124,7 @@ def test_mask_is_causal_and_segment_local():
     )
     np.testing.assert_array_equal(m[0, 0], expected)
     np.testing.assert_array_equal(
-        np.asarray(attention.mask(None, 3))[0, 0], np.tril(np.ones((3, 3), bool))
+        np.asarray(xla_lib.mask(None, 3))[0, 0], np.tril(np.ones((3, 3), bool))
     )
 
 
@@ -145,7 +148,7 @@ def test_dispatch_routes_and_rejects_unknown():
 
 def test_mask_with_query_offset_is_the_tail_of_the_causal_mask():
     """Decoding against a KV cache: queries at offset 3 of 5 keys see keys 0..3 and 0..4."""
-    m = np.asarray(attention.mask(None, 2, 5, q_offset=3))[0, 0]
+    m = np.asarray(xla_lib.mask(None, 2, 5, q_offset=3))[0, 0]
     np.testing.assert_array_equal(m, np.tril(np.ones((5, 5), bool))[3:])
 
 
@@ -163,8 +166,8 @@ def test_attention_with_offset_equals_the_last_rows_of_full_attention():
 
 def test_auto_resolves_from_the_table():
     assert attention.resolve("auto", "cpu", packed=True) == "blocked"
-    assert attention.resolve("auto", "cpu", packed=True, seq_len=attention.BLOCK) == "tiled"
-    assert attention.resolve("auto", "cpu", packed=True, seq_len=4 * attention.BLOCK) == "blocked"
+    assert attention.resolve("auto", "cpu", packed=True, seq_len=blocked_lib.BLOCK) == "tiled"
+    assert attention.resolve("auto", "cpu", packed=True, seq_len=4 * blocked_lib.BLOCK) == "blocked"
     assert attention.resolve("auto", "gpu", packed=False) == "cudnn"
     assert attention.resolve("auto", "gpu", packed=True) == "pallas"  # no dense mask
     assert attention.resolve("xla", "gpu", packed=True) == "xla"
@@ -183,8 +186,9 @@ def test_auto_resolves_from_the_table():
 def test_pallas_backend_in_the_model_matches_xla():
     """model.attention=pallas (interpreted on the CPU) through the whole model: the same
     logits and gradients as the plain attention, with packed documents."""
-    from ultrajax.config import ModelConfig
-    from ultrajax.model import forward, init_params
+    from ultrajax.config.schema import ModelConfig
+    from ultrajax.model.llama import init_params
+    from ultrajax.model.stack import forward
 
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
                       d_ff=64, seq_len=24, dtype="float32")  # fmt: skip
@@ -228,7 +232,7 @@ def test_attention_blocks_reach_the_kernel(monkeypatch):
 def test_blocked_attention_matches_xla(packed, monkeypatch):
     """Keys in blocks of 16 (the last one partial) with an online softmax: the plain
     attention's output and gradients, GQA 2:1, packed documents with padding."""
-    monkeypatch.setattr(attention, "BLOCK", 16)
+    monkeypatch.setattr(blocked_lib, "BLOCK", 16)
     rng = np.random.default_rng(11)
     q = jnp.asarray(rng.standard_normal((2, 40, 4, 8)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((2, 40, 2, 8)), jnp.float32) for _ in range(2))
@@ -239,13 +243,13 @@ def test_blocked_attention_matches_xla(packed, monkeypatch):
         seg[1, 35:] = 0
         seg = jnp.asarray(seg)
     np.testing.assert_allclose(
-        attention.blocked_attention(q, k, v, seg), attention.xla_attention(q, k, v, seg),
+        blocked_lib.blocked_attention(q, k, v, seg), xla_lib.xla_attention(q, k, v, seg),
         atol=2e-6,
     )  # fmt: skip
     do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     grads = [
         jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v, seg) * do), (0, 1, 2))(q, k, v)
-        for f in (attention.blocked_attention, attention.xla_attention)
+        for f in (blocked_lib.blocked_attention, xla_lib.xla_attention)
     ]
     for a, b in zip(*grads, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
@@ -259,7 +263,7 @@ def test_tiled_attention_matches_xla(b, t, h, kv, rows, dtype, monkeypatch):
     """Query tiles over the keys up to their end, row groups in a loop (rows dividing the
     batch or not), probabilities recomputed in the backward: the plain attention's output
     and gradients with packed documents, padding and GQA; bf16 within bf16's rounding."""
-    monkeypatch.setattr(attention, "TILE_ROWS", rows)
+    monkeypatch.setattr(tiled_lib, "TILE_ROWS", rows)
     rng = np.random.default_rng(b * t)
     dt = jnp.dtype(dtype)
     q = jnp.asarray(rng.standard_normal((b, t, h, 8)), dt)
@@ -275,7 +279,7 @@ def test_tiled_attention_matches_xla(b, t, h, kv, rows, dtype, monkeypatch):
         out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, seg), q, k, v)
         return (out, *vjp(do))
 
-    got, want = run(attention.tiled_attention), run(attention.xla_attention)
+    got, want = run(tiled_lib.tiled_attention), run(xla_lib.xla_attention)
     for a, w in zip(got, want, strict=True):
         assert a.dtype == w.dtype and bool(jnp.isfinite(a.astype(jnp.float32)).all())
         np.testing.assert_allclose(a.astype(np.float32), w.astype(np.float32), **tol)
@@ -294,8 +298,8 @@ def test_tiled_attention_never_stores_the_scores():
     """What the backward keeps of the tiled attention is its inputs and output, not the
     scores: compiled temporaries of forward + backward at seq 256, 16 rows (4 groups of
     4), less than one copy of the fp32 scores; the plain attention's are 4x that."""
-    tiled, plain = (grad_temp_bytes(f, 16, 256) for f in (attention.tiled_attention,
-                                                         attention.xla_attention))  # fmt: skip
+    tiled, plain = (grad_temp_bytes(f, 16, 256) for f in (tiled_lib.tiled_attention,
+                                                         xla_lib.xla_attention))  # fmt: skip
     scores = 16 * 4 * 256 * 256 * 4  # rows x heads x s x s fp32
     assert plain > 4 * scores
     assert tiled < scores, (tiled, scores)
@@ -304,9 +308,9 @@ def test_tiled_attention_never_stores_the_scores():
 def test_blocked_attention_holds_far_less_than_the_scores(monkeypatch):
     """Compiled temporaries of forward + backward at seq 1024: the blocked attention
     keeps one (1024 x 128) block of scores at a time, the plain one all of them."""
-    monkeypatch.setattr(attention, "BLOCK", 128)
-    blocked, plain = (grad_temp_bytes(f, 1, 1024) for f in (attention.blocked_attention,
-                                                           attention.xla_attention))  # fmt: skip
+    monkeypatch.setattr(blocked_lib, "BLOCK", 128)
+    blocked, plain = (grad_temp_bytes(f, 1, 1024) for f in (blocked_lib.blocked_attention,
+                                                           xla_lib.xla_attention))  # fmt: skip
     scores = 4 * 1024 * 1024 * 4  # heads x s x s fp32
     assert plain > scores
     assert blocked < 0.35 * plain, (blocked, plain)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from ultrajax import batchfit
+from ultrajax.tools import batchfit
 
 C, ALPHA = 2e6, 3.0  # planted: B_crit = C * L^-ALPHA tokens; 31k at L=4, 250k at L=2
 NOISE = 0.05  # multiplicative log-normal noise on b_simple

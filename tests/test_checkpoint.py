@@ -20,11 +20,14 @@ import jax
 import numpy as np
 import pytest
 
-from ultrajax import checkpoint, config, metrics, optim, train
-from ultrajax import data as data_lib
-from ultrajax import mesh as mesh_lib
-from ultrajax.config import ConfigError
-from ultrajax.step import init_state, state_shardings
+from ultrajax.config import parse, validate
+from ultrajax.config import schema as config
+from ultrajax.config.schema import ConfigError
+from ultrajax.data import loader as data_lib
+from ultrajax.parallel import mesh as mesh_lib
+from ultrajax.train import checkpoint, metrics, optim, resume
+from ultrajax.train import loop as train
+from ultrajax.train.step import init_state, state_shardings
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +52,7 @@ ONE_DEVICE = ["train.micro_batch_size=4"]
 
 
 def load(run_dir, *extra) -> config.Config:
-    return config.load(TINY, SMALL + [f"train.run_dir={run_dir}", *extra])
+    return parse.load(TINY, SMALL + [f"train.run_dir={run_dir}", *extra])
 
 
 def losses(run_dir) -> dict[int, float]:
@@ -167,7 +170,7 @@ def test_a_second_ctrl_c_exits_at_once_while_the_save_is_written(tmp_path):
 CTRL_C_TWICE = """
 import signal, sys, time
 from pathlib import Path
-from ultrajax import checkpoint
+from ultrajax.train import preemption
 
 class SlowSave:  # a save that takes 10 minutes: the user presses Ctrl-C again meanwhile
     dir = Path(sys.argv[1])
@@ -175,7 +178,7 @@ class SlowSave:  # a save that takes 10 minutes: the user presses Ctrl-C again m
         signal.raise_signal(signal.SIGINT)
         time.sleep(600)
 
-with checkpoint.Preemption(SlowSave()) as preempted:
+with preemption.Preemption(SlowSave()) as preempted:
     signal.raise_signal(signal.SIGINT)  # the first: only a flag
     print("stopping" if preempted(1) else "not stopping", flush=True)
 print("not reached")
@@ -189,7 +192,7 @@ def test_leftover_tmp_folders_are_removed_at_start(tmp_path):
     (ck_dir / "5.orbax-checkpoint-tmp-1764150000001").mkdir()
     (ck_dir / "notes.txt").write_text("not a checkpoint")
     lines = []
-    ck, state, start = checkpoint.start(load(tmp_path), None, None, say=lines.append)
+    ck, state, start = resume.start(load(tmp_path), None, None, say=lines.append)
     ck.close()
     assert start == 0 and state is None
     assert lines == [
@@ -199,11 +202,11 @@ def test_leftover_tmp_folders_are_removed_at_start(tmp_path):
     ]
     assert sorted(p.name for p in ck_dir.iterdir()) == ["notes.txt"]
     lines.clear()  # nothing left: nothing said about it
-    checkpoint.start(load(tmp_path, "checkpoint.resume=never"), None, None, lines.append)[0].close()
+    resume.start(load(tmp_path, "checkpoint.resume=never"), None, None, lines.append)[0].close()
     assert lines == [f"starting fresh at step 0 (checkpoint.resume=never); saving to {ck_dir}"]
     # must: no checkpoint is an error that says where it looked and the way out
     with pytest.raises(ConfigError, match=r"resume=must, but .*checkpoints holds no checkpoint"):
-        checkpoint.start(load(tmp_path, "checkpoint.resume=must"), None, None)
+        resume.start(load(tmp_path, "checkpoint.resume=must"), None, None)
 
 
 def test_resume_onto_another_layout_continues_the_losses(reference, tmp_path):
@@ -216,7 +219,7 @@ def test_resume_onto_another_layout_continues_the_losses(reference, tmp_path):
 
 
 def _target(cfg, devices):
-    config.resolve_mesh(cfg, len(devices))
+    validate.resolve_mesh(cfg, len(devices))
     mesh = mesh_lib.make_mesh(cfg, devices)
     tx = optim.optimizer(cfg)
     shardings = state_shardings(cfg, mesh, mesh_lib.rules(cfg), tx)
@@ -241,10 +244,8 @@ def test_restore_on_a_single_device_is_the_same_state(reference, tmp_path):
     source = reference[0] / "checkpoints" / "10"
     cfg_a, cfg_1 = load(tmp_path, *LAYOUT_A), load(tmp_path, *ONE_DEVICE)
     data_a, data_1 = _data(cfg_a), _data(cfg_1)
-    sharded, step_a = checkpoint.restore_train(source, cfg_a, _target(cfg_a, jax.devices()), data_a)
-    single, step_1 = checkpoint.restore_train(
-        source, cfg_1, _target(cfg_1, jax.devices()[:1]), data_1
-    )
+    sharded, step_a = resume.restore_train(source, cfg_a, _target(cfg_a, jax.devices()), data_a)
+    single, step_1 = resume.restore_train(source, cfg_1, _target(cfg_1, jax.devices()[:1]), data_1)
     assert step_a == step_1 == 10 and int(single["step"]) == 10
     assert single["params"]["layers"]["wq"].sharding.device_set == {jax.devices()[0]}
     assert len(sharded["params"]["layers"]["wq"].sharding.device_set) == 8
@@ -259,9 +260,10 @@ KILLED_SAVE = """
 import os, signal, sys
 import jax.numpy as jnp
 import orbax.checkpoint._src.path.atomicity as atomicity
-from ultrajax import checkpoint, config
+from ultrajax.config import parse
+from ultrajax.train import checkpoint
 
-cfg = config.load(None, ["checkpoint.dir=" + sys.argv[1], "checkpoint.keep=5"])
+cfg = parse.load(None, ["checkpoint.dir=" + sys.argv[1], "checkpoint.keep=5"])
 state = {"step": jnp.int32(1), "params": {"w": jnp.ones((64, 64))}, "opt_state": {}}
 ck = checkpoint.Checkpoints(cfg)
 ck.save(1, state, {"position": 1})
@@ -288,7 +290,7 @@ def test_a_killed_save_never_replaces_the_last_good_checkpoint(tmp_path):
     assert checkpoint.locate(ck_dir) == (ck_dir, 1)  # the half-written step 2 does not count
     assert checkpoint.read_meta(ck_dir)["step"] == 1
     # a new run saves step 2 for real (Orbax replaces its own unfinished temporary)
-    cfg = config.load(None, [f"checkpoint.dir={ck_dir}"])
+    cfg = parse.load(None, [f"checkpoint.dir={ck_dir}"])
     ck = checkpoint.Checkpoints(cfg)
     assert ck.steps() == [1]
     state = {
@@ -306,14 +308,14 @@ def test_mismatched_checkpoints_name_what_differs(reference, tmp_path):
     source = reference[0] / "checkpoints" / "10"
     cfg = load(tmp_path, *LAYOUT_A, "model.d_model=64", "model.n_layers=3")
     with pytest.raises(ConfigError) as e:
-        checkpoint.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg))
+        resume.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg))
     assert "model.d_model=32 in the checkpoint, 64 in the config" in str(e.value)
     assert "model.n_layers=2 in the checkpoint, 3 in the config" in str(e.value)
     assert "train.run_dir=" in str(e.value) and "\n" not in str(e.value)  # the ways out
     # an optimizer of another structure (no clipping) is named too
     cfg = load(tmp_path, *LAYOUT_A, "optim.clip_norm=0")
     with pytest.raises(ConfigError, match=r"lacks optimizer/opt_state/0/.* \(the optim\.\*"):
-        checkpoint.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg))
+        resume.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg))
     # parameters only: the config must agree too
     with pytest.raises(ConfigError, match="model.d_model=32 in the checkpoint, 64"):
         checkpoint.load_params(source, load(tmp_path, "model.d_model=64").model)
@@ -329,22 +331,22 @@ def test_a_changed_schedule_length_on_resume_is_refused_or_rescheduled(reference
     new = float(optim.schedule(cfg)(10))
     assert new > old * 1.2  # the cosine over 30 steps is higher at step 10
     with pytest.raises(ConfigError) as e:
-        checkpoint.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg))
+        resume.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg))
     msg = str(e.value)
     assert "over 20 steps" in msg and f"goes from {old:.2e} to {new:.2e}" in msg
     assert "train.reschedule=true" in msg and "optim.schedule_steps=20" in msg
     lines = []
     cfg = load(tmp_path, *LAYOUT_A, "train.steps=30", "train.reschedule=true")
-    state, step = checkpoint.restore_train(
+    state, step = resume.restore_train(
         source, cfg, _target(cfg, jax.devices()), _data(cfg), warn=lines.append
     )
     assert step == 10 and any(line.startswith("rescheduled: the cosine") for line in lines)
     cfg = load(tmp_path, *LAYOUT_A, "train.steps=30", "optim.schedule_steps=20")
     assert float(optim.schedule(cfg)(10)) == old and float(optim.schedule(cfg)(29)) > 0
-    checkpoint.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg))
+    resume.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg))
     # a constant schedule has no length to change
     cfg = load(tmp_path, *LAYOUT_A, "train.steps=30", "optim.schedule=constant")
-    checkpoint.check_schedule(load(tmp_path, "optim.schedule=constant"), cfg, "x", 10)
+    resume.check_schedule(load(tmp_path, "optim.schedule=constant"), cfg, "x", 10)
 
 
 def test_corrupt_and_missing_checkpoints_are_clear_errors(reference, tmp_path):
@@ -352,14 +354,14 @@ def test_corrupt_and_missing_checkpoints_are_clear_errors(reference, tmp_path):
     cfg = load(tmp_path, *LAYOUT_A)
     target = _target(cfg, jax.devices())
     with pytest.raises(ConfigError, match="does not exist"):
-        checkpoint.restore_train(tmp_path / "nowhere", cfg, target, _data(cfg))
+        resume.restore_train(tmp_path / "nowhere", cfg, target, _data(cfg))
     bad = tmp_path / "bad" / "10"
     shutil.copytree(good, bad)
     for f in (bad / "params").rglob("*"):
         if f.is_file() and f.parent.name == "d":  # the array data
             f.write_bytes(b"\0" * f.stat().st_size)
     with pytest.raises(ConfigError, match=r"checkpoint .*bad/10 cannot be read"):
-        checkpoint.restore_train(bad, cfg, target, _data(cfg))
+        resume.restore_train(bad, cfg, target, _data(cfg))
     (bad / "config" / "metadata").write_text("{ not json")
     with pytest.raises(ConfigError, match=r"checkpoint .*bad/10 cannot be read"):
         checkpoint.read_config(bad)
@@ -368,15 +370,15 @@ def test_corrupt_and_missing_checkpoints_are_clear_errors(reference, tmp_path):
     for mode in ("never", "none"):
         cfg = load(reference[0], *LAYOUT_A, f"checkpoint.resume={mode}")
         with pytest.raises(ConfigError, match="already holds checkpoints .* own train.run_dir"):
-            checkpoint.start(cfg, None, None)
+            resume.start(cfg, None, None)
     # must: the latest
-    assert checkpoint.resume_source(load(reference[0], "checkpoint.resume=must"))[1] == 20
+    assert resume.resume_source(load(reference[0], "checkpoint.resume=must"))[1] == 20
     # a run directory stands for the latest checkpoint in it (generate, convert, resume=PATH)
     assert checkpoint.locate(reference[0]) == (reference[0] / "checkpoints", 20)
     # resuming an old step into a directory with newer ones is refused
     cfg = load(reference[0], *LAYOUT_A, f"checkpoint.resume={good}")
     with pytest.raises(ConfigError, match="already holds steps after 10"):
-        checkpoint.start(cfg, None, None)
+        resume.start(cfg, None, None)
     assert steps(reference[0]) == [10, 20]
 
 
@@ -385,7 +387,7 @@ def test_init_from_loads_parameters_only(reference, tmp_path):
     cfg = load(tmp_path, *LAYOUT_A, f"checkpoint.init_from={source}")
     target = _target(cfg, jax.devices())
     fresh = jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype, device=a.sharding), target)
-    ck, state, start = checkpoint.start(cfg, fresh, _data(cfg), say=lambda *a: None)
+    ck, state, start = resume.start(cfg, fresh, _data(cfg), say=lambda *a: None)
     ck.close()
     assert start == 0 and int(state["step"]) == 0
     assert int(state["opt_state"][1][0].count) == 0  # the optimizer starts fresh
@@ -396,4 +398,4 @@ def test_init_from_loads_parameters_only(reference, tmp_path):
     # a parameter-only checkpoint cannot be resumed: it has no optimizer state
     only = checkpoint.write_params(tmp_path / "params-only", saved, cfg)
     with pytest.raises(ConfigError, match="holds parameters only"):
-        checkpoint.restore_train(only, cfg, target, _data(cfg))
+        resume.restore_train(only, cfg, target, _data(cfg))

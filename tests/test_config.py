@@ -4,8 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from ultrajax import config as config_lib
-from ultrajax.config import Config, ConfigError, load, resolve_mesh
+from ultrajax.config import parse, validate
+from ultrajax.config.parse import load
+from ultrajax.config.schema import Config, ConfigError
+from ultrajax.config.validate import resolve_mesh
 
 
 def _write(tmp_path, text: str) -> Path:
@@ -105,7 +107,7 @@ def test_batch_sizes_in_samples_and_tokens():
 def test_dump_round_trips(tmp_path):
     cfg = load(None, ["optim.lr=1e-3", "train.profile_steps=[1, 2]", "model.remat=full"])
     path = tmp_path / "config.yaml"
-    path.write_text(config_lib.dump(cfg))
+    path.write_text(parse.dump(cfg))
     assert load(path) == cfg
 
 
@@ -296,14 +298,14 @@ def test_data_path_without_the_files_source_is_an_error():
     ],
 )
 def test_settings_without_effect_are_named_once(overrides, key):
-    lines = config_lib.no_effect(load(None, overrides))
+    lines = validate.no_effect(load(None, overrides))
     assert len(lines) == 1 and lines[0].startswith(key) and "\n" not in lines[0], lines
 
 
 def test_settings_with_effect_give_no_warning():
     cfg = load(None, ["mesh.fsdp=2", "parallel.zero=1", "mesh.tensor=2",
                       "parallel.sequence_parallel=true"])  # fmt: skip
-    assert config_lib.no_effect(cfg) == []
+    assert validate.no_effect(cfg) == []
 
 
 def test_odd_head_dimension_says_what_to_change():
@@ -320,10 +322,10 @@ def test_mesh_fill_error_points_to_cpu_devices():
 def test_help_lists_every_key_with_a_default_that_loads_back():
     """The commands' --help epilog: every key once, and each line is a valid override
     giving the default config back."""
-    lines = [line.strip() for line in config_lib.keys_help().splitlines()[1:]]
+    lines = [line.strip() for line in parse.keys_help().splitlines()[1:]]
     keys = [line.split("=", 1)[0] for line in lines]
     assert len(keys) == len(set(keys)) and "model.d_model" in keys and "mesh.dcn.pipeline" in keys
-    assert config_lib.dump(load(None, lines)) == config_lib.dump(load(None, []))
+    assert parse.dump(load(None, lines)) == parse.dump(load(None, []))
 
 
 # --------------------------------------------------------------------------- run directories

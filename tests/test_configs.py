@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from ultrajax.config import load, resolve_mesh
-from ultrajax.model import param_count
+from ultrajax.config.parse import load
+from ultrajax.config.validate import resolve_mesh
+from ultrajax.model.llama import param_count
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 

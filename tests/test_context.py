@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 import test_parallel as grid
 
-from ultrajax import batch as batch_lib
-from ultrajax import comms, config
-from ultrajax import step as step_lib
+from ultrajax.config import schema as config
+from ultrajax.cost import comms as comms_lib
 from ultrajax.parallel import context
+from ultrajax.tools import hlo
+from ultrajax.train import batch as batch_lib
+from ultrajax.train import step as step_lib
 
 
 def test_zigzag_gives_device_i_chunks_i_and_mirror():
@@ -64,17 +66,17 @@ def test_pairs_in_the_future_or_in_other_documents_are_skipped():
 
 def test_ring_sends_kv_blocks_and_never_gathers():
     found, cfg = grid.collectives("cp4-ring-data2")
-    sent = comms.summarize(found)
+    sent = hlo.summarize(found)
     assert sent["all-gather"]["ops"] == 0 and sent["reduce-scatter"]["ops"] == 0
-    expected = context.permute_bytes(cfg)["collective-permute"]
+    expected = comms_lib.permute_bytes(cfg)["collective-permute"]
     assert sent["collective-permute"]["traffic"] == pytest.approx(expected, rel=0.01)
 
 
 def test_allgather_gathers_kv_and_never_permutes():
     found, cfg = grid.collectives("cp2-allgather")
-    sent = comms.summarize(found)
+    sent = hlo.summarize(found)
     assert sent["collective-permute"]["ops"] == 0
-    expected = context.permute_bytes(cfg)
+    expected = comms_lib.permute_bytes(cfg)
     for kind in ("all-gather", "reduce-scatter"):
         assert sent[kind]["traffic"] == pytest.approx(expected[kind], rel=0.01), kind
 
@@ -148,7 +150,7 @@ def _attend_split(ctx: context.Context, q, k, v, seg):
 def test_context_attention_equals_plain_attention(ctx):
     """Output and gradients of q, k, v against the plain attention of the whole sequence,
     GQA, two documents per row crossing device boundaries, padding at the end."""
-    from ultrajax.attention import xla_attention
+    from ultrajax.model.attention.xla import xla_attention
 
     if ctx.kernel == "pallas":
         from test_kernels import BLOCKS

@@ -12,8 +12,12 @@ import pytest
 import torch
 import transformers
 
-from ultrajax import checkpoint, cli, config, convert
-from ultrajax.model import forward
+from ultrajax import cli
+from ultrajax.config import parse
+from ultrajax.config import schema as config
+from ultrajax.model.stack import forward
+from ultrajax.tools import convert
+from ultrajax.train import checkpoint
 
 TOL = 1e-4
 
@@ -69,7 +73,7 @@ def test_hf_to_orbax_matches_transformers(converted):
     diff = np.abs(hf_logits(model, ids) - our_logits(root / "ck", ids)).max()
     print(f"hf-to-orbax: max abs logit difference {diff:.2e}")
     assert diff <= TOL
-    cfg = config.load(root / "ck" / "config.yaml")  # the YAML written beside it is a valid config
+    cfg = parse.load(root / "ck" / "config.yaml")  # the YAML written beside it is a valid config
     assert cfg.model.n_kv_heads == 2 and cfg.model.rope_theta == 50000.0
     assert cfg.checkpoint.init_from == str((root / "ck").absolute())
 
@@ -129,7 +133,7 @@ def scaled(request, tmp_path_factory):
 
 def test_rope_scaling_hf_to_orbax_matches_transformers(scaled):
     kind, root, model, ids = scaled
-    m = config.load(root / "ck" / "config.yaml").model
+    m = parse.load(root / "ck" / "config.yaml").model
     assert m.rope_scaling == kind and m.rope_theta == 50000.0
     assert m.rope_factor == (8.0 if kind == "llama3" else 4.0)
     if kind == "llama3":
@@ -284,7 +288,7 @@ def tiny_checkpoint(path, tokenizer="bytes"):
 
 
 def test_orbax_to_hf_byte_tokenizer_gives_our_ids(tmp_path):
-    from ultrajax.data import ByteTokenizer
+    from ultrajax.data.tokenizer import ByteTokenizer
 
     ck = tiny_checkpoint(tmp_path / "ck")
     convert.orbax_to_hf(ck, tmp_path / "hf")
@@ -316,7 +320,7 @@ def test_orbax_to_hf_copies_a_tokenizer_json_or_warns(tmp_path, capsys):
 def test_rope_scaling_greedy_tokens_match_transformers(scaled):
     """Greedy decoding past the original context length: transformers' generate on the
     Hugging Face model and ours on the converted checkpoint pick the same tokens."""
-    from ultrajax import generate
+    from ultrajax.tools import generate
 
     kind, root, model, ids = scaled
     prompt = ids[0, :40].tolist()  # already past original_max_position_embeddings (32)

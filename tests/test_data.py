@@ -6,20 +6,21 @@ import re
 import numpy as np
 import pytest
 
-from ultrajax import data
-from ultrajax.config import ConfigError, DataConfig
+from ultrajax.config.schema import ConfigError, DataConfig
+from ultrajax.data import loader as data
+from ultrajax.data import sources, tokenizer
 
-TOK = data.ByteTokenizer()
+TOK = tokenizer.ByteTokenizer()
 BOS, EOS = TOK.BOS, TOK.EOS
 
 
 def _docs(n, length=lambda i: 3 + (i * 7) % 11):
     """n documents with distinct, recognisable text: doc i is `<i>` plus filler."""
-    return [data.Doc(key=f"doc{i}", text=f"<{i}>" + "x" * length(i)) for i in range(n)]
+    return [sources.Doc(key=f"doc{i}", text=f"<{i}>" + "x" * length(i)) for i in range(n)]
 
 
 def _packed(docs, *, seq_len=15, batch_size=2, seed=0, cross_doc_mask=True, shuffle=True):
-    return data.packed_dataset(
+    return sources.packed_dataset(
         docs,
         TOK,
         seq_len=seq_len,
@@ -64,9 +65,9 @@ def test_byte_tokenizer_round_trip_and_specials():
 
 
 def test_padded_vocab():
-    assert data.padded_vocab(259) == 384
-    assert data.padded_vocab(256) == 256
-    assert data.padded_vocab(1) == 128
+    assert tokenizer.padded_vocab(259) == 384
+    assert tokenizer.padded_vocab(256) == 256
+    assert tokenizer.padded_vocab(1) == 128
 
 
 def test_hf_tokenizer_from_local_file(tmp_path):
@@ -76,7 +77,7 @@ def test_hf_tokenizer_from_local_file(tmp_path):
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
-    hf = data.make_tokenizer(DataConfig(tokenizer=str(path)))
+    hf = sources.make_tokenizer(DataConfig(tokenizer=str(path)))
     assert (hf.BOS, hf.EOS, hf.size) == (1, 2, 5)
     np.testing.assert_array_equal(hf.encode("hello world hello"), [3, 4, 3])
 
@@ -84,20 +85,20 @@ def test_hf_tokenizer_from_local_file(tmp_path):
     bad = tmp_path / "no_eos.json"
     no_eos.save(str(bad))
     with pytest.raises(ConfigError, match="end-of-text"):
-        data.make_tokenizer(DataConfig(tokenizer=str(bad)))
+        sources.make_tokenizer(DataConfig(tokenizer=str(bad)))
 
 
 def test_missing_tokenizer_file(tmp_path):
     pytest.importorskip("tokenizers")
     with pytest.raises(ConfigError, match="data.tokenizer"):
-        data.make_tokenizer(DataConfig(tokenizer=str(tmp_path / "none.json")))
+        sources.make_tokenizer(DataConfig(tokenizer=str(tmp_path / "none.json")))
 
 
 # --------------------------------------------------------------------------- sources
 
 
 def test_stdlib_source_finds_python_files():
-    docs = data.stdlib_docs()
+    docs = sources.stdlib_docs()
     assert len(docs) > 100
     assert all(d.key.endswith(".py") for d in docs)
     assert not any(d.key.startswith(("site-packages", "dist-packages")) for d in docs)
@@ -108,7 +109,7 @@ def test_stdlib_source_finds_python_files():
 def test_text_file(tmp_path):
     path = tmp_path / "a.txt"
     path.write_text("first document\n")
-    docs = data.file_docs(str(path))
+    docs = sources.file_docs(str(path))
     assert len(docs) == 1 and docs[0].read() == "first document\n"
 
 
@@ -117,7 +118,7 @@ def test_directory_reads_every_nonempty_file_sorted(tmp_path):
     (tmp_path / "b.txt").write_text("bee")
     (tmp_path / "sub" / "a.md").write_text("ay")
     (tmp_path / "empty.txt").write_text("")
-    docs = data.file_docs(str(tmp_path))
+    docs = sources.file_docs(str(tmp_path))
     assert [d.read() for d in docs] == ["bee", "ay"]  # sorted by path, empty file skipped
 
 
@@ -126,8 +127,8 @@ def test_glob(tmp_path):
     (tmp_path / "a.txt").write_text("one")
     (tmp_path / "b.log").write_text("not me")
     (tmp_path / "sub" / "c.txt").write_text("two")
-    assert [d.read() for d in data.file_docs(str(tmp_path / "*.txt"))] == ["one"]
-    deep = data.file_docs(str(tmp_path / "**" / "*.txt"))
+    assert [d.read() for d in sources.file_docs(str(tmp_path / "*.txt"))] == ["one"]
+    deep = sources.file_docs(str(tmp_path / "**" / "*.txt"))
     assert sorted(d.read() for d in deep) == ["one", "two"]
 
 
@@ -140,7 +141,7 @@ def test_jsonl_text_field(tmp_path):
         json.dumps({"text": "beta\nwith a newline"}),
     ]
     path.write_text("\n".join(lines) + "\n")
-    docs = data.file_docs(str(path))
+    docs = sources.file_docs(str(path))
     assert [d.read() for d in docs] == ["alpha", "beta\nwith a newline"]
     assert len({d.key for d in docs}) == 2
 
@@ -173,7 +174,7 @@ def test_jsonl_text_field(tmp_path):
 def test_bad_sources_are_one_line_config_errors(tmp_path, setup, pattern):
     setup(tmp_path)
     with pytest.raises(ConfigError) as info:
-        data.file_docs(str(tmp_path / pattern))
+        sources.file_docs(str(tmp_path / pattern))
     message = str(info.value)
     assert message.startswith("data.path") and "\n" not in message
 
@@ -264,20 +265,20 @@ def test_iterator_state_round_trip():
 
 def test_split_by_document_is_disjoint_and_stable():
     docs = _docs(200)
-    train, held = data.split_docs(docs, 0.2)
+    train, held = sources.split_docs(docs, 0.2)
     keys_t, keys_h = {d.key for d in train}, {d.key for d in held}
     assert not keys_t & keys_h
     assert keys_t | keys_h == {d.key for d in docs}
     assert 10 <= len(held) <= 80
     # adding documents does not move existing ones between the splits
-    more_t, more_h = data.split_docs(docs + _docs(300)[200:], 0.2)
+    more_t, more_h = sources.split_docs(docs + _docs(300)[200:], 0.2)
     assert keys_h <= {d.key for d in more_h} and keys_t <= {d.key for d in more_t}
-    assert data.split_docs(docs, 0.0) == (docs, [])
+    assert sources.split_docs(docs, 0.0) == (docs, [])
 
 
 def test_split_keeps_one_eval_document_when_the_hash_picks_none():
     docs = _docs(3)
-    train, held = data.split_docs(docs, 1e-9)
+    train, held = sources.split_docs(docs, 1e-9)
     assert len(held) == 1 and len(train) == 2
 
 
@@ -286,7 +287,7 @@ def test_build_from_files_eval_batches_hold_only_eval_documents(tmp_path):
         (tmp_path / f"f{i:02d}.txt").write_text(f"<{i}>" + "y" * (5 + i % 7))
     cfg = DataConfig(source="files", path=str(tmp_path), eval_fraction=0.25)
     d = data.build(cfg, seq_len=15, batch_size=2, seed=0, vocab_size=384)
-    docs = data.file_docs(str(tmp_path))
+    docs = sources.file_docs(str(tmp_path))
 
     def file_ids(source):
         return {int(re.search(r"f(\d+)", docs[i].key).group(1)) for i in source.ids}

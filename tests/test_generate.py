@@ -7,9 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ultrajax import checkpoint, generate
-from ultrajax.config import Config, ConfigError, ModelConfig
-from ultrajax.model import forward, forward_with_cache, init_cache
+from ultrajax.config.schema import Config, ConfigError, ModelConfig
+from ultrajax.model.decode import forward_with_cache, init_cache
+from ultrajax.model.stack import forward
+from ultrajax.tools import generate
+from ultrajax.train import checkpoint
 
 CFG = ModelConfig(
     vocab_size=384,

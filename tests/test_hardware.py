@@ -6,7 +6,10 @@ from types import MappingProxyType, SimpleNamespace
 
 import pytest
 
-from ultrajax import config, hardware, memory, metrics, steptime
+from ultrajax.config import schema as config
+from ultrajax.cost import hardware, steptime
+from ultrajax.cost import hardware as hardware_lib
+from ultrajax.train import peaks
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -34,9 +37,9 @@ def doubled(monkeypatch):
 def test_metrics_and_memory_read_the_table(doubled):
     h100, fast = doubled
     assert hardware.lookup(H100) is fast
-    peak, source = metrics.device_peak(_fake(H100), "bfloat16")
+    peak, source = peaks.device_peak(_fake(H100), "bfloat16")
     assert peak == fast.flops("bfloat16") == 2 * 989e12 and "h100" in source
-    assert memory.device_memory(_fake(H100))[0] == fast.memory == 2 * h100.memory
+    assert hardware_lib.device_memory(_fake(H100))[0] == fast.memory == 2 * h100.memory
     assert hardware.lookup("NVIDIA H100 PCIe").name == "h100-pcie"  # the specific one first
 
 

@@ -16,12 +16,14 @@ import pytest
 from harness import FAST, make
 from jax.ad_checkpoint import print_saved_residuals
 
-from ultrajax import analyze, comms, memory, optim
-from ultrajax import mesh as mesh_lib
-from ultrajax.batch import Batch
-from ultrajax.loss import loss_sum
-from ultrajax.model import init_params
-from ultrajax.step import state_shardings
+from ultrajax.cost import activations, memory, sizes, units
+from ultrajax.model.llama import init_params
+from ultrajax.model.loss import loss_sum
+from ultrajax.parallel import mesh as mesh_lib
+from ultrajax.tools import analyze, hlo
+from ultrajax.train import optim
+from ultrajax.train.batch import Batch
+from ultrajax.train.step import state_shardings
 
 # --------------------------------------------------------------------------- exact parts
 
@@ -61,14 +63,14 @@ def test_saved_activations_equal_print_saved_residuals(remat, dtype, capsys):
     ]  # fmt: skip
     cfg, _ = make(base=over)
     want = stacked_residuals(cfg, capsys)
-    got = cfg.model.n_layers * sum(memory.saved_per_layer(cfg).values())
-    assert got == want, (memory.saved_per_layer(cfg), want / cfg.model.n_layers)
+    got = cfg.model.n_layers * sum(activations.saved_per_layer(cfg).values())
+    assert got == want, (activations.saved_per_layer(cfg), want / cfg.model.n_layers)
 
 
 @pytest.mark.parametrize("remat", ["none", "selective"])
 @pytest.mark.parametrize("attention", ["tiled", "blocked"])
 def test_saved_activations_of_the_memory_efficient_attentions(attention, remat, capsys):
-    """attention.py's tiled and blocked attention store no scores; without recomputation
+    """The tiled and blocked attention store no scores; without recomputation
     they keep their output twice (their own residual and wo's input), tiled without the
     log-sum-exp."""
     over = [
@@ -78,8 +80,8 @@ def test_saved_activations_of_the_memory_efficient_attentions(attention, remat, 
     ]  # fmt: skip
     cfg, _ = make(base=over)
     want = stacked_residuals(cfg, capsys)
-    got = cfg.model.n_layers * sum(memory.saved_per_layer(cfg).values())
-    assert got == want, (memory.saved_per_layer(cfg), want / cfg.model.n_layers)
+    got = cfg.model.n_layers * sum(activations.saved_per_layer(cfg).values())
+    assert got == want, (activations.saved_per_layer(cfg), want / cfg.model.n_layers)
 
 
 @pytest.mark.parametrize(
@@ -132,7 +134,7 @@ def test_zero_stages_follow_the_playbook_bytes():
             "mesh.fsdp=8", f"parallel.zero={zero}", "model.dtype=bfloat16", "train.grad_accum=2"
         )
         parts[zero] = memory.estimate(cfg).parts
-    psi = memory.param_elements(make()[0])
+    psi = sizes.param_elements(make()[0])
     state = lambda p: p.master + p.optimizer  # noqa: E731
     assert state(parts[0]) == 12 * psi
     for zero in (1, 2, 3):
@@ -161,12 +163,12 @@ def test_recomputation_and_sequence_parallelism_shrink_activations():
 
 
 def test_bytes_parsing_and_verdicts():
-    assert memory.parse_bytes("80GB") == 80 * 10**9
-    assert memory.parse_bytes("80GiB") == memory.parse_bytes("80g") == 80 * 2**30
-    assert memory.parse_bytes("1234") == 1234
+    assert units.parse_bytes("80GB") == 80 * 10**9
+    assert units.parse_bytes("80GiB") == units.parse_bytes("80g") == 80 * 2**30
+    assert units.parse_bytes("1234") == 1234
     for bad in ("", "GB", "-3GB", "3 parsecs"):
         with pytest.raises(ValueError):
-            memory.parse_bytes(bad)
+            units.parse_bytes(bad)
     assert analyze.verdict(10, 20, "x")["fits"] is True
     assert analyze.verdict(30, 20, "x")["fits"] is False
     assert analyze.verdict(10, None, "cpu")["fits"] is None
@@ -275,7 +277,7 @@ _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 def tick_loop_carry(text: str, ticks: int) -> list[tuple[str, tuple[int, ...]]]:
     """(dtype, shape) of every array the compiled tick loop (the while that runs `ticks`
     times) carries: the executor's buffers as XLA kept them."""
-    mod = comms.parse_module(text)
+    mod = hlo.parse_module(text)
     for instrs in mod.computations.values():
         for _name, shape, rest in instrs:
             if rest.startswith("while(") and f'"n":"{ticks}"' in rest:
@@ -302,16 +304,16 @@ def test_pipeline_residual_buffer_holds_what_the_compiled_loop_carries(kind, pip
     against the arrays of that shape the compiled tick loop carries (XLA drops the
     residuals the backward never reads, so the vjp's own list would overcount)."""
     cfg, compiled = pipeline_steps[kind]
-    plan = memory.pipeline_plan(cfg)
+    plan = activations.pipeline_plan(cfg)
     lead = (plan.slots["res"] + 1, cfg.model.n_layers // plan.p)
     carried = sum(
-        math.prod(shape) * comms.DTYPE_BYTES[t]
+        math.prod(shape) * hlo.DTYPE_BYTES[t]
         for t, shape in tick_loop_carry(compiled.as_text(), plan.ticks)
         if shape[:2] == lead
     )
-    per_layer = sum(memory.pipeline_saved_per_layer(cfg).values())
+    per_layer = sum(activations.pipeline_saved_per_layer(cfg).values())
     assert carried == pytest.approx(math.prod(lead) * per_layer, rel=1e-3), (
-        memory.pipeline_saved_per_layer(cfg),
+        activations.pipeline_saved_per_layer(cfg),
         carried / math.prod(lead),
     )
 
@@ -336,7 +338,7 @@ def test_pipeline_residuals_of_checkpointed_layers(remat, monkeypatch):
     """Under jax.checkpoint the layer's vjp keeps exactly what XLA keeps, so tracing the
     step (no compile) checks pipeline_saved_per_layer: what the policy saves, and no copy
     of the layer's weights or of the zeros it is differentiated at (those are handed back)."""
-    from ultrajax.parallel import residuals
+    from ultrajax.parallel.pipeline import residuals
 
     probed = []
     probe = residuals.probe
@@ -344,7 +346,7 @@ def test_pipeline_residuals_of_checkpointed_layers(remat, monkeypatch):
     cfg, devices = make(*PIPELINE, f"model.remat={remat}")
     analyze.lower_step(cfg, devices)
     kept = sum(math.prod(s.shape) * s.dtype.itemsize for s in probed[-1].stored)
-    parts = memory.pipeline_saved_per_layer(cfg)
+    parts = activations.pipeline_saved_per_layer(cfg)
     assert kept == sum(parts.values()), (parts, kept)
     rows = cfg.train.micro_batch_size  # every residual is an activation of those rows
     assert all(s.ndim == 0 or s.shape[0] == rows for s in probed[-1].stored), probed[-1].stored

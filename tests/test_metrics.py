@@ -11,8 +11,11 @@ from types import SimpleNamespace
 import jax
 import pytest
 
-from ultrajax import config, metrics
-from ultrajax.model import matmul_param_count
+from ultrajax.config import parse
+from ultrajax.config import schema as config
+from ultrajax.cost import flops, units
+from ultrajax.model.llama import matmul_param_count
+from ultrajax.train import metrics, peaks
 
 
 @pytest.mark.parametrize(
@@ -25,24 +28,24 @@ from ultrajax.model import matmul_param_count
     ],
 )
 def test_known_gpu_peaks_bf16_dense(kind, peak):
-    got, source = metrics.device_peak(SimpleNamespace(device_kind=kind), "bfloat16")
+    got, source = peaks.device_peak(SimpleNamespace(device_kind=kind), "bfloat16")
     assert got == peak and "data sheet" in source
 
 
 def test_unknown_device_has_no_peak():
-    got, source = metrics.device_peak(SimpleNamespace(device_kind="Some TPU"), "bfloat16")
+    got, source = peaks.device_peak(SimpleNamespace(device_kind="Some TPU"), "bfloat16")
     assert got is None and "unknown" in source
 
 
 def test_flops_per_token_is_6n_plus_12lhs():
-    m = config.load(Path(__file__).parents[1] / "configs" / "tiny.yaml").model
+    m = parse.load(Path(__file__).parents[1] / "configs" / "tiny.yaml").model
     expected = 6 * matmul_param_count(m) + 12 * m.n_layers * m.n_heads * m.hd * m.seq_len
-    assert metrics.flops_per_token(m) == expected
-    assert metrics.hardware_flops_per_token(m) == expected  # remat none: nothing recomputed
+    assert flops.flops_per_token(m) == expected
+    assert flops.hardware_flops_per_token(m) == expected  # remat none: nothing recomputed
 
 
 def test_human():
-    assert metrics.human(885888) == "885.9K" and metrics.human(1.278e11) == "127.8B"
+    assert units.human(885888) == "885.9K" and units.human(1.278e11) == "127.8B"
 
 
 # --------------------------------------------------------------------------- CPU peak
@@ -59,26 +62,26 @@ def cache_home(tmp_path, monkeypatch):
         calls.append(1)
         return next(rates)
 
-    monkeypatch.setattr(metrics, "measure_matmul_rate", fake_rate)
+    monkeypatch.setattr(peaks, "measure_matmul_rate", fake_rate)
     return tmp_path / "xdg" / "ultrajax" / "cpu_peak.json", calls
 
 
 def test_cpu_peak_is_measured_once_and_cached(cache_home, monkeypatch):
     path, calls = cache_home
-    assert metrics.cpu_peak_cache() == path
-    rate, label = metrics.cached_cpu_peak()
+    assert peaks.cpu_peak_cache() == path
+    rate, label = peaks.cached_cpu_peak()
     assert rate == 9e10 and len(calls) == 3  # the best of three
     assert f"cached in {path}" in label
-    assert json.loads(path.read_text())[metrics.cpu_key()]["flops"] == 9e10
-    rate, label = metrics.cached_cpu_peak()
+    assert json.loads(path.read_text())[peaks.cpu_key()]["flops"] == 9e10
+    rate, label = peaks.cached_cpu_peak()
     assert rate == 9e10 and len(calls) == 3 and "measured once" in label  # not re-measured
     if jax.devices()[0].platform == "cpu":
-        peak, label = metrics.host_peak(config.Config())
+        peak, label = peaks.host_peak(config.Config())
         assert peak == 9e10 and len(calls) == 3 and str(path) in label
     # another machine (CPU model or cores) gets its own entry; the first one stays
-    here = metrics.cpu_key()
-    monkeypatch.setattr(metrics, "cpu_key", lambda: "other CPU | 4 cores")
-    assert metrics.cached_cpu_peak()[0] == 3e12 and len(calls) == 6
+    here = peaks.cpu_key()
+    monkeypatch.setattr(peaks, "cpu_key", lambda: "other CPU | 4 cores")
+    assert peaks.cached_cpu_peak()[0] == 3e12 and len(calls) == 6
     table = json.loads(path.read_text())
     assert table["other CPU | 4 cores"]["flops"] == 3e12
     assert table[here]["flops"] == 9e10
@@ -88,18 +91,18 @@ def test_cpu_peak_is_measured_once_and_cached(cache_home, monkeypatch):
 def test_cpu_peak_cache_defaults_to_home(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert metrics.cpu_peak_cache() == tmp_path / ".cache" / "ultrajax" / "cpu_peak.json"
+    assert peaks.cpu_peak_cache() == tmp_path / ".cache" / "ultrajax" / "cpu_peak.json"
 
 
 def test_cpu_peak_cache_unreadable_or_unwritable(cache_home):
     path, calls = cache_home
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
-    rate, label = metrics.cached_cpu_peak()  # a broken file is measured over
+    rate, label = peaks.cached_cpu_peak()  # a broken file is measured over
     assert rate == 9e10 and "cached in" in label
     path.unlink()
     path.mkdir()  # a directory where the file should be: measured, not cached, no crash
-    rate, label = metrics.cached_cpu_peak()
+    rate, label = peaks.cached_cpu_peak()
     assert rate == 3e12 and "not cached" in label and len(calls) == 6
     assert [p.name for p in path.parent.iterdir()] == ["cpu_peak.json"]  # no temporary left
 

@@ -9,10 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ultrajax import config
-from ultrajax.config import ModelConfig
-from ultrajax.mesh import LOGICAL_NAMES
-from ultrajax.model import forward, init_params, logical_axes, param_count, rms_norm, rope
+from ultrajax.config import parse
+from ultrajax.config import schema as config
+from ultrajax.config.schema import ModelConfig
+from ultrajax.model.llama import init_params, logical_axes, param_count
+from ultrajax.model.nn import rms_norm, rope
+from ultrajax.model.stack import forward
+from ultrajax.parallel.mesh import LOGICAL_NAMES
 
 BASE = ModelConfig(
     vocab_size=128,
@@ -200,7 +203,7 @@ def test_rope_linear_scaling_divides_positions():
 )
 def test_rope_scaling_config_is_validated(overrides, message):
     with pytest.raises(config.ConfigError) as e:
-        config.load(None, overrides)
+        parse.load(None, overrides)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

@@ -20,9 +20,13 @@ import jax
 import numpy as np
 import pytest
 
-from ultrajax import cli, distributed, prepare
-from ultrajax import mesh as mesh_lib
-from ultrajax.config import ConfigError, dump, load, resolve_mesh
+from ultrajax import cli
+from ultrajax.config.parse import dump, load
+from ultrajax.config.schema import ConfigError
+from ultrajax.config.validate import resolve_mesh
+from ultrajax.data import prepare
+from ultrajax.parallel import mesh as mesh_lib
+from ultrajax.train import distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "scripts" / "launch_local.sh"

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from ultrajax.noise import NoiseScale, estimate
+from ultrajax.train.noise import NoiseScale, estimate
 
 # l(w) = 0.5 (x.w - y)^2, x ~ N(0, diag(D)), y = x.w* + eps, eps ~ N(0, SIGMA2). At w with
 # delta = w - w*, the per-example gradient is g = r x with r = x.delta - eps.

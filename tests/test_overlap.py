@@ -1,10 +1,12 @@
 """The GPU overlap/bucketing flags come from parallel.* config; a user's XLA_FLAGS wins."""
 
-from ultrajax import config, overlap
+from ultrajax.config import parse
+from ultrajax.config import schema as config
+from ultrajax.train import overlap
 
 
 def test_flags_follow_config():
-    cfg = config.load(None, ["parallel.overlap=false", "parallel.all_gather_bucket_mib=32"])
+    cfg = parse.load(None, ["parallel.overlap=false", "parallel.all_gather_bucket_mib=32"])
     flags = overlap.xla_flags(cfg.parallel)
     assert "--xla_gpu_enable_latency_hiding_scheduler=false" in flags
     assert f"--xla_gpu_all_gather_combine_threshold_bytes={32 * 2**20}" in flags
@@ -13,7 +15,7 @@ def test_flags_follow_config():
 
 def test_user_flags_are_kept_and_win():
     env = {"XLA_FLAGS": "--xla_gpu_all_reduce_combine_threshold_bytes=5 --foo=1"}
-    out = overlap.apply(config.load(None).parallel, env).split()
+    out = overlap.apply(parse.load(None).parallel, env).split()
     assert "--xla_gpu_all_reduce_combine_threshold_bytes=5" in out and "--foo=1" in out
     assert sum(f.startswith("--xla_gpu_all_reduce_combine") for f in out) == 1
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out
@@ -21,7 +23,7 @@ def test_user_flags_are_kept_and_win():
 
 def test_negative_bucket_is_a_config_error():
     try:
-        config.load(None, ["parallel.reduce_scatter_bucket_mib=-1"])
+        parse.load(None, ["parallel.reduce_scatter_bucket_mib=-1"])
     except config.ConfigError as e:
         assert "parallel.reduce_scatter_bucket_mib" in str(e)
     else:
@@ -29,7 +31,7 @@ def test_negative_bucket_is_a_config_error():
 
 
 def test_collective_pipelining_follows_config():
-    on = overlap.xla_flags(config.load(None, ["parallel.pipeline_collectives=true"]).parallel)
-    off = overlap.xla_flags(config.load(None).parallel)
+    on = overlap.xla_flags(parse.load(None, ["parallel.pipeline_collectives=true"]).parallel)
+    off = overlap.xla_flags(parse.load(None).parallel)
     for flag in overlap.PIPELINED:
         assert f"{flag}=true" in on and f"{flag}=false" in off

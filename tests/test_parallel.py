@@ -18,10 +18,11 @@ import jax
 import numpy as np
 import pytest
 
-from ultrajax import batch as batch_lib
-from ultrajax import comms, config
-from ultrajax import step as step_lib
+from ultrajax.config import schema as config
 from ultrajax.parallel.context import token_order
+from ultrajax.tools import hlo
+from ultrajax.train import batch as batch_lib
+from ultrajax.train import step as step_lib
 
 SEQ, ACCUM, ROWS = 48, 2, 8  # ROWS: samples per micro-batch, over all data-parallel ranks
 D, LAYERS, VOCAB = 64, 2, 256
@@ -215,7 +216,7 @@ def test_context_parallel_matches_single_device(name, mode, extra):
 
 
 def n_params(cfg) -> int:
-    from ultrajax.model import param_count
+    from ultrajax.model.llama import param_count
 
     return param_count(cfg.model)
 
@@ -234,7 +235,7 @@ def test_state_bytes_follow_zero_formulas(name, shards):
 
 def collectives(name, mode="explicit"):
     r = run(name, mode)
-    found, notes = comms.collectives(r[3])
+    found, notes = hlo.collectives(r[3])
     assert not notes, notes  # every loop's trip count is known
     return found, r[5]
 
@@ -258,8 +259,8 @@ def layer_bytes(cfg) -> int:
 def layer_loops(text: str) -> dict[str, int]:
     """Layer-loop bodies of a compiled step -> their number of dots. A backward body
     computes input and weight gradients: about twice the dots of a forward body."""
-    mod = comms.parse_module(text)
-    mult, _ = comms.multiplicities(mod)
+    mod = hlo.parse_module(text)
+    mult, _ = hlo.multiplicities(mod)
 
     @functools.cache
     def dots(comp: str) -> int:  # its own and those of the fusions it calls
@@ -412,9 +413,9 @@ BF16 = ("model.dtype=bfloat16",)
 
 def partitioned(name, mode, *extra):
     """Collectives of the step as XLA's partitioner wrote them (the dtypes a GPU runs)."""
-    text = comms.partitioned_text(run(name, mode, *extra)[6])
+    text = hlo.partitioned_text(run(name, mode, *extra)[6])
     assert text is not None
-    found, _ = comms.collectives(text)
+    found, _ = hlo.collectives(text)
     return found
 
 
@@ -452,7 +453,7 @@ def test_the_step_checks_varying_axes():
     step's shard_map runs with check_vma, and its sinks say which reductions are owed."""
     from jax.sharding import PartitionSpec as P
 
-    from ultrajax.weights import Reduce, Weight, dense
+    from ultrajax.model.ops import Reduce, Weight, dense
 
     cfg = make_cfg(LAYOUTS["data8"])
     mesh, rules = setup(cfg)[:2]

@@ -17,11 +17,14 @@ import numpy as np
 import pytest
 import test_parallel as grid
 
-from ultrajax import batch as batch_lib
-from ultrajax import comms, config, train
-from ultrajax import step as step_lib
-from ultrajax.config import ConfigError
-from ultrajax.parallel import pipeline, schedule
+from ultrajax.config import parse
+from ultrajax.config.schema import ConfigError
+from ultrajax.parallel.pipeline import plan as plan_lib
+from ultrajax.parallel.pipeline import schedules as schedule
+from ultrajax.tools import hlo
+from ultrajax.train import batch as batch_lib
+from ultrajax.train import loop as train
+from ultrajax.train import step as step_lib
 
 
 def batches(m: int, n: int = 3) -> list[batch_lib.Batch]:
@@ -127,7 +130,7 @@ def test_evaluation_runs_the_stages_forwards_without_gathering_them():
     """The eval step sends activations down the stages (collective-permutes) and never
     all-gathers the layers: no device holds another stage's weights."""
     layout, m, model = SCHEDULES["p4-m8-interleaved-v2-tied"]
-    found, _ = comms.collectives(run(layout, m, *model)[4][2])
+    found, _ = hlo.collectives(run(layout, m, *model)[4][2])
     kinds = {c.kind for c in found}
     assert "collective-permute" in kinds and "all-gather" not in kinds, kinds
 
@@ -137,7 +140,7 @@ def test_data_reductions_run_once_per_step_outside_the_schedule():
     last micro-batch (not per micro-batch inside the tick loop): 4 bytes x this stage's
     parameters, the replicated embedding and head included."""
     layout, m, model = COMPOSED["p2-data2-fsdp2-zero2"]
-    found, notes = comms.collectives(run(layout, m, *model)[3])
+    found, notes = hlo.collectives(run(layout, m, *model)[3])
     cfg = grid.make_cfg(dict(layout), f"train.grad_accum={m}")
     psi = grid.n_params(cfg)
     layers = psi - (grid.VOCAB * grid.D * 2 + grid.D)
@@ -174,22 +177,22 @@ def test_1f1b_holds_a_fraction_of_afab_activations():
     0.25 of them, plus buffers and fixed costs that do not scale with m)."""
     afab, one = temp_bytes("afab"), temp_bytes("1f1b")
     assert one < 0.45 * afab, (one, afab)
-    plan = pipeline.make_plan("1f1b", 4, 16)
-    assert plan.slots["res"] == 4 and pipeline.make_plan("afab", 4, 16).slots["res"] == 16
+    plan = plan_lib.make_plan("1f1b", 4, 16)
+    assert plan.slots["res"] == 4 and plan_lib.make_plan("afab", 4, 16).slots["res"] == 16
 
 
 def test_plans_free_every_slot_and_match_the_table():
     for kind, v in (("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
-        plan = pipeline.make_plan(kind, 4, 8, v)
+        plan = plan_lib.make_plan(kind, 4, 8, v)
         assert plan.slots["res"] == schedule.in_flight(plan.table)
-        busy = plan.rows[..., 0] != pipeline.IDLE
+        busy = plan.rows[..., 0] != plan_lib.IDLE
         assert busy.sum() == (plan.table[..., 0] != schedule.IDLE).sum()
 
 
 def test_layer_order_puts_each_devices_chunks_together():
-    order = pipeline.layer_order(8, 2, 2)  # 4 chunks of 2 layers; device 0: chunks 0, 2
+    order = plan_lib.layer_order(8, 2, 2)  # 4 chunks of 2 layers; device 0: chunks 0, 2
     assert order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
-    assert pipeline.layer_order(4, 2, 1).tolist() == [0, 1, 2, 3]
+    assert plan_lib.layer_order(4, 2, 1).tolist() == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize(
@@ -245,7 +248,7 @@ NO_PIPELINE = ["mesh.data=2", "mesh.tensor=4", "train.micro_batch_size=2"]  # th
 
 
 def _train(run_dir: Path, steps: int, *extra: str) -> dict[int, float]:
-    cfg = config.load(harness.TINY, [*SMALL, f"train.steps={steps}", f"train.run_dir={run_dir}",
+    cfg = parse.load(harness.TINY, [*SMALL, f"train.steps={steps}", f"train.run_dir={run_dir}",
                                      *extra])  # fmt: skip
     assert train.train(cfg) == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]

@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from ultrajax import cli, comms, config, hardware, layouts, memory, plan, steptime
+from ultrajax import cli
+from ultrajax.config import parse, validate
+from ultrajax.config import schema as config
+from ultrajax.cost import candidates as layouts
+from ultrajax.cost import comms, hardware, memory, steptime
+from ultrajax.tools import plan
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "tests" / "data" / "playbook_sample.csv"
@@ -61,14 +66,14 @@ def test_enumeration_divides_model_batch_and_devices():
     # what the enumeration yields, the config's own checks accept
     for lay in seen[:: max(1, len(seen) // 40)]:
         cfg = lay.config(base)
-        config.validate_layout(cfg)
+        validate.validate_layout(cfg)
         assert cfg.tokens_per_step == tokens
     assert base.mesh.sizes() == config.MeshConfig().sizes()  # the base is not changed
 
 
 def test_every_communication_term_has_an_axis():
     """steptime places comms.expected's terms by what they say: a term it cannot place
-    (renamed in comms.py) must fail here, not vanish from the step time."""
+    (renamed in cost/comms.py) must fail here, not vanish from the step time."""
     base = _small()
     base.model.attention = "cudnn"
     cases = [dict(data=2, fsdp=4, zero=z) for z in (0, 1, 2, 3)] + [
@@ -195,7 +200,7 @@ def _run(argv):
 
 def test_plan_command_ranks_layouts(tmp_path, capsys):
     path = tmp_path / "small.yaml"
-    path.write_text(config.dump(_small()))
+    path.write_text(parse.dump(_small()))
     args = ["--config", str(path), "--gpus", "16", "--tokens-per-step", str(64 * 2048)]
     assert _run([*args, "--top", "3"]) == 0
     out = capsys.readouterr().out
@@ -234,7 +239,7 @@ def test_plan_command_ranks_layouts(tmp_path, capsys):
 )
 def test_plan_errors_are_one_line(tmp_path, capsys, args, words):
     path = tmp_path / "small.yaml"
-    path.write_text(config.dump(_small()))
+    path.write_text(parse.dump(_small()))
     assert _run(["--config", str(path), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and words in err and "\n" not in err

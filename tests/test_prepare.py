@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from ultrajax import data, prepare
-from ultrajax.shards import FORMAT, VERSION, PreparedCorpus
+from ultrajax.data import prepare, sources, tokenizer
+from ultrajax.data.shards import FORMAT, VERSION, PreparedCorpus
 
-TOK = data.ByteTokenizer()
+TOK = tokenizer.ByteTokenizer()
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -92,7 +92,7 @@ def test_byte_round_trip_matches_the_pipeline(tmp_path, capsys):
     ]
     assert _docs(out) == expected
     # the documents of the in-memory text source (ultrajax.data), as it reads them
-    pipeline = [_byte_doc(d.read()) for d in data.file_docs(str(src))]
+    pipeline = [_byte_doc(d.read()) for d in sources.file_docs(str(src))]
     assert _docs(out) == pipeline
 
     corpus = PreparedCorpus(out)
@@ -126,7 +126,7 @@ def test_byte_round_trip_matches_the_pipeline(tmp_path, capsys):
 
 def test_hf_tokenizer_round_trip_and_copy(tmp_path, capsys):
     path = _hf_tokenizer(tmp_path / "tok.json")
-    hf = data.HFTokenizer(str(path))
+    hf = tokenizer.HFTokenizer(str(path))
     texts = ["hello world", "world hello again .", "hello unknown"]
     _jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts])
     out = tmp_path / "out"
@@ -231,7 +231,7 @@ def test_memory_does_not_grow_with_the_file(tmp_path):
     script = textwrap.dedent(
         """
         import sys
-        import ultrajax.cli, ultrajax.data, ultrajax.prepare, tqdm
+        import ultrajax.cli, ultrajax.data.loader, ultrajax.data.prepare, tqdm
 
         def status_kib(key):
             for line in open("/proc/self/status"):
@@ -244,7 +244,7 @@ def test_memory_does_not_grow_with_the_file(tmp_path):
         except OSError:
             pass
         before = status_kib("VmRSS")
-        ultrajax.prepare.main(sys.argv[1:])
+        ultrajax.data.prepare.main(sys.argv[1:])
         print("growth", (status_kib("VmHWM") - before) * 1024)
         """
     )
@@ -330,7 +330,7 @@ def test_strict_fails_on_the_first_problem_and_writes_nothing(tmp_path, capsys):
     good = _jsonl(tmp_path / "good.jsonl", [{"text": f"ok {i}"} for i in range(2000)])
     (tmp_path / "zz.txt").write_bytes(b"\xff")
     proc = subprocess.run(
-        [sys.executable, "-m", "ultrajax.prepare", "--input", good, "--input",
+        [sys.executable, "-m", "ultrajax.data", "prepare", "--input", good, "--input",
          tmp_path / "zz.txt", "--tokenizer", "bytes", "--out", out, "--strict",
          "--workers", "2", "--shard-mib", "0.005"],
         capture_output=True, text=True, cwd=REPO, timeout=120,
@@ -391,7 +391,7 @@ def test_command_prints_the_summary_line(tmp_path):
     (tmp_path / "b.txt").write_text("fgh")
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "ultrajax.prepare", "--input", str(tmp_path / "*.*"),
+        [sys.executable, "-m", "ultrajax.data", "prepare", "--input", str(tmp_path / "*.*"),
          "--tokenizer", "bytes", "--out", str(out)],
         capture_output=True, text=True, cwd=REPO, timeout=120,
         env={**os.environ, "COLUMNS": "80"},

@@ -6,8 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from ultrajax import config, data, prepare
-from ultrajax.config import ConfigError, DataConfig
+from ultrajax.config import parse
+from ultrajax.config.schema import ConfigError, DataConfig
+from ultrajax.data import loader as data
+from ultrajax.data import prepare, sources, tokenizer
 
 
 def _corpus(root, prefix, n):
@@ -49,7 +51,7 @@ def test_prepared_batches_equal_tokenizing_the_files_directly(tmp_path):
 def test_mixture_of_prepared_directories_by_weight(tmp_path):
     _, a = _prepared(tmp_path, "a")
     _, b = _prepared(tmp_path, "b")
-    cfg = config.load(
+    cfg = parse.load(
         None,
         [
             "data.source=prepared",
@@ -58,7 +60,7 @@ def test_mixture_of_prepared_directories_by_weight(tmp_path):
     )
     assert [m.weight for m in cfg.data.mixture] == [3.0, 1.0]
     d = _build(cfg.data, batch=16)
-    tok = data.ByteTokenizer()
+    tok = tokenizer.ByteTokenizer()
     rows = [tok.decode(r) for _ in range(40) for r in next(d.train)["tokens"]]
     tagged = [r for r in rows if "<a" in r or "<b" in r]
     assert not any("<a" in r and "<b" in r for r in rows)  # a row holds one source
@@ -70,7 +72,7 @@ def test_mixture_of_prepared_directories_by_weight(tmp_path):
 def test_prepared_data_brings_its_tokenizer_and_errors_say_what_to_do(tmp_path):
     _, out = _prepared(tmp_path)
     cfg = DataConfig(source="prepared", path=str(out))
-    assert isinstance(data.make_tokenizer(cfg), data.ByteTokenizer)
+    assert isinstance(sources.make_tokenizer(cfg), tokenizer.ByteTokenizer)
     with pytest.raises(ConfigError, match=r"model.vocab_size=384"):
         data.build(cfg, seq_len=31, batch_size=8, seed=0, vocab_size=128)
     with pytest.raises(ConfigError, match="not a prepared directory .* ultrajax.data prepare"):
@@ -79,8 +81,8 @@ def test_prepared_data_brings_its_tokenizer_and_errors_say_what_to_do(tmp_path):
     with pytest.raises(ConfigError, match="does not match the manifest"):
         _build(cfg)
     with pytest.raises(ConfigError, match="data.path is required when data.source is prepared"):
-        config.load(None, ["data.source=prepared"])
+        parse.load(None, ["data.source=prepared"])
     with pytest.raises(ConfigError, match="data.mixture replaces data.path"):
-        config.load(None, ["data.source=prepared", "data.path=x", "data.mixture=[{path: y}]"])
+        parse.load(None, ["data.source=prepared", "data.path=x", "data.mixture=[{path: y}]"])
     with pytest.raises(ConfigError, match=r"data.mixture\[0\].weight must be positive"):
-        config.load(None, ["data.source=prepared", "data.mixture=[{path: y, weight: 0}]"])
+        parse.load(None, ["data.source=prepared", "data.mixture=[{path: y, weight: 0}]"])

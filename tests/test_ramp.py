@@ -8,9 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ultrajax import config, optim, train
-from ultrajax.config import ConfigError
-from ultrajax.ramp import Ramp
+from ultrajax.config import parse, validate
+from ultrajax.config.schema import ConfigError
+from ultrajax.train import loop as train
+from ultrajax.train import optim
+from ultrajax.train.ramp import Ramp
 
 TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
 # 8 devices, 1 sequence of 32 tokens each a micro-batch: the base batch is 256 tokens a step
@@ -26,8 +28,8 @@ RAMP = "train.batch_schedule=[{tokens_per_step: 512, from_tokens: 1024}, {tokens
 
 
 def _load(*extra):
-    cfg = config.load(TINY, [*SMALL, *extra])
-    config.resolve_mesh(cfg, 8)
+    cfg = parse.load(TINY, [*SMALL, *extra])
+    validate.resolve_mesh(cfg, 8)
     return cfg
 
 

@@ -9,11 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ultrajax import analyze, comms, config, memory, metrics, train
-from ultrajax import batch as batch_lib
-from ultrajax.config import ConfigError
-from ultrajax.loss import loss_sum
-from ultrajax.model import remat_policy
+from ultrajax.config import parse
+from ultrajax.config.schema import ConfigError
+from ultrajax.cost import activations, flops, memory, sizes
+from ultrajax.model.loss import loss_sum
+from ultrajax.model.remat import remat_policy
+from ultrajax.tools import analyze, hlo
+from ultrajax.train import batch as batch_lib
+from ultrajax.train import setup
 
 FAST = harness.FAST
 TINY = harness.TINY
@@ -43,7 +46,7 @@ def test_gradients_identical_across_policies(random_params):
     batch = jax.tree.map(jnp.asarray, batch_lib.make(packed, cross_doc_mask=True))
     grads = {}
     for remat in ("none", "full", "selective", "[query,key,value]"):
-        cfg.model.remat = config.load(TINY, [f"model.remat={remat}"]).model.remat
+        cfg.model.remat = parse.load(TINY, [f"model.remat={remat}"]).model.remat
         fn = jax.jit(jax.value_and_grad(lambda p, c=cfg: loss_sum(c, p, batch)[0]))
         grads[remat] = fn(params)
     ref_loss, ref = grads["none"]
@@ -77,11 +80,11 @@ def test_hfu_exceeds_mfu_by_exactly_the_recomputed_flops(compiled_policies):
     (each counted with its loop's trip count), policy by policy."""
     model_dots = None
     for remat, (cfg, c) in compiled_policies.items():
-        dots, _ = comms.matmul_flops(c.as_text())
+        dots, _ = hlo.matmul_flops(c.as_text())
         tokens = cfg.tokens_per_step
-        mfu = metrics.flops_per_token(cfg.model) * tokens
-        hfu = metrics.hardware_flops_per_token(cfg.model) * tokens
-        assert hfu - mfu == pytest.approx(metrics.recompute_flops_per_token(cfg.model) * tokens)
+        mfu = flops.flops_per_token(cfg.model) * tokens
+        hfu = flops.hardware_flops_per_token(cfg.model) * tokens
+        assert hfu - mfu == pytest.approx(flops.recompute_flops_per_token(cfg.model) * tokens)
         assert dots == pytest.approx(hfu, rel=1e-6), remat
         if remat == "none":
             model_dots = dots
@@ -94,27 +97,27 @@ def test_recompute_flops_of_named_policies(remat):
     """Lists of names: the recomputation model against the compiled dots (2 layers x 2
     micro-batches, so the layer scan and the micro-batch scan both count)."""
     cfg = make(f"model.remat={remat}", "train.grad_accum=2", "model.seq_len=64")
-    dots, _ = comms.matmul_flops(analyze.compile_step(cfg, jax.devices()[:1], FAST).as_text())
+    dots, _ = hlo.matmul_flops(analyze.compile_step(cfg, jax.devices()[:1], FAST).as_text())
     assert dots == pytest.approx(
-        metrics.hardware_flops_per_token(cfg.model) * cfg.tokens_per_step, rel=1e-6
+        flops.hardware_flops_per_token(cfg.model) * cfg.tokens_per_step, rel=1e-6
     )
 
 
 def test_full_equals_an_empty_list_of_names():
     full, empty = make("model.remat=full"), make("model.remat=[]")
-    assert metrics.recompute_flops_per_token(full.model) == metrics.recompute_flops_per_token(
+    assert flops.recompute_flops_per_token(full.model) == flops.recompute_flops_per_token(
         empty.model
     )
-    assert memory.saved_per_layer(full) == memory.saved_per_layer(empty)
+    assert activations.saved_per_layer(full) == activations.saved_per_layer(empty)
 
 
 def test_offload_is_a_clear_error_on_cpu_and_analysed_without_compiling():
     cfg = make("model.remat=offload")
     assert remat_policy("offload") is not None
     with pytest.raises(ConfigError, match="offload needs host offloading"):
-        train.check_backend(cfg)
+        setup.check_backend(cfg)
     est = memory.estimate(cfg)
-    d = memory.dims(cfg)
+    d = sizes.dims(cfg)
     assert est.host == cfg.model.n_layers * d.c * (2 * d.Q + 2 * d.K + 2 * d.F)
     assert est.activations["norms"] == cfg.model.n_layers * d.c * d.X  # only block inputs
     with pytest.raises(ConfigError, match="offload"):

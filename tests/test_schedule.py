@@ -1,4 +1,4 @@
-"""Pipeline schedule tables (parallel/schedule.py): every builder's table obeys the
+"""Pipeline schedule tables (parallel/pipeline/schedules.py): every builder's table obeys the
 dependencies, hits its schedule's textbook bubble exactly, and holds the activations the
 schedule promises; `check` rejects broken tables. Pure numpy: no compiles."""
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from ultrajax.parallel import schedule as sched
+from ultrajax.parallel.pipeline import schedules as sched
 
 GRID = [
     (kind, p, m, v)
@@ -132,7 +132,7 @@ def test_build_rejects(kind, p, m, v, message):
 
 def test_draw(tmp_path):
     pytest.importorskip("matplotlib")
-    from ultrajax import schedule_plot
+    from ultrajax.tools import schedule_plot
 
     for kind, v in (("zb-h1", 1), ("interleaved", 2)):
         path = schedule_plot.draw(sched.build(kind, 4, 8, v), tmp_path / f"{kind}.png")

@@ -9,12 +9,14 @@ import numpy as np
 import optax
 import pytest
 
-from ultrajax import batch as batch_lib
-from ultrajax import optim
-from ultrajax.batch import target_mask
-from ultrajax.config import Config, ModelConfig, load
-from ultrajax.model import NORMS, forward
-from ultrajax.step import make_eval_step, make_train_step
+from ultrajax.config.parse import load
+from ultrajax.config.schema import Config, ModelConfig
+from ultrajax.model.llama import NORMS
+from ultrajax.model.stack import forward
+from ultrajax.train import batch as batch_lib
+from ultrajax.train import optim
+from ultrajax.train.batch import target_mask
+from ultrajax.train.step import make_eval_step, make_train_step
 
 MODEL = ModelConfig(
     vocab_size=128,
@@ -210,7 +212,7 @@ def test_bf16_compute_accumulates_fp32_gradients():
     step = make_train_step(cfg, tx, optax.constant_schedule(0.1))
 
     def run(key):
-        from ultrajax.step import init_state
+        from ultrajax.train.step import init_state
 
         b = batch_lib.make(_batch(), cross_doc_mask=True)
         return step(init_state(cfg, tx, key), jax.tree.map(jnp.asarray, b))
@@ -313,8 +315,8 @@ def test_chunked_loss_never_holds_the_full_logits():
     """What the backward pass keeps: with chunks, no (rows, seq, vocab) fp32 array."""
     from jax.ad_checkpoint import print_saved_residuals
 
-    from ultrajax.batch import Batch
-    from ultrajax.loss import loss_sum
+    from ultrajax.model.loss import loss_sum
+    from ultrajax.train.batch import Batch
 
     def saved(chunk):
         cfg = _cfg(1)
@@ -335,6 +337,6 @@ def test_chunked_loss_never_holds_the_full_logits():
 
 
 def init_state_params(cfg):
-    from ultrajax.model import init_params
+    from ultrajax.model.llama import init_params
 
     return init_params(cfg.model, jax.random.key(0))

@@ -10,17 +10,21 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 
-from ultrajax import batch as batch_lib
-from ultrajax import data, streams
-from ultrajax.config import ConfigError
-from ultrajax.prefetch import Prefetcher
+from ultrajax.config.schema import ConfigError
+from ultrajax.data import sources as sources_lib
+from ultrajax.data import streams, tokenizer
+from ultrajax.data.prefetch import Prefetcher
+from ultrajax.train import batch as batch_lib
 
-TOK = data.ByteTokenizer()
+TOK = tokenizer.ByteTokenizer()
 
 
 def _source(n, prefix="d", length=lambda i: 5 + (i * 7) % 13, weight=1.0):
-    docs = [data.Doc(key=f"{prefix}{i}", text=f"<{prefix}{i}>" + "x" * length(i)) for i in range(n)]
-    return streams.Source(np.arange(n), data._TextReader(docs, TOK), weight, prefix)
+    docs = [
+        sources_lib.Doc(key=f"{prefix}{i}", text=f"<{prefix}{i}>" + "x" * length(i))
+        for i in range(n)
+    ]
+    return streams.Source(np.arange(n), sources_lib._TextReader(docs, TOK), weight, prefix)
 
 
 def _streams(sources, rows=None, *, batch=16, n=4, window=0, seed=0, seq_len=15, accum=1):

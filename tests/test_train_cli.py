@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ultrajax import config as config_lib
-from ultrajax import optim
+from ultrajax.config import parse, validate
+from ultrajax.train import optim
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = "configs/tiny.yaml"
@@ -121,7 +121,7 @@ def test_metrics_records_carry_wall_clock_time_and_tokens_so_far(run):
 @pytest.mark.slow
 def test_config_yaml_is_the_resolved_config_and_lr_follows_its_schedule(run):
     _, run_dir = run
-    cfg = config_lib.load(run_dir / "config.yaml")
+    cfg = parse.load(run_dir / "config.yaml")
     assert cfg.train.steps == 12 and cfg.model.n_layers == 2 and cfg.model.seq_len == 64
     assert cfg.train.run_dir == str(run_dir)
     schedule = optim.schedule(cfg)
@@ -193,10 +193,10 @@ def test_print_config_prints_the_resolved_config_and_batch_then_exits(tmp_path):
 
     # the output is a config file: the resolved config, mesh fill included
     (tmp_path / "printed.yaml").write_text(out["eight"])
-    printed = config_lib.load(tmp_path / "printed.yaml")
-    want = config_lib.load(ROOT / TINY, ["mesh.data=-1", *overrides])
-    config_lib.resolve_mesh(want, 8)
-    assert config_lib.to_dict(printed) == config_lib.to_dict(want)
+    printed = parse.load(tmp_path / "printed.yaml")
+    want = parse.load(ROOT / TINY, ["mesh.data=-1", *overrides])
+    validate.resolve_mesh(want, 8)
+    assert parse.to_dict(printed) == parse.to_dict(want)
     assert printed.mesh.data == 8 and printed.train.steps == 7
     derived = [line for line in out["eight"].splitlines() if line.startswith("# ")]
     # tiny: 8 micro x 2 accum, seq 256

@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed (the [test] extra 
 pytest.importorskip("torch", reason="Triton's interpreter reads torch CPU tensors")
 
 from ultrajax.kernels import rms_norm as kernel  # noqa: E402
-from ultrajax.model import rms_norm as model_norm  # noqa: E402
+from ultrajax.model.nn import rms_norm as model_norm  # noqa: E402
 
 
 def inputs(shape, dtype, seed):

@@ -13,8 +13,9 @@ from collections.abc import Callable
 
 import jax
 
-from ultrajax import config as config_lib
-from ultrajax import distributed
+from ultrajax.config import parse
+from ultrajax.config import schema as config_lib
+from ultrajax.train import distributed
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,7 +36,7 @@ def parser(prog: str, description: str, *, config_required: bool = True) -> argp
     p = _Parser(
         prog=prog,
         description=description,
-        epilog=config_lib.keys_help(),
+        epilog=parse.keys_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", required=config_required, help="YAML config file")
@@ -94,7 +95,7 @@ def device_count(args: argparse.Namespace) -> tuple[int | None, str]:
 
 def load_config(args) -> config_lib.Config:
     try:
-        return config_lib.load(args.config, args.overrides)
+        return parse.load(args.config, args.overrides)
     except config_lib.ConfigError as e:
         fail(str(e))
 

@@ -31,6 +31,7 @@ diagonal. Packed documents: a pair with no common segment id is skipped too.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import jax
@@ -38,9 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ultrajax.attention import NEG_INF, attend, block_grads
-from ultrajax.parallel.data import vary
-from ultrajax.weights import vma
+from ultrajax.kernels import flash_attention as fa
+from ultrajax.kernels.varying import vary, vma
+from ultrajax.model.attention.backends import attend, resolve
+from ultrajax.model.attention.blocked import block_grads
+from ultrajax.model.attention.xla import NEG_INF
 
 AXIS = "sequence"
 SKIP, FULL, CAUSAL = 0, 1, 2  # what a (query chunk, key chunk) pair needs
@@ -71,16 +74,12 @@ def token_order(cfg) -> np.ndarray | None:
 def pair_kernel(cfg, platform: str) -> str:
     """The per-pair attention for a run: our Pallas kernel where `model.attention` means a
     flash kernel on this platform and the chunk fits its blocks, else plain XLA."""
-    import math
-
-    from ultrajax.attention import resolve
 
     name = resolve(cfg.model.attention, platform, cfg.data.cross_doc_mask)
     if name not in ("pallas", "cudnn"):
         return "xla"
-    from ultrajax.kernels.flash_attention import BlockSizes
 
-    b = BlockSizes.of(cfg.model.attention_blocks)
+    b = fa.BlockSizes.of(cfg.model.attention_blocks)
     chunk = cfg.model.seq_len // (2 * cfg.mesh.sequence)
     return "pallas" if chunk % math.lcm(b.q, b.k, b.q_bwd, b.k_bwd) == 0 else "xla"
 
@@ -102,44 +101,6 @@ def work(cp: int, zigzag: bool) -> np.ndarray:
             for kc in table.ravel():
                 out[r] += weight[int(pair_kind(qc, kc))]
     return out
-
-
-def attention_flops(cfg) -> dict:
-    """Causal attention FLOPs per device per step (forward + backward = 3 x forward), for
-    this run's layout and for the other zig-zag setting: {zigzag: [per device]}."""
-    m, cp = cfg.model, cfg.mesh.sequence
-    chunk = m.seq_len // (2 * cp)
-    per_pair = 3 * 4 * cfg.train.micro_batch_size * chunk**2 * m.n_heads * m.hd
-    per_pair *= m.n_layers * cfg.train.grad_accum // cfg.mesh.tensor
-    return {z: (work(cp, z) * per_pair).tolist() for z in (True, False)}
-
-
-def permute_bytes(cfg) -> dict:
-    """Bytes one device sends per step for context parallelism, by collective kind (the
-    playbook: K/V sent cp - 1 times per attention forward and again in the backward ring,
-    where dK, dV travel too, in fp32, cp hops)."""
-    from ultrajax.memory import dtype_bytes  # local: memory imports this module
-
-    m, t, cp = cfg.model, cfg.train, cfg.mesh.sequence
-    if cp == 1:
-        return {}
-    local = t.micro_batch_size * (m.seq_len // cp)
-    kv = local * (m.n_kv_heads // cfg.mesh.tensor) * m.hd
-    block = 2 * kv * dtype_bytes(m.dtype) + 4 * local  # K, V and their segment ids
-    # any recomputation repeats the forward ring: no policy saves the attention's
-    # log-sum-exp, so the backward reruns the whole custom_vjp forward
-    forwards = 1 if m.remat == "none" else 2
-    times = m.n_layers * t.grad_accum
-    if cfg.parallel.context == "ring":
-        per_layer = (forwards + 1) * (cp - 1) * block + cp * 2 * kv * 4
-        return {"collective-permute": times * per_layer}
-    # an all-gather's traffic is (n - 1)/n of the whole; the segment ids are the same in
-    # every layer, so XLA gathers them once per micro-batch
-    gathered = times * (forwards + 1) * (cp - 1) * (block - 4 * local)
-    return {
-        "all-gather": gathered + t.grad_accum * (cp - 1) * 4 * local,
-        "reduce-scatter": times * (cp - 1) * 2 * kv * 4,
-    }
 
 
 # ----------------------------------------------------------------- one pair of chunks
@@ -286,7 +247,6 @@ class Context:
     def _pair_forward(self, q, k, v, qs, ks, causal):
         if self.kernel == "xla":
             return pair_forward(q, k, v, qs, ks, causal)
-        from ultrajax.kernels import flash_attention as fa
 
         opts = dict(blocks=fa.BlockSizes.of(self.blocks), interpret=_interpret())
 
@@ -299,7 +259,6 @@ class Context:
     def _pair_backward(self, q, k, v, qs, ks, lse, delta, do, causal):
         if self.kernel == "xla":
             return pair_backward(q, k, v, qs, ks, lse, delta, do, causal)
-        from ultrajax.kernels import flash_attention as fa
 
         opts = dict(blocks=fa.BlockSizes.of(self.blocks), interpret=_interpret())
 
@@ -417,9 +376,6 @@ class Context:
         )
         merge = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])  # noqa: E731
         return dq, (home(merge(dk)), home(merge(dv)))
-
-
-LOCAL = Context()  # one device along the sequence: the plain attention interface
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -9,14 +9,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ultrajax.batch import DATA_AXES, SEQUENCE_AXIS, TOKEN_AXES
-from ultrajax.config import Config
-from ultrajax.mesh import AXES, Rules, only_axes
-from ultrajax.model import logical_axes
+from ultrajax.config.schema import Config
+from ultrajax.model import remat
+from ultrajax.model.llama import logical_axes
+from ultrajax.parallel.axes import AXES, DATA_AXES, SEQUENCE_AXIS, TOKEN_AXES
 from ultrajax.parallel.context import Context, pair_kernel
-from ultrajax.parallel.data import Gradients
+from ultrajax.parallel.grads import Gradients
+from ultrajax.parallel.mesh import Rules, only_axes
 from ultrajax.parallel.partitioned import Partitioned
-from ultrajax.parallel.pipeline import AXIS as PIPELINE_AXIS
+from ultrajax.parallel.pipeline.executor import AXIS as PIPELINE_AXIS
 from ultrajax.parallel.tensor import TensorParallel
 from ultrajax.parallel.zero import Zero
 
@@ -172,12 +173,14 @@ class Layout:
 
             def gather(w, k):
                 w = jax.lax.with_sharding_constraint(w, specs[k])
-                return jax.ad_checkpoint.checkpoint_name(w, "weights")
+                return jax.ad_checkpoint.checkpoint_name(w, remat.GATHERED)
 
             return gather
 
         def gather(w, k):
-            return jax.ad_checkpoint.checkpoint_name(self.zero.gather(w, layer_names[k]), "weights")
+            return jax.ad_checkpoint.checkpoint_name(
+                self.zero.gather(w, layer_names[k]), remat.GATHERED
+            )
 
         return gather
 

@@ -1,7 +1,7 @@
 """Tensor and sequence parallelism left to XLA's partitioner (`parallel.collectives: gspmd`).
 
 The same boundaries as parallel/tensor.py, but each one only says where an
-activation should live, in logical names that the rules table (ultrajax/mesh.py)
+activation should live, in logical names that the rules table (ultrajax/parallel/mesh.py)
 maps to mesh axes; XLA's SPMD partitioner then inserts the collectives that
 get it there (Xu et al. 2021, "GSPMD"). Entering a TP region asks for the
 whole sequence; leaving it asks for the residual-stream layout, which with
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import jax
 
-from ultrajax.mesh import Rules
-from ultrajax.parallel.tensor import cross_entropy
-from ultrajax.weights import lookup
+from ultrajax.model.nn import cross_entropy
+from ultrajax.model.ops import lookup
+from ultrajax.parallel.mesh import Rules
 
 RESIDUAL = ("batch", "norm_length", "embed")  # between TP regions (SP splits the length)
 REGION = ("batch", "length", "embed")  # input of a TP region: the whole sequence

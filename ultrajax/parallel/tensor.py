@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from ultrajax.weights import lookup
+from ultrajax.model.nn import cross_entropy
+from ultrajax.model.ops import lookup
 
 SEQ = 1  # activations are (batch, length, ...)
 
@@ -134,23 +135,3 @@ class TensorParallel:
 
     def cross_entropy(self, logits, targets):
         return cross_entropy(logits, targets, self)
-
-
-SINGLE = TensorParallel(1)  # one device: every boundary is the identity
-
-
-def cross_entropy(logits, targets, tp: TensorParallel | None):
-    """Per-token NLL from vocabulary-sharded fp32 logits, never gathering the vocabulary:
-    the max, the sum of exponentials and the target logit are reduced as scalars per token."""
-    if tp is None or tp.size == 1:
-        log_z = jax.nn.logsumexp(logits, axis=-1)
-        target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-        return log_z - target
-    local_vocab = logits.shape[-1]
-    m = tp.max(jnp.max(logits, axis=-1))
-    sum_exp = tp.sum(jnp.sum(jnp.exp(logits - m[..., None]), axis=-1))
-    local = targets - tp.vocab_start(local_vocab)
-    mine = (local >= 0) & (local < local_vocab)
-    picked = jnp.take_along_axis(logits, jnp.clip(local, 0, local_vocab - 1)[..., None], -1)
-    target = tp.sum(jnp.where(mine, picked[..., 0], 0.0))
-    return jnp.log(sum_exp) + m - target

@@ -1,0 +1,197 @@
+"""Typed run configuration: dataclasses, YAML plus dotted overrides, validation.
+
+Everything a run needs is checked here before JAX compiles anything, so a typo
+costs a one-line error instead of a minute of tracing and a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem: printed as one line, exit status 2."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 384
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_ff: int = 384
+    seq_len: int = 256
+    head_dim: int | None = None  # None: d_model // n_heads (HF's head_dim)
+    rope_theta: float = 10000.0
+    # rotary frequency scaling, as transformers' rope_type: none, linear (every frequency
+    # / rope_factor) or llama3 (Llama 3.1: low frequencies / rope_factor, high ones kept,
+    # a smooth band between, set by the other three fields)
+    rope_scaling: Literal["none", "linear", "llama3"] = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths > original / low are scaled
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths < original / high are kept
+    rope_original_max_len: int = 8192  # llama3: the pretraining context length
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # none | full | selective | offload, or a list of checkpoint_name tags to keep
+    remat: str | list[str] = "none"
+    # auto: cuDNN (causal) or our Pallas kernel (packed documents) on a GPU; elsewhere tiled
+    # up to 512 tokens and blocked beyond
+    attention: Literal["auto", "xla", "cudnn", "pallas", "blocked", "tiled"] = "auto"
+    # the Pallas flash kernel's tiles [q, k, q_bwd, k_bwd] (powers of two, >= 16; the
+    # sequence is padded to their least common multiple); null: kernels/flash_attention.py's
+    # BlockSizes defaults. Used where the kernel runs: pallas, auto on a GPU with packed
+    # documents, and the ring's pairs under context parallelism
+    attention_blocks: list[int] | None = None
+    # LM head and loss over this many tokens of the sequence at a time (0: all at once)
+    loss_chunk: int = 0
+    # layers per iteration of the layer loop (lax.scan's unroll): 1 keeps one compiled
+    # layer; more lets XLA slice the stacked weights statically (faster on a CPU)
+    scan_unroll: int = 1
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+@dataclass
+class MixtureSource:
+    path: str = ""  # like data.path: files, or a prepared directory
+    weight: float = 1.0  # share of rows (so of tokens), relative to the others
+
+
+@dataclass
+class DataConfig:
+    source: Literal["stdlib", "files", "prepared"] = "stdlib"
+    path: str | None = None  # files: a file, directory or glob; prepared: a directory
+    tokenizer: str = "bytes"  # "bytes" or a path to a Hugging Face tokenizer.json
+    cross_doc_mask: bool = False
+    eval_fraction: float = 0.02
+    mixture: list[MixtureSource] | None = None  # several paths with weights, instead of path
+    streams: int | None = None  # logical streams; null: gcd(micro-batch rows, 64)
+    shuffle_window: int = 16  # rows shuffled together after packing, per stream
+    prefetch: int = 2  # batches made ahead on a background thread (0: on the step's thread)
+
+
+@dataclass
+class BatchStage:
+    tokens_per_step: int = 0  # the global batch from this stage on, in tokens
+    from_tokens: int | None = None  # switch once this many tokens are trained
+    from_loss: float | None = None  # or once the smoothed training loss falls below this
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    run_dir: str | None = None  # null: runs/<config name>-<hash of what defines the run>
+    reschedule: bool = False  # resume with a changed train.steps: rebuild the lr schedule
+    profile_steps: list[int] | None = None
+    batch_schedule: list[BatchStage] | None = None  # a batch ramp: later, larger batches
+    noise_every: int = 0  # measure the gradient noise scale every this many steps (0: off)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    decay_fraction: float = 0.2  # wsd: share of steps spent decaying at the end
+    schedule_steps: int | None = None  # the steps the schedule spans; null: train.steps
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+
+
+@dataclass
+class DcnConfig:
+    """How many hosts (processes) each outer mesh axis spans: its factor over the slow
+    data-centre network (DCN). The rest of the axis stays inside a host (ICI/NVLink)."""
+
+    data: int = 1
+    fsdp: int = 1
+    pipeline: int = 1
+
+
+@dataclass
+class MeshConfig:
+    data: int = 1
+    fsdp: int = 1
+    pipeline: int = 1
+    sequence: int = 1
+    tensor: int = 1
+    dcn: DcnConfig = field(default_factory=DcnConfig)
+
+    def sizes(self) -> dict[str, int]:
+        """The five axis sizes (without the dcn factors)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "dcn"}
+
+
+@dataclass
+class ParallelConfig:
+    zero: int = 0
+    sequence_parallel: bool = False
+    # who places the DP/ZeRO/TP collectives: XLA's partitioner or the explicit step
+    collectives: Literal["explicit", "gspmd"] = "explicit"
+    grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    # context parallelism over mesh.sequence (parallel/context.py, docs/context.md)
+    context: Literal["ring", "allgather"] = "ring"
+    context_zigzag: bool = True  # balance causal attention work across the sequence axis
+    # pipeline parallelism over mesh.pipeline (parallel/pipeline/, docs/pipeline.md)
+    pipeline_schedule: Literal["afab", "1f1b", "interleaved", "zb-h1"] = "1f1b"
+    virtual_stages: int = 1  # model chunks per device (interleaved only)
+    # GPU: overlap collectives with compute, bucket them up to these sizes (train/overlap.py)
+    overlap: bool = True
+    # GPU: let XLA pipeline a layer loop's collectives across iterations (train/overlap.py).
+    # Off by default: not yet measured on several GPUs (see docs/parallelism.md).
+    pipeline_collectives: bool = False
+    all_reduce_bucket_mib: int = 64
+    all_gather_bucket_mib: int = 64
+    reduce_scatter_bucket_mib: int = 64
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    every: int = 0
+    keep: int = 3
+    resume: str = "auto"  # auto | never | must | a checkpoint path
+    init_from: str | None = None  # a checkpoint to load parameters only from (fine-tuning)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: the batch is split over data x fsdp."""
+        return self.mesh.data * self.mesh.fsdp
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step: mbs x grad_accum x dp."""
+        return self.train.micro_batch_size * self.train.grad_accum * self.dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.model.seq_len

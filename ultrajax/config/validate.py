@@ -1,0 +1,347 @@
+"""Every consistency rule a run depends on, checked before anything compiles, each
+failure one line saying what to change."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ultrajax.config.schema import Config, ConfigError, ParallelConfig
+from ultrajax.model import remat
+from ultrajax.parallel.pipeline import schedules as schedule
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config) -> None:
+    """Every consistency rule a run depends on, each with a message saying what to change."""
+    m, t, o, d = cfg.model, cfg.train, cfg.optim, cfg.data
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "seq_len"):
+        _check(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
+    _check(
+        m.head_dim is not None or m.d_model % m.n_heads == 0,
+        f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads}),"
+        " or set model.head_dim",
+    )
+    _check(m.head_dim is None or m.head_dim > 0, "model.head_dim must be positive")
+    _check(
+        m.hd % 2 == 0,
+        f"head dimension {m.hd} (model.d_model / model.n_heads) must be even for rotary "
+        "embeddings: change model.d_model or model.n_heads, or set an even model.head_dim",
+    )
+    _check(
+        m.n_heads % m.n_kv_heads == 0,
+        f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.n_kv_heads})",
+    )
+    _check(m.rope_theta > 0, "model.rope_theta must be positive")
+    if m.rope_scaling != "none":
+        _check(m.rope_factor > 0, f"model.rope_factor must be positive, got {m.rope_factor}")
+    if m.rope_scaling == "llama3":
+        _check(
+            0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+            "model.rope_low_freq_factor must be positive and smaller than "
+            f"model.rope_high_freq_factor (got {m.rope_low_freq_factor} and "
+            f"{m.rope_high_freq_factor})",
+        )
+        _check(
+            m.rope_original_max_len > 0,
+            f"model.rope_original_max_len must be positive, got {m.rope_original_max_len}",
+        )
+    _check(
+        m.loss_chunk >= 0 and (m.loss_chunk == 0 or m.seq_len % m.loss_chunk == 0),
+        f"model.loss_chunk ({m.loss_chunk}) must be 0 (off) or divide model.seq_len ({m.seq_len})",
+    )
+    _check(m.norm_eps > 0, "model.norm_eps must be positive")
+    _check(m.scan_unroll >= 1, f"model.scan_unroll must be >= 1, got {m.scan_unroll}")
+    if m.attention_blocks is not None:
+        _check(
+            len(m.attention_blocks) == 4
+            and all(b >= 16 and b & (b - 1) == 0 for b in m.attention_blocks),
+            f"model.attention_blocks must be four powers of two >= 16 [q, k, q_bwd, k_bwd], "
+            f"got {m.attention_blocks}",
+        )
+    if isinstance(m.remat, str):
+        _check(
+            m.remat in remat.POLICIES,
+            f"model.remat: {m.remat!r} is not one of {', '.join(remat.POLICIES)} "
+            f"or a list of names from {', '.join(remat.TAGS)}",
+        )
+    else:
+        for name in m.remat:
+            _check(
+                name in remat.TAGS,
+                f"model.remat: {name!r} is not a checkpoint name; use {', '.join(remat.TAGS)}",
+            )
+    _check(
+        d.path is None or d.source != "stdlib",
+        f"data.path ({d.path}) is set but data.source is {d.source}, which ignores it: add "
+        "data.source=files (text) or data.source=prepared (a directory made by "
+        "`python -m ultrajax.data prepare`) to train on it, or drop it (data.path=)",
+    )
+    for key in ("steps", "micro_batch_size", "grad_accum", "log_every", "eval_every"):
+        _check(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
+    _check(t.eval_batches >= 0, "train.eval_batches must be >= 0")
+    if t.profile_steps is not None:
+        _check(
+            len(t.profile_steps) == 2 and 0 <= t.profile_steps[0] <= t.profile_steps[1],
+            "train.profile_steps must be [first, last] with 0 <= first <= last",
+        )
+    _check(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction must be in [0, 1)")
+    if d.mixture:
+        _check(
+            d.source in ("files", "prepared") and d.path is None,
+            "data.mixture replaces data.path and needs data.source=files or prepared",
+        )
+        for i, m in enumerate(d.mixture):
+            _check(bool(m.path), f"data.mixture[{i}].path is empty")
+            _check(m.weight > 0, f"data.mixture[{i}].weight must be positive, got {m.weight}")
+    else:
+        _check(
+            d.source == "stdlib" or bool(d.path),
+            f"data.path is required when data.source is {d.source} "
+            + ("(a file, directory or glob)" if d.source == "files" else "(a prepared directory)"),
+        )
+    _check(d.streams is None or d.streams >= 1, "data.streams must be >= 1 or null")
+    _check(d.shuffle_window >= 0, "data.shuffle_window must be >= 0 (0 or 1: off)")
+    _check(d.prefetch >= 0, "data.prefetch must be >= 0 (0: no background thread)")
+    _check(o.lr > 0, "optim.lr must be positive")
+    _check(0 <= o.min_lr <= o.lr, "optim.min_lr must be between 0 and optim.lr")
+    _check(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
+    _check(
+        o.warmup_steps < t.steps,
+        f"optim.warmup_steps ({o.warmup_steps}) must be smaller than train.steps ({t.steps})",
+    )
+    _check(0.0 < o.decay_fraction <= 1.0, "optim.decay_fraction must be in (0, 1]")
+    _check(
+        o.schedule_steps is None or o.schedule_steps > o.warmup_steps,
+        f"optim.schedule_steps ({o.schedule_steps}) must be larger than optim.warmup_steps "
+        f"({o.warmup_steps}), or null (the schedule spans train.steps)",
+    )
+    _check(o.weight_decay >= 0, "optim.weight_decay must be >= 0")
+    _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optim.b1 and optim.b2 must be in [0, 1)")
+    _check(o.clip_norm >= 0, "optim.clip_norm must be >= 0 (0 disables clipping)")
+    sizes = cfg.mesh.sizes()
+    fills = [k for k, v in sizes.items() if v == -1]
+    _check(len(fills) <= 1, f"only one mesh size may be -1 (fill); got {', '.join(fills)}")
+    for k, v in sizes.items():
+        _check(v == -1 or v >= 1, f"mesh.{k} must be >= 1 or -1 (fill), got {v}")
+    for k, v in dataclasses.asdict(cfg.mesh.dcn).items():
+        _check(v >= 1, f"mesh.dcn.{k} must be >= 1 (the number of hosts mesh.{k} spans), got {v}")
+    _check(cfg.parallel.zero in (0, 1, 2, 3), "parallel.zero must be 0, 1, 2 or 3")
+    for key in ("all_reduce_bucket_mib", "all_gather_bucket_mib", "reduce_scatter_bucket_mib"):
+        _check(getattr(cfg.parallel, key) >= 0, f"parallel.{key} must be >= 0")
+    if cfg.checkpoint.resume == "none":  # the name before `never`
+        cfg.checkpoint.resume = "never"
+    _check(bool(cfg.checkpoint.resume), "checkpoint.resume must be auto, never, must or a path")
+    _check(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
+    _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0: only at the end)")
+    validate_layout(cfg)
+
+
+def validate_layout(cfg: Config) -> None:
+    """Divisibility rules of the mesh; needs concrete mesh sizes (no -1 left)."""
+    mesh = cfg.mesh
+    if -1 in mesh.sizes().values():
+        return  # checked again once the device count has resolved the fill
+    for k, f in dataclasses.asdict(mesh.dcn).items():
+        _check(
+            getattr(mesh, k) % f == 0,
+            f"mesh.dcn.{k} ({f}) must divide mesh.{k} ({getattr(mesh, k)}): it is the part "
+            f"of mesh.{k} that spans hosts",
+        )
+    m = cfg.model
+    tp = mesh.tensor
+    for key in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+        value = getattr(m, key)
+        _check(
+            value % tp == 0,
+            f"model.{key} ({value}) must be divisible by mesh.tensor ({tp})",
+        )
+    if cfg.parallel.zero > 0:
+        _check(
+            m.d_model % mesh.fsdp == 0,
+            f"model.d_model ({m.d_model}) must be divisible by mesh.fsdp ({mesh.fsdp}) for ZeRO",
+        )
+    if cfg.parallel.sequence_parallel:
+        _check(
+            m.seq_len % (tp * mesh.sequence) == 0,
+            f"model.seq_len ({m.seq_len}) must be divisible by mesh.tensor x mesh.sequence "
+            f"({tp * mesh.sequence}) for sequence parallelism",
+        )
+    cp = mesh.sequence
+    if cp > 1:
+        _check(
+            m.seq_len % (2 * cp) == 0,
+            f"model.seq_len ({m.seq_len}) must be divisible by 2 x mesh.sequence ({2 * cp}): "
+            "context parallelism cuts each sequence into 2 chunks per device",
+        )
+        _check(
+            m.loss_chunk == 0 or (m.seq_len // cp) % m.loss_chunk == 0,
+            f"model.loss_chunk ({m.loss_chunk}) must divide the tokens per device along the "
+            f"sequence (model.seq_len / mesh.sequence = {m.seq_len // cp})",
+        )
+    _validate_pipeline(cfg)
+    _validate_ramp(cfg)
+
+
+def _validate_ramp(cfg: Config) -> None:
+    """Each stage's batch in whole micro-batches (the micro-batch and the mesh stay, so
+    memory does not change); triggers in an order that can happen."""
+    t = cfg.train
+    _check(t.noise_every >= 0, "train.noise_every must be >= 0 (0: off)")
+    if t.noise_every and cfg.mesh.pipeline > 1:
+        raise ConfigError(
+            "train.noise_every needs mesh.pipeline=1 (it measures micro-batches alone)"
+        )
+    if not t.batch_schedule:
+        return
+    _check(
+        cfg.mesh.pipeline == 1,
+        "train.batch_schedule needs mesh.pipeline=1 (a pipeline schedule is built for one "
+        "number of micro-batches)",
+    )
+    unit = t.micro_batch_size * cfg.dp * cfg.model.seq_len
+    last_tokens, last_loss = 0, math.inf
+    for i, stage in enumerate(t.batch_schedule):
+        where = f"train.batch_schedule[{i}]"
+        _check(
+            stage.tokens_per_step > 0 and stage.tokens_per_step % unit == 0,
+            f"{where}.tokens_per_step ({stage.tokens_per_step}) must be a positive multiple of "
+            f"micro_batch_size x dp x seq_len = {t.micro_batch_size} x {cfg.dp} x "
+            f"{cfg.model.seq_len} = {unit} tokens (the batch grows by gradient accumulation)",
+        )
+        _check(
+            (stage.from_tokens is None) != (stage.from_loss is None),
+            f"{where} needs exactly one of from_tokens or from_loss",
+        )
+        if stage.from_tokens is not None:
+            _check(
+                stage.from_tokens > last_tokens,
+                f"{where}.from_tokens ({stage.from_tokens}) must be after the previous "
+                f"stage's ({last_tokens})",
+            )
+            last_tokens = stage.from_tokens
+        else:
+            _check(
+                0 < stage.from_loss < last_loss,
+                f"{where}.from_loss ({stage.from_loss}) must be positive and below the "
+                "previous stage's",
+            )
+            last_loss = stage.from_loss
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    """mesh.pipeline > 1: the stages, the schedule and what composes with them."""
+
+    p, par = cfg.mesh.pipeline, cfg.parallel
+    v = par.virtual_stages
+    _check(v >= 1, f"parallel.virtual_stages must be >= 1, got {v}")
+    _check(
+        v == 1 or par.pipeline_schedule == "interleaved",
+        f"parallel.virtual_stages={v} needs parallel.pipeline_schedule=interleaved "
+        f"(got {par.pipeline_schedule})",
+    )
+    if p == 1:
+        return
+    n = cfg.model.n_layers
+    _check(
+        n % (p * v) == 0,
+        f"model.n_layers ({n}) must be divisible by mesh.pipeline x parallel.virtual_stages "
+        f"({p} x {v}): every stage holds the same number of layers",
+    )
+    _check(
+        cfg.mesh.sequence == 1,
+        "mesh.pipeline > 1 with mesh.sequence > 1: pipeline and context parallelism do not "
+        "compose yet; use one of them",
+    )
+    _check(
+        not (par.zero == 3 and cfg.mesh.fsdp > 1),
+        "parallel.zero=3 with mesh.pipeline > 1: ZeRO-3 would all-gather every stage's "
+        "weights again at every micro-batch tick; use parallel.zero=1 or 2 (docs/pipeline.md)",
+    )
+    try:
+        schedule.build(par.pipeline_schedule, p, cfg.train.grad_accum, v)
+    except ValueError as e:
+        raise ConfigError(f"parallel.pipeline_schedule={par.pipeline_schedule}: {e}") from None
+
+
+def no_effect(cfg: Config) -> list[str]:
+    """Settings that do nothing in this layout, one line each saying what to change:
+    valid, so not errors (a recipe may be meant for a larger mesh), but worth a warning."""
+    mesh, par = cfg.mesh, cfg.parallel
+    out = []
+    if par.zero > 0 and mesh.fsdp == 1:
+        out.append(
+            f"parallel.zero={par.zero} has no effect with mesh.fsdp=1 (ZeRO shards over "
+            "fsdp): set mesh.fsdp > 1, or parallel.zero=0"
+        )
+    if par.sequence_parallel and mesh.tensor == 1:
+        out.append(
+            "parallel.sequence_parallel=true has no effect with mesh.tensor=1 (it splits "
+            "the sequence over tensor): set mesh.tensor > 1, or drop it"
+        )
+    if cfg.data.source == "prepared" and cfg.data.tokenizer != "bytes":
+        out.append(
+            f"data.tokenizer={cfg.data.tokenizer} has no effect with data.source=prepared (the "
+            "directory's manifest names its tokenizer): drop it"
+        )
+    t = cfg.train
+    if t.noise_every and t.grad_accum == 1 and not t.batch_schedule:
+        out.append(
+            f"train.noise_every={t.noise_every} has no effect with train.grad_accum=1 (the noise "
+            "scale compares one micro-batch's gradient with the step's): set "
+            "train.grad_accum >= 2, or drop it"
+        )
+    m = cfg.model
+    if m.attention_blocks is not None and m.attention in ("xla", "blocked", "tiled"):
+        out.append(
+            f"model.attention_blocks has no effect with model.attention={m.attention} (they "
+            "are the Pallas kernel's tiles): use model.attention=pallas, or drop them"
+        )
+    default = ParallelConfig()
+    axis_keys = {
+        "pipeline": ("pipeline_schedule", "virtual_stages"),
+        "sequence": ("context", "context_zigzag"),
+    }
+    for axis, keys in axis_keys.items():
+        if getattr(mesh, axis) != 1:
+            continue
+        for key in keys:
+            if getattr(par, key) != getattr(default, key):
+                out.append(
+                    f"parallel.{key}={getattr(par, key)} has no effect with mesh.{axis}=1: "
+                    f"set mesh.{axis} > 1, or drop it"
+                )
+    return out
+
+
+def resolve_mesh(cfg: Config, n_devices: int) -> None:
+    """Fill a -1 mesh size from the device count and check the product."""
+    sizes = cfg.mesh.sizes()
+    known = 1
+    for v in sizes.values():
+        if v != -1:
+            known *= v
+    for k, v in sizes.items():
+        if v == -1:
+            _check(
+                n_devices % known == 0,
+                f"mesh.{k}=-1: {n_devices} device(s) are not divisible by the other mesh sizes "
+                f"({known}); run on {known} x N devices (on a CPU: --cpu-devices {known}), or "
+                "change the mesh sizes",
+            )
+            setattr(cfg.mesh, k, n_devices // known)
+    product = 1
+    for v in cfg.mesh.sizes().values():
+        product *= v
+    _check(
+        product == n_devices,
+        f"mesh sizes {cfg.mesh.sizes()} multiply to {product}, but there are "
+        f"{n_devices} devices; change the sizes or set one to -1",
+    )
+    validate_layout(cfg)

@@ -1,0 +1,314 @@
+"""What one layer keeps for the backward pass and what its backward holds while it
+runs, per device, in bytes: exact saved activations, fitted working sets (the
+coefficients and the shapes they were fitted on: docs/memory.md)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import jax
+
+from ultrajax.config.schema import Config, ModelConfig
+from ultrajax.cost.sizes import dims, layer_weight_elements
+from ultrajax.model.attention import backends as attention_lib
+from ultrajax.model.attention import blocked, tiled
+from ultrajax.parallel.context import pair_kernel
+from ultrajax.parallel.pipeline import plan as plan_lib
+
+# One layer's backward working set, in copies of (per device):
+#   S  b·a·s² fp32 attention scores     F  b·s·d_ff MLP hidden
+#   X  b·s·h inside a TP region         R  b·s·h of the residual stream (/tp with SP)
+#   K  b·s·kv·hd keys                   Wm h·d_ff one MLP matrix
+#   Wa h·hd·(a + kv) attention weights  Z  the whole layer's weights, ZeRO-3 only
+# Fitted by least squares over scripts/fit_memory.py's FIT_SHAPES (72 compiled shapes and
+# layouts for these: fp32, XLA:CPU, one device, ZeRO-3, TP, TP+SP) and checked on its
+# VALIDATION_SHAPES, kept apart; docs/memory.md. All but S count compute-dtype bytes.
+# Z < 0 for `none`: under ZeRO-3 XLA reuses buffers the exact terms count.
+WORK = {
+    "none": {"X": 4.0, "R": 7.6, "K": 6.4, "Wm": 9.1, "Wa": 6.2, "Z": -1.7, "S": 2.0, "F": 2.6},
+    "full": {"X": 4.6, "R": 7.1, "K": 9.1, "Wm": 2.7, "Wa": 0.5, "Z": 0.0, "S": 2.5, "F": 5.4},
+    "selective": {"X": 2.7, "R": 4.8, "K": 0.0, "Wm": 3.7, "Wa": 1.8, "Z": 0.1, "S": 3.0, "F": 3.0},
+}
+ATTN_S = 3.75  # fitted: scores, probabilities, their gradient, a transposed copy (fp32)
+# Not fitted, read off XLA:CPU's buffer assignment: from this many softmax rows (b·a·s per
+# device) XLA:CPU's fusion writes the normalised probabilities as an fp32 array of their
+# own instead of fusing the division into the consumer (the step lies between b·a·s =
+# 4032 and 4096, whatever b, a or s), so a recomputing forward holds one more copy of the
+# scores (s = 1008 -> 1040 at b = 1, a = 4: predicted/compiled 0.99 -> 0.81 without it)
+SOFTMAX_ROWS_SPLIT = 4096
+# mesh.sequence > 1, the ring's own working set beyond one layer's, in copies of a pair of
+# chunks' fp32 scores (S) and of an fp32 b·s·a·hd (Q: the running output and dq); fitted
+CP_WORK = {"S": 0.94, "Q": 4.54}
+# attention tiled / blocked (memory-efficient, plain XLA: XLA:CPU's `auto`): the scores
+# they hold while one layer's attention runs, in copies of kernel_features' units (T one
+# row group's fp32 scores, P one key block's, M the bool masks of every block); fitted
+KERNEL_WORK = {"T": 1.46, "P": 4.16, "M": 1.55}
+# mesh.pipeline > 1: the share of one layer's backward working set (layer_work, but its
+# attention moment) live at a tick beside the chunk's residuals, and the copies of the fp32
+# scores its attention backward holds; fitted on XLA:CPU, fp32 (scripts/fit_memory.py)
+PIPE_WORK = {"none": 0.5, "full": 1.05, "selective": 1.0}
+PIPE_ATTN_S = 3.0
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def _policy(m: ModelConfig) -> str:
+    return m.remat if isinstance(m.remat, str) else "list"
+
+
+def saved_per_layer(cfg: Config) -> dict[str, float]:
+    """Bytes one layer keeps for the backward pass, by part, per device.
+
+    Derived from print_saved_residuals (tests/test_memory.py checks it exactly):
+      no recompute:
+        norms (x2): input and normalised output in fp32 (8·X), the matmul input
+          in the compute dtype (c·X), two fp32 statistics per token (8·b·s) and
+          the scale broadcast to (1, 1, h) in fp32;
+        attention: rotated q and k, v, and the attention output (c·(2Q + 2K)),
+          softmax probabilities in fp32 and cast for the PV matmul ((4 + c)·S),
+          max and sum of the softmax per head and token (8·a·b·s);
+        MLP: gate, up, sigmoid(gate), silu(gate), their product and a
+          broadcast of it (6·c·F).
+      full: the block input (c·X).
+      selective: the block input, q, k, v, attention output, gate and up.
+      a list of names: the block input and the named tensors.
+    The block input is counted under norms.
+    """
+    d = dims(cfg)
+    m = cfg.model
+    c = d.c
+    flash = _flash(cfg)  # the kernel keeps the log-sum-exp, never the scores
+    block_input = c * d.X_res
+    pol = _policy(m)
+    if pol == "none":
+        norms = 2 * (8 * d.X_res + c * d.X + 8 * d.N_res + 4 * d.h)  # + the broadcast scale
+        if flash:
+            attention = c * (2 * d.Q + 2 * d.K) + 4 * d.a * d.N
+            if cfg.mesh.sequence == 1 and m.attention == "blocked":
+                attention += c * d.Q  # its own `out` beside the one wo reads
+            if cfg.mesh.sequence == 1 and m.attention == "tiled":
+                attention += c * d.Q - 4 * d.a * d.N  # a head-major output, no log-sum-exp
+        else:
+            attention = c * (2 * d.Q + 2 * d.K) + (4 + c) * d.S + 8 * d.a * d.N
+        return {"attention": attention, "mlp": 6 * c * d.F, "norms": norms}
+    if pol in ("full", "offload"):
+        return {"attention": 0.0, "mlp": 0.0, "norms": block_input}
+    names = (
+        {"query", "key", "value", "attn_out", "mlp_in", "mlp_out"}
+        if pol == "selective"
+        else set(m.remat)
+    )
+    attention = c * (
+        d.Q * ("query" in names)
+        + d.K * ("key" in names)
+        + d.K * ("value" in names)
+        + d.Q * ("attn_out" in names)
+    )
+    mlp = 2 * c * d.F * ("mlp_in" in names)
+    return {"attention": attention, "mlp": mlp, "norms": block_input}
+
+
+def offloaded_per_layer(cfg: Config) -> float:
+    """remat=offload: bytes per layer moved to pinned host memory instead of kept."""
+    if cfg.model.remat != "offload":
+        return 0.0
+    d = dims(cfg)
+    return d.c * (2 * d.Q + 2 * d.K + 2 * d.F)
+
+
+def invariant_activations(cfg: Config) -> float:
+    """Saved once, not per layer, without recomputation: the attention mask (1 byte per
+    score) and the rotary cos/sin tables (fp32, b·s·hd/2 each)."""
+    d = dims(cfg)
+    if _policy(cfg.model) != "none":
+        return float(d.b * d.s * d.s)  # the causal/segment mask, recomputed per layer
+    mask = 0 if _flash(cfg) else d.S
+    return float(mask + 2 * 4 * d.N * d.hd // 2)
+
+
+def work_features(cfg: Config) -> tuple[str, dict[str, float], dict[str, float]]:
+    """(policy row of WORK, bytes per unit of each common coefficient, bytes per unit of
+    each MLP-moment coefficient): layer_work is their dot product with WORK, so the
+    coefficients can be fitted (scripts/fit_memory.py)."""
+    d = dims(cfg)
+    pol = _policy(cfg.model)
+    if pol == "list":  # recomputing the MLP's inputs works like full, keeping them selective
+        pol = "selective" if "mlp_in" in cfg.model.remat else "full"
+    lw = layer_weight_elements(cfg)
+    zero3 = cfg.parallel.zero >= 3 and cfg.mesh.fsdp > 1
+    flash = _flash(cfg)
+    common = {
+        "X": d.c * (d.X - d.X_res),
+        "R": d.c * d.X_res,
+        "K": d.c * d.K,
+        "Wm": d.c * lw["mlp"] / 3,
+        "Wa": d.c * lw["attn"] / 2,
+        "Z": d.c * (lw["mlp"] + lw["attn"]) * zero3,
+    }
+    mlp = {"S": 0.0 if flash else 4 * d.S, "F": d.c * d.F}
+    return ("full" if pol == "offload" else pol), common, mlp
+
+
+def layer_work(cfg: Config, share: float = 1.0, attn_s: float = ATTN_S) -> float:
+    """One layer's backward working set (bytes per device), from the WORK table.
+
+    Two moments compete: the MLP's backward (its hidden-size temporaries, with the
+    layer's attention scores already sliced out or recomputed: the `S` coefficient),
+    and the attention's backward (scores, probabilities, their gradients and a
+    transposed copy: `attn_s` copies of the fp32 scores). The larger is the working set.
+    `share` scales everything but the attention's moment (the pipeline's tick keeps a
+    share of it: PIPE_WORK).
+    """
+    pol, common, mlp = work_features(cfg)
+    coef = WORK[pol]
+    d = dims(cfg)
+    norms = layer_weight_elements(cfg)["norm"]
+    attn = 0.0 if _flash(cfg) else attn_s * 4 * d.S
+    if cfg.mesh.sequence > 1:  # context parallelism: one pair of chunks' fp32 scores at a
+        # time, (s / 2cp)² = S / 4 with d.s = s / cp, unless a flash kernel runs the pair
+
+        attn = attn_s * d.S if pair_kernel(cfg, "cpu") == "xla" else 0.0
+    # tiled / blocked attention (KERNEL_WORK): blocked's loop over key blocks is a moment
+    # of its own, in place of the s² scores; tiled's row groups add to the layer's
+    kernel = {k: KERNEL_WORK[k] * v for k, v in kernel_features(cfg).items()}
+    attn += kernel["P"] + kernel["M"]
+    base = sum(coef[k] * v for k, v in common.items()) + d.c * norms
+    moment = max(share * sum(coef[k] * v for k, v in mlp.items()), attn)
+    return share * base + moment + ring_work(cfg) + kernel["T"]
+
+
+def mlp_moment(cfg: Config) -> float:
+    """The MLP's moment of layer_work (the fit of KERNEL_WORK replaces it)."""
+    pol, _common, mlp = work_features(cfg)
+    return sum(WORK[pol][k] * v for k, v in mlp.items())
+
+
+def ring_features(cfg: Config) -> dict[str, float]:
+    """Context parallelism (mesh.sequence > 1): bytes per unit of each CP_WORK coefficient,
+    S a pair of chunks' fp32 scores (b·a·(s/2)², s per device; none when a flash kernel
+    runs the pair), Q an fp32 b·s·a·hd (the ring's running output and dq)."""
+    if cfg.mesh.sequence == 1:
+        return {"S": 0.0, "Q": 0.0}
+
+    d = dims(cfg)
+    return {"S": d.S if pair_kernel(cfg, "cpu") == "xla" else 0.0, "Q": 4.0 * d.Q}
+
+
+def kernel_features(cfg: Config) -> dict[str, float]:
+    """The plain-XLA attentions that store no s² scores (model/attention/: `tiled` and
+    `blocked`: counted as flash kernels in what they save) still hold scores while one
+    layer's attention runs: bytes per unit of each KERNEL_WORK coefficient.
+      T  tiled: r·a·s² fp32, the scores of one row group (r rows per iteration of its
+         loop: TILE_ROWS of this device's rows, all of them under the partitioner);
+      P  blocked: b·a·s·min(s, BLOCK) fp32, the scores of one block of keys;
+      M  blocked: b·a·s² bytes, the bool masks of every block (XLA:CPU hoists them out of
+         the loop over blocks)."""
+    out = {"T": 0.0, "P": 0.0, "M": 0.0}
+    name = cfg.model.attention
+    if cfg.mesh.sequence > 1 or name not in ("tiled", "blocked"):
+        return out
+    d = dims(cfg)
+    if name == "tiled":
+        shared = cfg.parallel.collectives == "gspmd" and math.prod(cfg.mesh.sizes().values()) > 1
+        rows = min(tiled.TILE_ROWS, d.b)
+        rows = d.b if shared or d.b % rows else rows
+        out["T"] = 4.0 * rows * d.a * d.s * d.s
+    else:
+        out["P"] = 4.0 * d.b * d.a * d.s * min(d.s, blocked.BLOCK)
+        out["M"] = float(d.S)
+    return out
+
+
+def ring_work(cfg: Config) -> float:
+    """The ring's own working set beside one layer's (CP_WORK . ring_features)."""
+    return sum(CP_WORK[k] * v for k, v in ring_features(cfg).items())
+
+
+# --------------------------------------------------------------------------- pipeline
+
+
+def pipeline_plan(cfg: Config):
+    """The executor's plan (parallel/pipeline/plan.py) of this config: its table and slots."""
+
+    par = cfg.parallel
+    return plan_lib.make_plan(
+        par.pipeline_schedule, cfg.mesh.pipeline, cfg.train.grad_accum, par.virtual_stages
+    )
+
+
+def pipeline_saved_per_layer(cfg: Config) -> dict[str, float]:
+    """Bytes of one layer's residuals in the pipeline's buffer, by part, per device: what
+    one layer's `jax.vjp` keeps (parallel/pipeline/residuals.py) and the compiled program does not
+    drop (tests/test_memory.py reads them off the tick loop's carry).
+
+    saved_per_layer's parts (the RMSNorm scale as a scalar, not broadcast), and:
+      no recompute: the mask (bool b·a·s², both `where`s keep their own broadcast) and
+        rotary cos/sin for q and k apart (fp32 4·b·s·hd/2 each), in every layer: the
+        layer scan keeps these once (invariant_activations), one layer's vjp cannot
+        share them, so 2 x invariant_activations per layer;
+      under jax.checkpoint: what the policy saves, nothing more (the layer's weights and
+        the zeros it is differentiated at are inputs the executor hands back).
+    """
+    m = cfg.model
+    parts = dict(saved_per_layer(cfg))
+    pol = _policy(m)
+    if pol == "none":
+        parts["norms"] -= 2 * 4 * m.d_model  # the scale stays a scalar residual
+        parts["masks and rotary tables"] = 2 * invariant_activations(cfg)
+        return parts
+    return parts
+
+
+def zero_bubble_pairs_per_layer(cfg: Config) -> float:
+    """Bytes per layer zero bubble's input step keeps for its weight step: each weight's
+    (input, output cotangent) (weights.Deferred). The seven matmuls' in the compute
+    dtype: wq (X, Q), wk and wv (K; they share wq's input), wo (Q, X), w_gate (X, F),
+    w_up (F; w_gate's input), w_down (F, X); the two RMSNorm scales' (y, dy) in fp32 on
+    the residual stream."""
+    d = dims(cfg)
+    return d.c * (4 * d.X + 2 * d.Q + 2 * d.K + 3 * d.F) + 2 * 2 * 4 * d.X_res
+
+
+def pipeline_buffers(cfg: Config) -> dict[str, float]:
+    """Bytes per device of the executor's buffers (parallel/pipeline/executor.py `run`), each with
+    its spare slot: the residuals of (slots + 1) micro-batch chunks of n_layers / (p v)
+    layers, the arriving activations and gradients (b·s·h each, compute dtype), and
+    zero bubble's (input, cotangent) pairs per chunk (one b·s·h slot otherwise)."""
+    m, plan = cfg.model, pipeline_plan(cfg)
+    d = dims(cfg)
+    per_chunk = m.n_layers // (plan.p * plan.v)
+    x = d.c * d.X_res
+    layers = (plan.slots["res"] + 1) * per_chunk
+    out = {k: layers * v for k, v in pipeline_saved_per_layer(cfg).items()}
+    out["arriving activations"] = (plan.slots["act"] + 1) * x
+    out["arriving gradients"] = (plan.slots["grad"] + 1) * x
+    if plan.kind == "zb-h1":
+        pairs = zero_bubble_pairs_per_layer(cfg)
+        out["weight-step pairs (zb-h1)"] = (plan.slots["cot"] + 1) * per_chunk * pairs
+    else:
+        out["unused cotangent slot"] = x
+    return out
+
+
+def concrete(cfg: Config, platform: str | None = None) -> Config:
+    """The config with `model.attention` resolved for `platform` (default: this process's
+    backend): the memory model needs to know whether the scores are stored."""
+    platform = platform or jax.default_backend()
+    name = attention_lib.resolve(
+        cfg.model.attention, platform, cfg.data.cross_doc_mask, cfg.model.seq_len
+    )
+    if name == cfg.model.attention:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    cfg.model.attention = name
+    return cfg
+
+
+def _flash(cfg: Config) -> bool:
+    """Whether the attention never stores the s² scores (a flash kernel; context
+    parallelism's ring and all-gather keep only each pair of chunks' log-sum-exp)."""
+    if cfg.mesh.sequence > 1:
+        return True
+    return attention_lib.BACKENDS[concrete(cfg).model.attention].flash

@@ -1,0 +1,277 @@
+"""Every layout of a model on N GPUs that divides the model and the batch, with its
+predicted memory (memory.estimate) and step time (steptime.predict): the planner's
+search space (python -m ultrajax.plan, docs/planner.md).
+
+A layout is the mesh (data, fsdp, tensor, pipeline, sequence), the ZeRO stage, the
+pipeline schedule, the micro-batch, gradient accumulation and the remat policy. The
+global batch is fixed (tokens per step), so dp x micro-batch x accumulation is too.
+Sequence parallelism is on wherever tensor > 1 (the same bytes as TP's all-reduces,
+less memory). Tensor parallelism stays inside a node.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from ultrajax.config import schema as config_lib
+from ultrajax.config import validate
+from ultrajax.config.schema import Config, ConfigError
+from ultrajax.cost import hardware, memory, steptime
+
+REMATS = ("none", "selective", "full")
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class Layout:
+    data: int
+    fsdp: int
+    tensor: int
+    pipeline: int
+    sequence: int
+    zero: int
+    micro_batch: int
+    accum: int
+    remat: str
+    schedule: str = "1f1b"
+    virtual: int = 1
+
+    def config(self, base: Config) -> Config:
+        """`base` with this layout (sections replaced, the rest shared with `base`)."""
+        cfg = copy.copy(base)
+        cfg.mesh = config_lib.MeshConfig(
+            self.data, self.fsdp, self.pipeline, self.sequence, self.tensor
+        )
+        cfg.parallel = replace(
+            base.parallel,
+            zero=self.zero,
+            sequence_parallel=self.tensor > 1,
+            pipeline_schedule=self.schedule if self.pipeline > 1 else "1f1b",
+            virtual_stages=self.virtual,
+        )
+        cfg.train = replace(
+            base.train,
+            micro_batch_size=self.micro_batch,
+            grad_accum=self.accum,
+            batch_schedule=None,
+            noise_every=0,
+        )
+        cfg.model = replace(base.model, remat=self.remat)
+        return cfg
+
+    def overrides(self) -> str:
+        """The key=value overrides that give this layout to train or analyze."""
+        parts = [
+            f"mesh.data={self.data}",
+            f"mesh.fsdp={self.fsdp}",
+            f"mesh.tensor={self.tensor}",
+            f"mesh.pipeline={self.pipeline}",
+            f"mesh.sequence={self.sequence}",
+            f"parallel.zero={self.zero}",
+            f"parallel.sequence_parallel={str(self.tensor > 1).lower()}",
+            f"train.micro_batch_size={self.micro_batch}",
+            f"train.grad_accum={self.accum}",
+            f"model.remat={self.remat}",
+        ]
+        if self.pipeline > 1:
+            parts.append(f"parallel.pipeline_schedule={self.schedule}")
+        if self.virtual > 1:
+            parts.append(f"parallel.virtual_stages={self.virtual}")
+        return " ".join(parts)
+
+    def short(self) -> str:
+        mesh = f"dp{self.data}"
+        if self.fsdp > 1:
+            mesh += f" fsdp{self.fsdp} z{self.zero}"
+        if self.tensor > 1:
+            mesh += f" tp{self.tensor}"
+        if self.sequence > 1:
+            mesh += f" cp{self.sequence}"
+        if self.pipeline > 1:
+            v = f"x{self.virtual}" if self.virtual > 1 else ""
+            mesh += f" pp{self.pipeline} {self.schedule}{v}"
+        return f"{mesh} mbs{self.micro_batch} ga{self.accum} remat={self.remat}"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(
+    base: Config, gpus: int, gpus_per_node: int, sequences: int
+) -> Iterator[Layout]:
+    """Every layout of `sequences` sequences per step on `gpus` devices that the config's
+    own checks accept (config.validate_layout: heads, d_ff and vocab divisible by tensor,
+    layers by pipeline x virtual stages, the schedule's micro-batch rules, ...)."""
+    m = base.model
+    for tp in divisors(gpus):
+        if tp > gpus_per_node or any(getattr(m, k) % tp for k in ("n_heads", "n_kv_heads", "d_ff")):
+            continue
+        for cp in divisors(gpus // tp):
+            if cp > gpus_per_node or m.seq_len % (2 * cp * tp):
+                continue
+            for pp in divisors(gpus // (tp * cp)):
+                if m.n_layers % pp or (pp > 1 and cp > 1):
+                    continue
+                dp = gpus // (tp * cp * pp)
+                if sequences % dp:
+                    continue
+                yield from _batch_splits(m, sequences // dp, dp, tp, cp, pp, gpus_per_node)
+
+
+def _batch_splits(m, rows: int, dp: int, tp: int, cp: int, pp: int, gpn: int):
+    inner = tp * cp * pp
+    local = max(1, min(dp, gpn // inner)) if inner < gpn else 1
+    shards = [(dp, 1, 0)]  # (data, fsdp, zero)
+    for z in (1, 2, 3):
+        for fsdp in sorted({dp, local}):
+            if fsdp > 1 and dp % fsdp == 0 and m.d_model % fsdp == 0 and not (z == 3 and pp > 1):
+                shards.append((dp // fsdp, fsdp, z))
+    schedules = [("1f1b", 1)]
+    if pp > 1:
+        schedules.append(("zb-h1", 1))
+        if m.n_layers % (2 * pp) == 0:
+            schedules.append(("interleaved", 2))
+    for mbs in MICRO_BATCHES:
+        if rows % mbs:
+            continue
+        accum = rows // mbs
+        if pp > 1 and accum < pp:
+            continue
+        for data, fsdp, z in shards:
+            for kind, v in schedules:
+                if kind == "interleaved" and accum % pp:
+                    continue
+                for remat in REMATS:
+                    yield Layout(data, fsdp, tp, pp, cp, z, mbs, accum, remat, kind, v)
+
+
+@dataclass
+class Evaluated:
+    layout: Layout
+    time: steptime.StepTime
+    memory: float | None = None  # bytes per device; None: not estimated (not needed)
+
+
+def memory_of(cfg: Config, cache: dict) -> float:
+    """memory.estimate(cfg).peak, read at a capped micro-batch count under a pipeline.
+
+    A pipeline's buffers stop growing once the schedule is in its steady state (a few
+    times p micro-batches); only the batch's int32 fields (5 x 4 bytes a token) keep
+    growing with accumulation, added here. Building a schedule of hundreds of
+    micro-batches costs a tenth of a second; a planner asks thousands."""
+    p, v = cfg.mesh.pipeline, cfg.parallel.virtual_stages
+    m = cfg.train.grad_accum
+    cap = 2 * p if p > 1 else m  # 1F1B, ZB-H1: p in flight; interleaved: < 1.5 p
+    extra = 0.0
+    if m > cap:
+        tokens = cfg.train.micro_batch_size * cfg.model.seq_len // cfg.mesh.sequence
+        extra = 5 * 4 * (m - cap) * tokens
+        cfg = copy.copy(cfg)
+        cfg.train = replace(cfg.train, grad_accum=cap)
+    key = (repr(cfg.mesh), repr(cfg.parallel), repr(cfg.train), repr(cfg.model), v)
+    if key not in cache:
+        cache[key] = memory.estimate(cfg, platform="gpu").peak
+    return cache[key] + extra
+
+
+def evaluate(
+    base: Config,
+    gpus: int,
+    acc: hardware.Accelerator,
+    gpus_per_node: int,
+    tokens_per_step: int,
+    fit: steptime.Fit = steptime.ULTRAJAX,
+) -> list[Evaluated]:
+    """Every layout with its step time, fastest first (memory is estimated by `rank`)."""
+    seq = base.model.seq_len
+    if tokens_per_step % seq:
+        raise ConfigError(
+            f"--tokens-per-step ({tokens_per_step}) must be a multiple of model.seq_len ({seq})"
+        )
+    out, cache, valid = [], {}, {}
+    for layout in enumerate_layouts(base, gpus, gpus_per_node, tokens_per_step // seq):
+        cfg = layout.config(base)
+        if not _valid(cfg, valid):
+            continue
+        time = steptime.predict(cfg, acc, gpus_per_node, fit, cache=cache)
+        out.append(Evaluated(layout, time))
+    out.sort(key=lambda e: e.time.total)
+    return out
+
+
+def _valid(cfg: Config, seen: dict) -> bool:
+    """config.validate_layout accepts cfg, asked in two cheap parts under a pipeline:
+    the layout without its pipeline (every rule but the pipeline's), and the pipeline
+    alone on one micro-batch a stage (its rules: layers per stage, the schedule; those
+    on micro-batch counts hold for m as the enumeration keeps m >= p and, interleaved,
+    m % p == 0). Building a schedule of many micro-batches is slow."""
+    checks = [cfg]
+    p = cfg.mesh.pipeline
+    if p > 1:
+        flat = copy.copy(cfg)
+        flat.mesh = replace(cfg.mesh, pipeline=1)
+        flat.parallel = replace(cfg.parallel, pipeline_schedule="1f1b", virtual_stages=1)
+        alone = config_lib.Config(model=cfg.model)
+        alone.mesh = config_lib.MeshConfig(pipeline=p)
+        alone.parallel = replace(
+            config_lib.ParallelConfig(),
+            pipeline_schedule=cfg.parallel.pipeline_schedule,
+            virtual_stages=cfg.parallel.virtual_stages,
+        )
+        alone.train = replace(cfg.train, micro_batch_size=1, grad_accum=p)
+        checks = [flat, alone]
+    for check in checks:
+        key = (repr(check.mesh), repr(check.parallel), repr(check.model), repr(check.train))
+        if key not in seen:
+            try:
+                validate.validate_layout(check)
+                seen[key] = True
+            except ConfigError:
+                seen[key] = False
+        if not seen[key]:
+            return False
+    return True
+
+
+def rank(
+    base: Config, evaluated: list[Evaluated], capacity: float, top: int, at_least: int = 0
+) -> list[Evaluated]:
+    """The `top` fastest layouts that fit in `capacity` bytes, estimating memory in order
+    of speed: every layout faster than the last of them has its memory (and so the reason
+    it lost), and so do at least the `at_least` fastest (for the plot)."""
+    cache: dict = {}
+    best = []
+    for i, e in enumerate(evaluated):
+        if len(best) >= top and i >= at_least:
+            break
+        e.memory = memory_of(e.layout.config(base), cache)
+        if e.memory <= capacity and len(best) < top:
+            best.append(e)
+    return best
+
+
+def slower_reason(e: Evaluated, best: Evaluated) -> str:
+    """Where the extra time of `e` over `best` goes, the two largest differences."""
+    a, b = e.time.parts(), best.time.parts()
+    diff = sorted(((a[k] - b[k], k) for k in a), reverse=True)[:2]
+    extra = e.time.total / best.time.total - 1
+    where = ", ".join(f"{k} +{d / best.time.total:.0%}" for d, k in diff if d > 0)
+    return f"{extra:.0%} slower: {where}" if where else f"{extra:.0%} slower"
+
+
+def tokens_per_step(base: Config, gpus: int) -> int:
+    """The config's own global batch on `gpus` devices (its -1 fill resolved there), or
+    its micro-batch x accumulation on each data rank of a plain data-parallel mesh."""
+    cfg = copy.deepcopy(base)
+    try:
+        validate.resolve_mesh(cfg, gpus)
+        return cfg.tokens_per_step
+    except ConfigError:
+        inner = math.prod(v for k, v in base.mesh.sizes().items() if k not in ("data", "fsdp"))
+        inner = max(1, inner)
+        dp = max(1, gpus // inner)
+        return base.train.micro_batch_size * base.train.grad_accum * dp * base.model.seq_len

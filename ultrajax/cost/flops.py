@@ -1,0 +1,71 @@
+"""FLOPs per token: the model's (MFU), and the hardware's with recomputation (HFU)."""
+
+from __future__ import annotations
+
+from ultrajax.config.schema import ModelConfig
+from ultrajax.model.llama import matmul_param_count
+from ultrajax.parallel.context import work
+
+
+def attention_flops_per_token(m: ModelConfig) -> float:
+    """Forward QK^T and PV: 2 matmuls x 2 FLOPs x s x (heads x head_dim), per layer."""
+    return 4.0 * m.n_layers * m.n_heads * m.hd * m.seq_len
+
+
+def flops_per_token(m: ModelConfig) -> float:
+    """Model FLOPs per trained token: 6N + 12·L·h·s (h = heads x head_dim)."""
+    return 6.0 * matmul_param_count(m) + 3.0 * attention_flops_per_token(m)
+
+
+def recompute_flops_per_token(m: ModelConfig) -> float:
+    """Forward FLOPs that the remat policy runs a second time in the backward pass.
+
+    What the backward pass recomputes is what it needs and was not saved (checked
+    against the compiled HLO's dots in tests/test_remat.py):
+    - the attention scores QK^T: never saved by any policy (half the attention FLOPs);
+    - the output projection wo: its output feeds the residual stream that the MLP's
+      norm needs, and no policy names that residual, so any remat recomputes it;
+    - q, k, v, PV (attn_out) and the MLP's gate and up (mlp_in): unless kept by name;
+    - never w_down: its output only enters a residual sum, whose backward needs nothing.
+    full keeps no names, selective and offload keep (or offload) all of them.
+    """
+    if m.remat == "none":
+        return 0.0
+    h, hd, a, akv, f = m.d_model, m.hd, m.n_heads, m.n_kv_heads, m.d_ff
+    attention = attention_flops_per_token(m)
+    kept = (
+        {
+            "full": set(),
+            "selective": {"query", "key", "value", "attn_out", "mlp_in", "mlp_out"},
+            "offload": {"query", "key", "value", "attn_out", "mlp_in", "mlp_out"},
+        }.get(m.remat)
+        if isinstance(m.remat, str)
+        else set(m.remat)
+    )
+    per_layer = {
+        "query": 2 * h * a * hd,
+        "key": 2 * h * akv * hd,
+        "value": 2 * h * akv * hd,
+        "mlp_in": 4 * h * f,
+    }
+    redo = sum(v for k, v in per_layer.items() if k not in kept) * m.n_layers
+    redo += 2 * a * hd * h * m.n_layers  # wo
+    redo += attention / 2 if "attn_out" not in kept else 0.0  # PV
+    return redo + attention / 2  # QK^T
+
+
+def hardware_flops_per_token(m: ModelConfig) -> float:
+    return flops_per_token(m) + recompute_flops_per_token(m)
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+def attention_flops(cfg) -> dict:
+    """Causal attention FLOPs per device per step (forward + backward = 3 x forward), for
+    this run's layout and for the other zig-zag setting: {zigzag: [per device]}."""
+    m, cp = cfg.model, cfg.mesh.sequence
+    chunk = m.seq_len // (2 * cp)
+    per_pair = 3 * 4 * cfg.train.micro_batch_size * chunk**2 * m.n_heads * m.hd
+    per_pair *= m.n_layers * cfg.train.grad_accum // cfg.mesh.tensor
+    return {z: (work(cp, z) * per_pair).tolist() for z in (True, False)}

@@ -1,0 +1,325 @@
+"""Where a train step's memory goes, per device, predicted from the config alone.
+
+Nothing here traces the model or touches a device: the figures are closed forms in
+the shapes (docs/memory.md derives each one), divided the way the mesh rules shard
+them. `python -m ultrajax.analyze` prints them beside XLA's compiled figures.
+
+A step's peak is what lives for the whole step (the arguments: master weights,
+Adam moments, the batch) plus the largest of its phases' temporaries:
+  - layer backward: the activations saved for backward (all layers), the gradient
+    buffers, fp32 accumulators (grad_accum > 1), the compute-dtype copy of the
+    weights where it is a separate array, and the working set of one layer's
+    backward pass (its slice of the saved activations, recomputed ones, their
+    gradients, the layer's weights and weight gradients);
+  - head backward: the same saved activations, the gradient buffers, and the
+    logits' working set (exp(logits), their gradient and its transposed copy);
+  - layer forward (plain xla attention): the mask's hoisted broadcasts, and under
+    recomputation the layer's scores and probabilities live again;
+  - optimizer update: the fp32 gradients and the update's temporaries.
+
+`estimate(cfg).parts` is the typed breakdown (`Breakdown`) that analyze's report, the
+train summary and the planner read; display labels live where the text is printed.
+
+With mesh.pipeline > 1 the executor's fixed buffers (parallel/pipeline/executor.py) replace the
+saved activations: per device, (slots + 1) micro-batch chunks of n_layers / (p v) layers'
+residuals, the slots read off the schedule's own plan, and the phases are one tick's
+(`_pipelined`).
+
+The saved activations are exact (tested against `print_saved_residuals`); the
+working sets are counted in copies of an activation, coefficients measured on
+XLA:CPU in fp32 (the `WORK` table), since they depend on the compiler's fusion and
+schedule. Bytes per element: compute dtype `c` (model.dtype), fp32 where the model
+computes in fp32 (norm statistics, softmax, logits).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+
+from ultrajax.config.schema import Config
+from ultrajax.cost.activations import (
+    PIPE_ATTN_S,
+    PIPE_WORK,
+    SOFTMAX_ROWS_SPLIT,
+    _flash,
+    _policy,
+    concrete,
+    invariant_activations,
+    layer_work,
+    offloaded_per_layer,
+    pipeline_buffers,
+    pipeline_plan,
+    pipeline_saved_per_layer,
+    saved_per_layer,
+    work_features,
+)
+from ultrajax.cost.sizes import dims, param_elements
+from ultrajax.cost.units import dtype_bytes, fmt_bytes
+from ultrajax.parallel.zero import Zero
+
+HEAD_WORK_V = 2.0  # exp(logits) and d logits: fp32 b·s·v each
+HEAD_WORK_X = 3.0  # final norm input, output and their gradient: b·s·h
+OPT_WORK = 1.0  # fp32 parameter-sized temporaries of the AdamW update beyond the gradients
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+class Phase(StrEnum):
+    """The phases of a step whose temporaries compete for the peak (docs/memory.md)."""
+
+    LAYER_BACKWARD = "layer backward"
+    LAYER_FORWARD = "layer forward"
+    HEAD_BACKWARD = "head backward"
+    PIPELINE_TICK = "pipeline tick"
+    GRADIENT_REDUCTION = "gradient reduction"
+    OPTIMIZER_UPDATE = "optimizer update"
+
+
+AFTER_BACKWARD = (Phase.OPTIMIZER_UPDATE, Phase.GRADIENT_REDUCTION)
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes per device by what they hold: the typed breakdown the report (tools/report.py),
+    the train summary and the planner read. Display text lives where it is printed."""
+
+    master: float = 0.0  # master weights, model.param_dtype (an argument)
+    optimizer: float = 0.0  # Adam mu, nu (an argument; mu is fp32 whatever param_dtype)
+    batch: float = 0.0  # the batch, five int32 fields (an argument)
+    compute_copy: float = 0.0  # the model.dtype copy of the weights, where a separate array
+    gradients: float = 0.0  # fp32 gradients, reduced (pipeline: after the ticks)
+    accumulators: float = 0.0  # fp32 running sums over micro-batches
+    embed_grad: float = 0.0  # the whole fp32 embedding gradient beyond its shard (ZeRO >= 1)
+    head_copy: float = 0.0  # ZeRO-3: the LM head's gathered copy beyond its shard
+    saved: float = 0.0  # activations saved for backward (pipeline: the executor's buffers)
+    chunk_residuals: float = 0.0  # pipeline: one chunk's residuals, the tick's own
+    head_work: float = 0.0  # the logits' and loss's working set
+    work: float = 0.0  # one layer's backward working set
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per device. `parts` is the typed breakdown; `activations` the saved
+    activations by part of the model; `phases` the temporaries each phase of the step
+    needs on top of the arguments."""
+
+    parts: Breakdown
+    activations: dict[str, float] = field(default_factory=dict)
+    phases: dict[Phase, float] = field(default_factory=dict)
+    arguments: float = 0.0
+    outputs: float = 0.0  # outputs not aliased with donated arguments (the metrics)
+    host: float = 0.0  # remat=offload: bytes in pinned host memory
+    pipelined: bool = False  # mesh.pipeline > 1: `saved` holds the executor's buffers
+
+    @property
+    def temp(self) -> float:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> Phase:
+        return max(self.phases, key=self.phases.get)
+
+    @property
+    def peak(self) -> float:
+        return self.arguments + self.outputs + self.temp
+
+    @property
+    def weights(self) -> float:
+        """The arguments but the batch: master weights, Adam moments and their counts."""
+        return self.arguments - self.parts.batch
+
+    @property
+    def held(self) -> float:
+        """Gradients and copies of the weights held through the backward pass (the
+        pipeline reduces its gradients after the ticks)."""
+        p = self.parts
+        if self.pipelined:
+            return p.compute_copy + p.accumulators
+        return p.compute_copy + p.gradients + p.accumulators + p.embed_grad
+
+    def to_dict(self) -> dict:
+        return {
+            "parts": asdict(self.parts),
+            "activations": dict(self.activations),
+            "phases": {str(k): v for k, v in self.phases.items()},
+            "arguments": self.arguments,
+            "outputs": self.outputs,
+            "temp": self.temp,
+            "peak": self.peak,
+            "peak_phase": str(self.peak_phase),
+            "host": self.host,
+            "pipelined": self.pipelined,
+            "weights": self.weights,
+            "held": self.held,
+        }
+
+
+def estimate(cfg: Config, platform: str | None = None) -> Estimate:
+    """The analytic memory of one train step per device (see the module docstring), for
+    the attention `model.attention` means on `platform` (default: this backend)."""
+    cfg = concrete(cfg, platform)
+    m, t, zero = cfg.model, cfg.train, cfg.parallel.zero
+    fsdp = cfg.mesh.fsdp
+    d = dims(cfg)
+    pb = dtype_bytes(m.param_dtype)
+    c = d.c
+    stored = param_elements(cfg, "stored")
+    compute = param_elements(cfg, "compute")  # ZeRO-3: sharded over fsdp
+    head_elems = param_elements(cfg, "compute", where=lambda p: "lm_head" in p)
+    # the five int32 fields of batch.Batch, (grad_accum, rows, seq_len) each
+    batch = 5 * 4 * t.grad_accum * d.b * (m.seq_len // cfg.mesh.sequence)
+    states = dict(
+        master=pb * stored,
+        optimizer=(4 + pb) * stored,  # mu is fp32 (train/optim.py)
+        batch=batch,
+    )
+    arguments = (2 * pb + 4) * stored + batch + 8  # + step counter and Adam's count
+    outputs = 4 * 4  # loss, grad_norm, lr, n_targets
+
+    # the compute-dtype copy: a separate array when the dtype differs, or when ZeRO-1/2
+    # all-gather the (sharded) masters into a whole copy
+    z = Zero(zero, fsdp)
+    copy = c * compute if (c != pb or (z.active in (1, 2))) else 0.0
+    # model.loss_chunk: the logits of one chunk of the sequence at a time (ultrajax/model/loss.py)
+    chunk = m.loss_chunk / m.seq_len if 0 < m.loss_chunk < m.seq_len else 1.0
+    head_work = HEAD_WORK_V * 4 * d.V * chunk + HEAD_WORK_X * c * d.X
+    if cfg.mesh.pipeline > 1:
+        return _pipelined(cfg, states, arguments, outputs, copy, head_work)
+    # gradients leave each weight's backward rule in fp32, reduced (ultrajax/model/ops.py):
+    # ZeRO >= 1 scatters them per layer, so only shards are kept; before the last
+    # micro-batch ZeRO-0/1 accumulate whole, unreduced gradients (parallel/grads.py)
+    whole = param_elements(cfg, "compute", ignore=("fsdp",))
+    final = stored if z.active >= 1 else whole
+    acc_elems = stored if z.active >= 2 else whole
+    grads = 4.0 * final
+    accum = 4.0 * acc_elems if t.grad_accum > 1 else 0.0
+
+    activations = {part: d.L * nbytes for part, nbytes in saved_per_layer(cfg).items()}
+    activations["masks and rotary tables"] = invariant_activations(cfg)
+    saved = sum(activations.values())
+    work = layer_work(cfg)
+
+    # the embedding's gradient is a whole fp32 table through the backward pass (read twice
+    # when tied, it is reduced after it): beyond the shard kept under ZeRO >= 1; ZeRO-3
+    # also holds the LM head's whole copy until the head's backward is done
+    def beyond_shard(name, nbytes):
+        def where(p):
+            return p == f"['{name}']"
+
+        full = param_elements(cfg, "compute", ignore=("fsdp",), where=where)
+        return nbytes * (full - param_elements(cfg, "stored", where=where))
+
+    embed_full = beyond_shard("embed", 4) if z.active >= 1 else 0.0
+    head_full = beyond_shard("lm_head", c) if z.shards_params and z.active else 0.0
+    kept = copy + grads + accum + embed_full
+    phases = {Phase.LAYER_BACKWARD: saved + kept + work}
+    if not _flash(cfg):
+        # XLA hoists the mask's broadcasts out of the layer loop: two fp32 and one bool
+        # array of scores' size; under remat the layer's scores and probabilities are live
+        # again on top of them during the forward pass, and XLA:CPU writes the normalised
+        # probabilities as a third fp32 array once the softmax has SOFTMAX_ROWS_SPLIT rows
+        recompute = _policy(m) != "none"
+        hoisted = (2 * 4 + 1) * d.S + (2 * 4 * d.S if recompute else 0)
+        if recompute and d.b * d.a * d.s >= SOFTMAX_ROWS_SPLIT:
+            hoisted += 4 * d.S
+        phases[Phase.LAYER_FORWARD] = saved + kept + hoisted
+    phases[Phase.HEAD_BACKWARD] = saved + kept - c * head_elems + head_work + head_full
+    grads_f32 = 4.0 * stored  # after the reduction: the optimizer's input
+    phases[Phase.OPTIMIZER_UPDATE] = grads_f32 + OPT_WORK * 4 * stored
+    parts = Breakdown(
+        **states,
+        compute_copy=copy,
+        gradients=grads,
+        accumulators=accum,
+        embed_grad=embed_full,
+        head_copy=head_full,
+        saved=saved,
+        head_work=head_work,
+        work=work,
+    )
+    host = d.L * offloaded_per_layer(cfg)
+    return Estimate(parts, activations, phases, arguments, outputs, host)
+
+
+def _pipelined(cfg: Config, states, arguments, outputs, copy, head_work) -> Estimate:
+    """mesh.pipeline > 1 (parallel/pipeline/executor.py): the executor's buffers replace the saved
+    activations, every device holds one stage's layers and the whole embedding, final
+    norm and LM head, and no gradient is reduced before the last micro-batch is done.
+
+    Phases: a tick (the buffers, the fp32 accumulators, one chunk's residuals being read
+    or written, and one layer's backward working set, PIPE_WORK of it beside the
+    attention's PIPE_ATTN_S copies of the scores); the last stage's head (the logits'
+    working set instead of the chunk's); then the reduction and the optimizer."""
+    m = cfg.model
+    z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
+    plan = pipeline_plan(cfg)
+    stored = param_elements(cfg, "stored")
+    whole = param_elements(cfg, "compute", ignore=("fsdp",))
+    # fp32 sums of every weight this device holds, whole over fsdp (a tied embedding's
+    # lookup and LM head add into one)
+    accum = 4.0 * whole
+    grads = 4.0 * (stored if z.active >= 1 else whole)
+    activations = pipeline_buffers(cfg)
+    saved = sum(activations.values())
+    per_chunk = m.n_layers // (plan.p * plan.v)
+    host = (plan.slots["res"] + 1) * per_chunk * offloaded_per_layer(cfg)
+    # a chunk of several layers stacks its residuals before they go into their slot
+    chunk_res = per_chunk * sum(pipeline_saved_per_layer(cfg).values()) if per_chunk > 1 else 0
+    work = layer_work(cfg, PIPE_WORK[work_features(cfg)[0]], PIPE_ATTN_S)
+    kept = copy + accum
+    phases = {
+        Phase.PIPELINE_TICK: saved + kept + chunk_res + work,
+        Phase.HEAD_BACKWARD: saved + kept + head_work,
+        Phase.GRADIENT_REDUCTION: accum + grads,
+        Phase.OPTIMIZER_UPDATE: 4.0 * stored + OPT_WORK * 4 * stored,
+    }
+    parts = Breakdown(
+        **states,
+        compute_copy=copy,
+        gradients=grads,
+        accumulators=accum,
+        saved=saved,
+        chunk_residuals=chunk_res,
+        head_work=head_work,
+        work=work,
+    )
+    return Estimate(parts, activations, phases, arguments, outputs, host, pipelined=True)
+
+
+def summary_lines(cfg: Config, measured_peak: int | None = None) -> list[str]:
+    """Lines for the train loop's summary: the predicted per-device breakdown beside the
+    backend's measured peak (device.memory_stats on GPU), where there is one."""
+    e = estimate(cfg)
+    p = e.parts
+    after = e.peak_phase in AFTER_BACKWARD
+    work = e.temp if after else e.temp - p.saved - e.held
+    lines = [
+        f"  predicted    {fmt_bytes(e.peak)} per device at the {e.peak_phase}: weights + Adam "
+        f"{fmt_bytes(e.weights)}, gradients and copies {fmt_bytes(e.held)}, saved activations "
+        f"{fmt_bytes(p.saved)}, working set {fmt_bytes(work)} (python -m ultrajax.analyze)"
+    ]
+    if measured_peak:
+        lines.append(f"  predicted / measured peak  {e.peak / measured_peak:.2f}")
+    return lines
+
+
+def sweep(cfg: Config, seq_lens=None, policies=("none", "selective", "full")) -> dict:
+    """Predicted activation memory (saved + working sets) and peak per seq_len and policy."""
+    if seq_lens is None:
+        top = max(cfg.model.seq_len * 4, 1024)
+        seq_lens = [2**k for k in range(7, 20) if 2**k <= top]
+    out = {"seq_len": list(seq_lens), "policies": {}}
+    for pol in policies:
+        acts, peaks = [], []
+        for s in seq_lens:
+            c = copy.deepcopy(cfg)
+            c.model.seq_len, c.model.remat = s, pol
+            e = estimate(c)
+            acts.append(e.parts.saved + e.parts.work)
+            peaks.append(e.peak)
+        out["policies"][pol] = {"activations": acts, "peak": peaks}
+    out["model_states"] = estimate(cfg).weights
+    return out

@@ -1,0 +1,170 @@
+"""How many elements each parameter and activation holds per device, from the
+config and the rules table alone (nothing traced but shapes)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+
+from ultrajax.config.schema import Config, ModelConfig
+from ultrajax.cost.units import dtype_bytes
+from ultrajax.model.llama import init_params, logical_axes
+from ultrajax.parallel import mesh as mesh_lib
+
+# --------------------------------------------------------------------------- sharding
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _ways(cfg: Config, entry, ignore=()) -> int:
+    """How many ways a rules-table entry splits a dimension on this mesh."""
+    sizes = cfg.mesh.sizes() if hasattr(cfg.mesh, "sizes") else vars(cfg.mesh)
+    return math.prod(sizes[a] for a in _axes(entry) if a not in ignore)
+
+
+def _rules(cfg: Config):
+
+    return mesh_lib.rules(cfg)
+
+
+_SHAPE_FIELDS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "d_ff",
+    "head_dim",
+    "tie_embeddings",
+    "param_dtype",
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _param_leaves(key: tuple) -> tuple[tuple[str, tuple[int, ...], tuple[str, ...]], ...]:
+    """(path, shape, logical names) of every parameter; traced abstractly, nothing allocated."""
+
+    m = ModelConfig(**dict(zip(_SHAPE_FIELDS, key, strict=True)))
+    shapes = jax.eval_shape(lambda: init_params(m, jax.random.key(0)))
+    names = logical_axes(m)
+    flat_s = jax.tree_util.tree_leaves_with_path(shapes)
+    flat_n = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))
+    return tuple(
+        (jax.tree_util.keystr(p), tuple(s.shape), tuple(n))
+        for (p, s), n in zip(flat_s, flat_n, strict=True)
+    )
+
+
+def _leaves(m: ModelConfig):
+    return _param_leaves(tuple(getattr(m, f) for f in _SHAPE_FIELDS))
+
+
+def shard_elements(cfg: Config, shape, names, kind: str, ignore=()) -> int:
+    """Elements of one device's shard of a parameter under the rules' `kind` column."""
+    table = getattr(_rules(cfg), kind)
+    return math.prod(
+        -(-dim // _ways(cfg, table.get(n), ignore)) for dim, n in zip(shape, names, strict=True)
+    )
+
+
+def param_elements(cfg: Config, kind: str = "stored", ignore=(), where=None) -> int:
+    """Parameters held per device under the rules' `kind` column (stored | compute).
+
+    `ignore` leaves mesh axes out (`("fsdp",)`: the size once gathered over fsdp);
+    `where(path)` selects leaves."""
+    return sum(
+        shard_elements(cfg, shape, names, kind, ignore)
+        for path, shape, names in _leaves(cfg.model)
+        if where is None or where(path)
+    )
+
+
+def layer_weight_elements(cfg: Config, ignore=("fsdp",)) -> dict[str, int]:
+    """One layer's compute weights per device (as used: gathered over fsdp)."""
+    out = {"attn": 0, "mlp": 0, "norm": 0}
+    for path, shape, names in _leaves(cfg.model):
+        if not path.startswith("['layers']"):
+            continue
+        n = shard_elements(cfg, shape[1:], names[1:], "compute", ignore)
+        key = "mlp" if "'w_" in path else "norm" if "norm" in path else "attn"
+        out[key] += n
+    return out
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Per-device activation sizes (elements) of one micro-batch."""
+
+    b: int  # micro-batch rows on this device
+    s: int  # sequence inside attention and MLP (the TP regions)
+    s_res: int  # sequence of the residual stream and norms (s / tensor with SP)
+    h: int
+    a: int  # query heads on this device
+    kv: int
+    hd: int
+    f: int  # d_ff on this device
+    v: int  # vocabulary on this device
+    L: int
+    c: int  # bytes per element of the compute dtype
+
+    @property
+    def X(self) -> int:  # residual stream inside a TP region
+        return self.b * self.s * self.h
+
+    @property
+    def X_res(self) -> int:
+        return self.b * self.s_res * self.h
+
+    @property
+    def N(self) -> int:
+        return self.b * self.s
+
+    @property
+    def N_res(self) -> int:
+        return self.b * self.s_res
+
+    @property
+    def Q(self) -> int:
+        return self.b * self.s * self.a * self.hd
+
+    @property
+    def K(self) -> int:
+        return self.b * self.s * self.kv * self.hd
+
+    @property
+    def S(self) -> int:
+        return self.b * self.a * self.s * self.s
+
+    @property
+    def F(self) -> int:
+        return self.b * self.s * self.f
+
+    @property
+    def V(self) -> int:
+        return self.b * self.s * self.v
+
+
+def dims(cfg: Config) -> Dims:
+    m, mesh = cfg.model, cfg.mesh
+    tp = mesh.tensor
+    s = m.seq_len // mesh.sequence
+    return Dims(
+        b=cfg.train.micro_batch_size,
+        s=s,
+        s_res=s // tp if cfg.parallel.sequence_parallel else s,
+        h=m.d_model,
+        a=m.n_heads // tp,
+        kv=m.n_kv_heads // tp,
+        hd=m.hd,
+        f=m.d_ff // tp,
+        v=m.vocab_size // tp,
+        L=m.n_layers,
+        c=dtype_bytes(m.dtype),
+    )

@@ -1,0 +1,360 @@
+"""How long one train step takes on a cluster, predicted from the config alone.
+
+The planner (tools/plan.py) ranks layouts by this; docs/planner.md derives it and reports
+its measured accuracy against the Ultra-Scale Playbook's sweep.
+
+A step, per device, is the slowest pipeline stage's micro-batches, the pipeline's
+bubble, and what communication the playbook says cannot hide:
+
+  micro-batch  max(compute, host floor) + tensor-parallel collectives + pipeline sends
+    compute: the hardware FLOPs of one micro-batch on the slowest stage (the last: its
+      layers and the LM head; or, for a framework that balances its stages by compute,
+      the larger of an even share and the head alone) / (peak x efficiency), the
+      efficiency a fitted curve in the per-device matmul size (tokens x d_model / tensor);
+    host floor: a fitted time per layer a framework needs to launch a layer's work
+      (eager PyTorch's Python; zero for ultrajax's one compiled program);
+    TP collectives: on the critical path (the playbook: unless overlapped, and ours
+      are not); context parallelism's K/V ring: hidden behind the attention but for
+      what exceeds it.
+  pipeline     m micro-batches of the slowest stage / (1 - bubble), the bubble the
+    schedule's own (parallel/pipeline/schedules.py `formula`: (p-1)/(m+p-1) for 1F1B).
+  data         the gradient reduction overlaps the last micro-batch's backward (a
+    fitted share of it); ZeRO-3's layer gathers overlap the previous layer's compute;
+    ZeRO-1/2's gather of the updated weights and everything once per step outside the
+    layers are exposed.
+  optimizer    the AdamW update reads and writes ~36 bytes per stored parameter at the
+    HBM bandwidth.
+
+Bytes per collective come from comms.expected (the analyzer's playbook formulas,
+checked against compiled HLO); each term is placed on its mesh axis, and an axis is
+inside a node or across nodes by the mesh's order (tensor fastest) and the node size:
+a ring that crosses nodes runs at min(NVLink, k x NIC) per GPU, k = the group's
+members per node. Link figures are cost/hardware.py's, times a fitted efficiency.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field, replace
+
+from ultrajax.config.schema import Config
+from ultrajax.cost import comms, flops, hardware
+from ultrajax.model.llama import matmul_param_count
+from ultrajax.parallel.pipeline import schedules as schedule
+
+# mesh axes slowest to fastest (GUIDE section 3): tensor wants the fastest links
+ULTRAJAX_ORDER = ("data", "fsdp", "pipeline", "sequence", "tensor")
+ADAM_BYTES = 36  # per stored parameter: read master, m, v, grad (16); write master, m, v (12);
+# write the compute copy (2) and read-modify temporaries (~6)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The model's fitted constants (docs/planner.md says on what).
+
+    efficiency = e_max / (1 + w0 / w), w = tokens per micro-batch per device x d_model /
+    tensor (the size of one device's matmuls); a ring reaches eta_intra of NVLink and
+    eta_inter of the NICs; the DP reduction hides behind `overlap` of the last
+    micro-batch's backward; host_layer (+ host_layer_tp with tensor > 1) seconds per
+    layer and micro-batch (forward and backward) is the floor a framework's launch puts
+    under a layer's compute."""
+
+    e_max: float = 0.6
+    w0: float = 2.0e6
+    eta_intra: float = 0.5
+    eta_inter: float = 0.5
+    overlap: float = 0.8
+    host_layer: float = 1e-3
+    host_layer_tp: float = 3e-3
+
+    def params(self) -> tuple[float, ...]:
+        return tuple(getattr(self, f) for f in self.__dataclass_fields__)
+
+
+# Fitted on the playbook sweep's calibration file (../shared/playbook_runs/calibration.csv:
+# nanotron, H100, 1, 4 and 16 nodes of 8; the 666 runs that ran and it builds) by
+# `scripts/validate_planner.py FILE --fit`, which starts from the defaults above.
+NANOTRON = Fit(
+    e_max=0.5857, w0=6.486e6, eta_intra=0.5036, eta_inter=0.4977, overlap=0.8066,
+    host_layer=0.9458e-3, host_layer_tp=3.105e-3,
+)  # fmt: skip
+# ultrajax: the same GPU and link curve (the only multi-GPU measurements we have are
+# nanotron's), no host floor: XLA runs the whole step as one program (an assumption,
+# not yet measured on a GPU cluster).
+ULTRAJAX = replace(NANOTRON, host_layer=0.0, host_layer_tp=0.0)
+
+
+@dataclass(frozen=True)
+class Link:
+    """Where one mesh axis's ring runs: its bandwidth (peak, per GPU) and start-up latency."""
+
+    size: int
+    bw: float
+    latency: float
+    inter: bool  # crosses nodes (the NICs bind)
+
+    def seconds(self, nbytes: float, fit: Fit, hops: float = 0.0) -> float:
+        if nbytes <= 0:
+            return 0.0
+        eta = fit.eta_inter if self.inter else fit.eta_intra
+        return nbytes / (self.bw * eta) + hops * self.latency
+
+
+def links(sizes: dict[str, int], acc, gpus_per_node: int, order=ULTRAJAX_ORDER) -> dict:
+    """axis -> Link: an axis's devices are `stride` apart (the product of the faster
+    axes); a group that stays inside a node rides NVLink, one that crosses nodes gets
+    min(NVLink, k x NIC) per GPU with k of its members per node (NCCL's rings through
+    every NIC of the node)."""
+    out, stride = {}, 1
+    for axis in reversed(order):
+        n = sizes.get(axis, 1)
+        inter = n > 1 and stride * n > gpus_per_node
+        if inter:
+            k = max(1, min(n, gpus_per_node // stride)) if stride < gpus_per_node else 1
+            bw = min(acc.intra_bw, k * acc.inter_bw)
+            lat = acc.inter_latency
+        else:
+            bw, lat = acc.intra_bw, acc.intra_latency
+        out[axis] = Link(n, bw, lat, inter and bw < acc.intra_bw)
+        stride *= n
+    return out
+
+
+@dataclass
+class Features:
+    """What the step time is made of for one layout, before the fitted constants."""
+
+    tokens_per_device: float  # tokens per step / devices
+    m: int  # micro-batches per step
+    bubble: float  # the schedule's idle fraction
+    flops_mb: float  # hardware FLOPs of one micro-batch on the slowest stage, per device
+    work: float  # matmul size per device: tokens per micro-batch x d_model / tensor
+    layers: float  # layers on the slowest stage (the host floor's count)
+    tensor: int
+    tp: list = field(default_factory=list)  # (Link, bytes, collectives) per micro-batch
+    p2p: list = field(default_factory=list)  # (Link, bytes) per micro-batch
+    context: list = field(default_factory=list)  # (Link, bytes) per micro-batch
+    attention_share: float = 0.0  # of a micro-batch's compute: what the K/V ring hides behind
+    hidden: list = field(default_factory=list)  # (Link, bytes) per step, behind the backward
+    gathers: list = field(default_factory=list)  # (Link, bytes) per micro-batch, behind compute
+    exposed: list = field(default_factory=list)  # (Link, bytes) per step, on the critical path
+    optimizer_bytes: float = 0.0
+    peak: float = 0.0
+    hbm_bw: float = 0.0
+
+
+def _axis_of(term: comms.Term) -> tuple[str, str]:
+    """(mesh axis, when) of one of comms.expected's terms (typed there): per micro-batch on
+    the critical path (tensor), the pipeline's sends, the K/V ring, the gradient reduction
+    (hidden behind the backward), ZeRO-3's per-layer gathers, or exposed once per step."""
+    return term.axis, term.when
+
+
+def _scaled_terms(cfg: Config, cache: dict | None = None) -> list[tuple[comms.Term, float]]:
+    """comms.expected's terms, each with the factor that brings it to cfg.
+
+    Under a pipeline the terms are read at one micro-batch of one row per stage (m = p,
+    b = 1) and the per-micro-batch ones (tensor parallelism's, the pipeline's sends: b
+    x m bytes exactly, cost/comms.py) scaled to cfg's: building a schedule of hundreds of
+    micro-batches costs a tenth of a second, and a planner asks thousands of layouts.
+    `cache` (a dict the caller keeps) shares the terms between layouts that differ only
+    in what does not change them."""
+    p = cfg.mesh.pipeline
+    t = cfg.train
+    full = cfg.model.remat == "full"  # the only policy that changes the bytes (TP's count)
+    model = replace(cfg.model, remat="full" if full else "none")
+    p2p = 1.0
+    if p == 1:
+        key = (repr(cfg.mesh), repr(cfg.parallel), repr(model), t.micro_batch_size, t.grad_accum)
+        probe, per_micro = cfg, 1.0
+    else:
+        # every schedule's sends are 1F1B's times (v p - 1) / (p - 1): each micro-batch
+        # crosses the v p - 1 stage boundaries once each way (cost/comms.py's 2 m (v p - 1) / p)
+        v = cfg.parallel.virtual_stages
+        par = replace(cfg.parallel, pipeline_schedule="1f1b", virtual_stages=1)
+        key = (repr(cfg.mesh), repr(par), repr(model))
+        probe = copy.copy(cfg)
+        probe.parallel = par
+        probe.train = replace(t, micro_batch_size=1, grad_accum=p)
+        per_micro = t.micro_batch_size * t.grad_accum / p
+        p2p = per_micro * (v * p - 1) / (p - 1)
+    if cache is None or key not in cache:
+        terms = [(term, _axis_of(term)) for term in comms.expected(probe)]
+        if cache is None:
+            cache = {}
+        cache[key] = terms
+    scale = {"tp": per_micro, "p2p": p2p}
+    return [(term, scale.get(when, 1.0)) for term, (_, when) in cache[key]]
+
+
+def features(
+    cfg: Config,
+    acc: hardware.Accelerator,
+    gpus_per_node: int,
+    order=ULTRAJAX_ORDER,
+    cache: dict | None = None,
+    balanced: bool = False,
+) -> Features:
+    """The step's pieces for a layout with concrete mesh sizes (no -1).
+
+    The slowest pipeline stage is the last: its n_layers / p layers and the LM head
+    (parallel/pipeline/executor.py), or, `balanced`, the stages' compute evened out with the LM
+    head as one block (nanotron assigns its blocks to stages by their compute cost)."""
+    m, mesh, t = cfg.model, cfg.mesh, cfg.train
+    sizes = mesh.sizes()
+    n = math.prod(sizes.values())
+    p, tp, cp = mesh.pipeline, mesh.tensor, mesh.sequence
+    v = cfg.parallel.virtual_stages
+    accum = t.grad_accum
+    tokens_mb = t.micro_batch_size * m.seq_len / cp  # one device's tokens per micro-batch
+    tokens = tokens_mb * accum * cfg.dp * cp  # per step, all devices
+    head = 6.0 * m.d_model * m.vocab_size  # LM head, forward and backward, per token
+    per_token = flops.hardware_flops_per_token(m)
+    layers = math.ceil(m.n_layers / p)  # the slowest stage's (nanotron splits unevenly)
+    if balanced:
+        stage = max(per_token / p, head, (per_token - head) / m.n_layers)
+    else:
+        stage = (per_token - head) * layers / m.n_layers + head
+    bubble = _bubble(cfg.parallel.pipeline_schedule, p, accum, v)
+    attn = 3.0 * flops.attention_flops_per_token(m) / per_token
+    f = Features(
+        tokens_per_device=tokens / n,
+        m=accum,
+        bubble=bubble,
+        flops_mb=tokens_mb * stage / tp,
+        work=tokens_mb * m.d_model / tp,
+        layers=layers,
+        tensor=tp,
+        attention_share=attn,
+        peak=acc.flops(m.dtype),
+        hbm_bw=acc.hbm_bw or 2e12,
+    )
+    link = links(sizes, acc, gpus_per_node, order)
+    if "data+pipeline" not in link:
+        dl, pl = link["data"], link["pipeline"]
+        slow = dl if dl.bw <= pl.bw else pl
+        link["data+pipeline"] = Link(dl.size * pl.size, slow.bw, slow.latency, slow.inter)
+    per_block = 6 if m.remat == "full" else 4  # comms.expected's count per micro-batch
+    tp_ops = (per_block * layers + 2) * (2 if cfg.parallel.sequence_parallel else 1)
+    for term, scale in _scaled_terms(cfg, cache):
+        axis, when = _axis_of(term)
+        nbytes = term.traffic * scale
+        if nbytes <= 0:
+            continue
+        if when == "tp":
+            f.tp.append((link[axis], nbytes / accum, tp_ops))
+        elif when in ("p2p", "context", "gathers"):
+            getattr(f, when).append((link[axis], nbytes / accum))
+        else:
+            getattr(f, when).append((link[axis], nbytes))
+    stored = _stored_params(cfg)
+    f.optimizer_bytes = ADAM_BYTES * stored
+    return f
+
+
+def _stored_params(cfg: Config) -> float:
+    """Parameters whose optimizer state one device updates (its pipeline stage's, its
+    tensor shard, its ZeRO shard)."""
+
+    m, mesh = cfg.model, cfg.mesh
+    total = matmul_param_count(m) + (0 if m.tie_embeddings else m.vocab_size * m.d_model)
+    shard = mesh.tensor * mesh.pipeline
+    if cfg.parallel.zero >= 1:
+        shard *= mesh.fsdp
+    return total / shard
+
+
+def _bubble(kind: str, p: int, m: int, v: int) -> float:
+    """The schedule's idle share of the step (schedule.formula); with fewer micro-batches
+    than stages (which other frameworks run) each still crosses all p: (p-1)/(m+p-1)."""
+    if p == 1:
+        return 0.0
+    if m < p:
+        return (p - 1) / (m + p - 1)
+    return schedule.formula(kind, p, m, v)
+
+
+@dataclass
+class StepTime:
+    """Seconds per step by where they go, and the throughput they imply."""
+
+    compute: float
+    host: float  # the host floor's excess over the compute
+    tensor: float
+    pipeline_sends: float
+    context: float
+    bubble: float
+    data: float  # exposed DP / ZeRO communication
+    optimizer: float
+    tokens_per_device: float
+
+    @property
+    def total(self) -> float:
+        return (
+            self.compute + self.host + self.tensor + self.pipeline_sends + self.context
+            + self.bubble + self.data + self.optimizer
+        )  # fmt: skip
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_device / self.total
+
+    def parts(self) -> dict[str, float]:
+        names = ("compute", "host", "tensor", "pipeline_sends", "context", "bubble", "data")
+        return {k: getattr(self, k) for k in (*names, "optimizer")}
+
+    def where(self) -> str:
+        """The largest parts other than compute, for a one-line explanation."""
+        parts = {k: v for k, v in self.parts().items() if k != "compute" and v > 0}
+        top = sorted(parts.items(), key=lambda kv: -kv[1])[:2]
+        tail = ", ".join(f"{k} {v / self.total:.0%}" for k, v in top)
+        return f"compute {self.compute / self.total:.0%}" + (f", {tail}" if tail else "")
+
+
+def efficiency(work: float, fit: Fit) -> float:
+    return fit.e_max / (1.0 + fit.w0 / work)
+
+
+def step_time(f: Features, fit: Fit) -> StepTime:
+    compute_mb = f.flops_mb / (f.peak * efficiency(f.work, fit))
+    floor = f.layers * (fit.host_layer + (fit.host_layer_tp if f.tensor > 1 else 0.0))
+    busy_mb = max(compute_mb, floor)
+    tp_mb = sum(lk.seconds(b, fit, ops * (lk.size - 1)) for lk, b, ops in f.tp)
+    p2p_mb = sum(lk.seconds(b, fit, 2) for lk, b in f.p2p)
+    ring_mb = sum(lk.seconds(b, fit, lk.size - 1) for lk, b in f.context)
+    cp_mb = max(0.0, ring_mb - f.attention_share * compute_mb)
+    gather_mb = sum(lk.seconds(b, fit, lk.size - 1) for lk, b in f.gathers)
+    gather_mb = max(0.0, gather_mb - compute_mb)
+    mb = busy_mb + tp_mb + p2p_mb + cp_mb + gather_mb
+    stretch = 1.0 / (1.0 - f.bubble)  # the schedule's idle share of the step
+    # the last micro-batch's backward, that the reduction hides in; under a pipeline the
+    # gradients are reduced after the last tick (parallel/pipeline/executor.py; nanotron's too)
+    backward = (2.0 / 3.0) * compute_mb if f.bubble == 0 else 0.0
+    hidden = sum(lk.seconds(b, fit, 2 * (lk.size - 1)) for lk, b in f.hidden)
+    exposed = sum(lk.seconds(b, fit, lk.size - 1) for lk, b in f.exposed)
+    data = max(0.0, hidden - fit.overlap * backward) + exposed
+    m = f.m
+    return StepTime(
+        compute=m * compute_mb,
+        host=m * (busy_mb - compute_mb),
+        tensor=m * tp_mb,
+        pipeline_sends=m * p2p_mb,
+        context=m * (cp_mb + gather_mb),
+        bubble=m * mb * (stretch - 1.0),
+        data=data,
+        optimizer=f.optimizer_bytes / f.hbm_bw,
+        tokens_per_device=f.tokens_per_device,
+    )
+
+
+def predict(
+    cfg: Config,
+    acc: hardware.Accelerator,
+    gpus_per_node: int = 8,
+    fit: Fit = ULTRAJAX,
+    order=ULTRAJAX_ORDER,
+    cache: dict | None = None,
+) -> StepTime:
+    """The step time of `cfg` (concrete mesh sizes) on `acc` GPUs, `gpus_per_node` a node."""
+    return step_time(features(cfg, acc, gpus_per_node, order, cache), fit)

@@ -1,0 +1,167 @@
+"""Text -> packed training sequences, on grain.
+
+Documents are tokenized as [BOS] text [EOS], concatenated and split into
+sequences of seq_len + 1 tokens (grain's ConcatThenSplit packing: no padding,
+so no compute is wasted). Packing records which document every token came from
+(`segment_ids`) and its position inside that document (`positions`); with
+`data.cross_doc_mask` the model uses them to keep attention and rotary
+positions inside each document. A document split across two sequences starts
+again at position 0 in the second one.
+
+The default corpus is the running interpreter's own standard library: real
+text on every machine, nothing downloaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ultrajax.config.schema import ConfigError, DataConfig
+from ultrajax.data import streams as streams_lib
+from ultrajax.data.prefetch import Prefetcher
+from ultrajax.data.shards import PreparedCorpus
+from ultrajax.data.sources import (
+    _TextReader,
+    data_paths,
+    load_docs,
+    make_tokenizer,
+    split_ids,
+    split_indices,
+)
+from ultrajax.data.tokenizer import ByteTokenizer, HFTokenizer, document, padded_vocab  # noqa: F401
+
+
+@dataclass
+class Data:
+    """The run's train streams (checkpointable; this process's rows only), the fixed eval
+    batches (every process the same, whole), and the background feed of train batches."""
+
+    tokenizer: object
+    train: streams_lib.Streams
+    train_sources: list[streams_lib.Source]
+    eval_sources: list[streams_lib.Source]
+    batch_size: int
+    seq_len: int
+    seed: int
+    cross_doc_mask: bool
+    summary: str
+    progress: dict | None = None  # what the train loop saves beside the data position
+    _feed: Prefetcher | None = None
+    _place: object = None
+    _depth: int = 0
+
+    @property
+    def eval_docs(self) -> int:
+        return sum(len(s.ids) for s in self.eval_sources)
+
+    def eval_batches(self, n: int) -> list[dict]:
+        if not self.eval_docs or n == 0:
+            return []
+        ds = streams_lib.stream(
+            self.eval_sources, k=0, n=1, seed=self.seed, seq_len=self.seq_len,
+            cross_doc_mask=self.cross_doc_mask, shuffle=False,
+        )  # fmt: skip
+        it = iter(ds.batch(self.batch_size, drop_remainder=True))
+        return [next(it) for _ in range(n)]
+
+    def feed(self, place, depth: int) -> Prefetcher:
+        """Train batches made `depth` ahead on a thread: `place(packed, rows, grad_accum)`
+        puts this process's rows (their global numbers `rows`) on the devices."""
+        self.close()
+        self._place, self._depth = place, depth
+        t = self.train
+        self._feed = Prefetcher(lambda: place(next(t), t.rows, t.grad_accum), t.get_state, depth)
+        return self._feed
+
+    def regroup(self, grad_accum: int) -> Prefetcher:
+        """A new batch size from the next step on (ultrajax/train/ramp.py): the batches made ahead
+        at the old size are dropped and the streams go back to the last one trained on."""
+        consumed = self._feed.state() if self._feed else self.train.get_state()
+        self.close()
+        self.train.set_state(consumed)
+        self.train.grad_accum = grad_accum
+        return self.feed(self._place, self._depth)
+
+    def state(self) -> dict:
+        """The position after the last batch trained on, every process's streams in one,
+        with `progress` (the batch ramp's state, ultrajax/train/ramp.py) beside it."""
+        local = self._feed.state() if self._feed else self.train.get_state()
+        return dict(streams_lib.gather_state(local), progress=self.progress)
+
+    def restore(self, state: dict) -> None:
+        self.close()
+        self.train.set_state(state)
+        self.progress = state.get("progress")
+
+    def close(self) -> None:
+        if self._feed is not None:
+            self._feed.close()
+            self._feed = None
+
+
+def _sources(cfg: DataConfig, tokenizer) -> tuple[list, list, list[str]]:
+    """(train sources, eval sources, one description per corpus)."""
+    weights = [m.weight for m in cfg.mixture] if cfg.mixture else [1.0]
+    train, evals, names = [], [], []
+    first = None
+    for path, weight in zip(data_paths(cfg), weights, strict=True):
+        if cfg.source == "prepared":
+            corpus = PreparedCorpus(path)
+            info = {k: corpus.tokenizer.get(k) for k in ("kind", "sha256", "size")}
+            first = first or (path, info)
+            if info != first[1]:
+                raise ConfigError(
+                    f"data.mixture: {path} was prepared with another tokenizer than {first[0]} "
+                    f"({info} vs {first[1]}); prepare both with the same one"
+                )
+            t, e = split_indices(len(corpus), cfg.eval_fraction)
+            read, size = corpus.__getitem__, f"{corpus.tokens:,} tokens"
+        else:
+            docs = load_docs(cfg, path)
+            t, e = split_ids([d.key for d in docs], cfg.eval_fraction)
+            read, size = _TextReader(docs, tokenizer), "tokenized as read"
+        name = path or cfg.source
+        train.append(streams_lib.Source(t, read, weight, name))
+        evals.append(streams_lib.Source(e, read, weight, name))
+        share = f", weight {weight:g}" if cfg.mixture else ""
+        names.append(f"{name} ({len(t):,} train / {len(e):,} eval documents, {size}{share})")
+    if all(not len(e.ids) for e in evals):
+        evals = []
+    else:
+        evals = [e for e in evals if len(e.ids)]
+    return train, evals, names
+
+
+def build(
+    cfg: DataConfig,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    vocab_size: int,
+    grad_accum: int = 1,
+    rows=None,
+) -> Data:
+    """Everything the train loop reads, with bad input reported as ConfigError.
+
+    `rows`: the global batch rows this process's devices hold (None: all of them); only
+    the streams holding them are read and packed here."""
+    tokenizer = make_tokenizer(cfg)
+    if tokenizer.size > vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({vocab_size}) is smaller than the tokenizer's "
+            f"{tokenizer.size} tokens; set model.vocab_size={padded_vocab(tokenizer.size)}"
+        )
+    train, evals, names = _sources(cfg, tokenizer)
+    n = streams_lib.stream_count(batch_size // grad_accum, cfg.streams)
+    streams = streams_lib.Streams(
+        train, batch_size=batch_size, grad_accum=grad_accum, streams=n, seed=seed,
+        seq_len=seq_len, cross_doc_mask=cfg.cross_doc_mask, window=cfg.shuffle_window,
+        rows=rows,
+    )  # fmt: skip
+    per = batch_size // n
+    mine = "" if len(streams.owned) == n else f"; this process packs {len(streams.owned)} of them"
+    summary = f"data: {'; '.join(names)}; {n} streams of {per} row{'s' * (per > 1)} a step{mine}"
+    return Data(
+        tokenizer, streams, train, evals, batch_size, seq_len, seed, cfg.cross_doc_mask, summary
+    )

@@ -1,0 +1,72 @@
+"""The two places where a layer may meet other devices, as the block calls them, with
+their one-device versions: the model never imports parallel/.
+
+- Tensor boundaries: a tensor-parallel region (attention, MLP, LM head) starts with
+  `enter` and ends with `exit`; the embedding lookup and the loss may split the
+  vocabulary. Across devices: parallel/tensor.py (explicit collectives) and
+  parallel/partitioned.py (sharding constraints for XLA's partitioner).
+- The attention boundary: `attend` sees this device's queries and may need other
+  devices' keys (context parallelism: parallel/context.py).
+
+On one device each boundary is the identity, and `attend` is the attention interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+
+from ultrajax.model.attention.backends import attend
+from ultrajax.model.nn import cross_entropy
+from ultrajax.model.ops import lookup
+
+
+@dataclass(frozen=True)
+class TensorBoundary:
+    """Tensor parallelism's boundaries, on one device (size 1): identities."""
+
+    size: int = 1
+
+    def enter(self, x):
+        """Residual stream -> input of a TP region."""
+        return x
+
+    def exit(self, x):
+        """Output of a TP region (partial sums across devices) -> residual stream."""
+        return x
+
+    def sum(self, x):
+        """Sum of per-rank parts (vocabulary-parallel loss terms)."""
+        return x
+
+    def max(self, x):
+        """Max over ranks; used only for numerical stability, so no gradient."""
+        return jax.lax.stop_gradient(x)
+
+    def vocab_start(self, local_vocab: int):
+        return 0
+
+    def constrain(self, x, names):
+        """Where an activation with these logical axis names lives (here: nowhere else)."""
+        return x
+
+    def embed(self, table, tokens, dtype):
+        return lookup(table, tokens, dtype)
+
+    def cross_entropy(self, logits, targets):
+        return cross_entropy(logits, targets, self)
+
+
+@dataclass(frozen=True)
+class AttentionBoundary:
+    """Attention over this device's whole sequence: the attention interface."""
+
+    blocks: tuple | None = None  # model.attention_blocks: the Pallas tiles (None: defaults)
+
+    def attend(self, q, k, v, segment_ids, implementation: str):
+        return attend(q, k, v, segment_ids, implementation=implementation, blocks=self.blocks)
+
+
+SINGLE = TensorBoundary()
+LOCAL = AttentionBoundary()

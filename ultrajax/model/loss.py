@@ -1,0 +1,54 @@
+"""The training loss of one micro-batch: summed next-token NLL and its target count.
+
+Sums, not means: gradient accumulation divides the sum over every micro-batch by
+the total count of target tokens, so micro-batches holding
+different numbers of valid tokens weigh each token the same.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ultrajax.config.schema import Config
+from ultrajax.kernels.varying import vary, vma
+from ultrajax.model.boundaries import LOCAL, SINGLE
+from ultrajax.model.stack import embed, final_norm, layers, logits
+
+
+def loss_sum(cfg: Config, params, mb, *, tp=SINGLE, cp=LOCAL, prepare=None, gathers=False):
+    """(sum of token NLLs, count of target tokens) for one micro-batch (rows, seq_len)."""
+    m = cfg.model
+    segments = mb.segment_ids if cfg.data.cross_doc_mask else None
+    x = embed(m, params, mb.inputs, tp=tp)
+    x = layers(m, params["layers"], x, mb.positions, segments, tp=tp, cp=cp, prepare=prepare,
+               gathers=gathers)  # fmt: skip
+    x = final_norm(m, params, x, tp=tp)
+    mask = mb.loss_mask
+    return head_nll(cfg, params, x, mb.targets, mask, tp), mask.sum()
+
+
+def head_nll(cfg: Config, params, x, targets, mask, tp):
+    """Summed NLL of the LM head over normalised activations x (batch, length, embed).
+
+    With `model.loss_chunk = c` the head and the loss run over c tokens of the sequence at
+    a time, under `jax.checkpoint`, so the fp32 logits of only one chunk ever exist (in
+    the backward pass too: each chunk's logits are recomputed). Same sum, same gradients."""
+    c = cfg.model.loss_chunk
+    t = x.shape[1]
+    if not c or c >= t:
+        return jnp.sum(tp.cross_entropy(logits(cfg.model, params, x, tp=tp), targets) * mask)
+
+    @jax.checkpoint
+    def chunk(xs, ts, ms):
+        return jnp.sum(tp.cross_entropy(logits(cfg.model, params, xs, tp=tp), ts) * ms)
+
+    def split(a):  # (batch, t, ...) -> (t / c, batch, c, ...)
+        return jnp.moveaxis(a.reshape(a.shape[0], t // c, c, *a.shape[2:]), 1, 0)
+
+    def body(total, parts):
+        return total + chunk(*parts), None
+
+    zero = vary(jnp.zeros((), jnp.float32), tuple(sorted(vma(mask))))
+    total, _ = jax.lax.scan(body, zero, (split(x), split(targets), split(mask)))
+    return total

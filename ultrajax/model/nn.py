@@ -1,0 +1,78 @@
+"""The Llama block's building blocks: RMSNorm and rotary position embeddings."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ultrajax.model.ops import scale
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm in fp32 (the mean of squares is where bf16 loses digits)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale(y, weight).astype(x.dtype)
+
+
+def rope(
+    x,
+    positions,
+    theta,
+    *,
+    scaling: str = "none",
+    factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_len: int = 8192,
+):
+    """Rotary embedding, half-split layout (Hugging Face Llama's `rotate_half`).
+
+    x: (batch, length, heads, head_dim); positions: (batch, length).
+    `scaling` rescales the inverse frequencies (in fp32) as transformers' rope types do,
+    so long-context checkpoints compute what they were trained to: linear divides them
+    all by `factor`; llama3 divides those with wavelengths above
+    original_max_len / low_freq_factor, keeps those below original_max_len /
+    high_freq_factor and interpolates between (`_compute_llama3_parameters`).
+    """
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling == "linear":
+        freq = freq / factor
+    elif scaling == "llama3":
+        wavelen = 2 * math.pi / freq
+        scaled = jnp.where(wavelen > original_max_len / low_freq_factor, freq / factor, freq)
+        smooth = (original_max_len / wavelen - low_freq_factor) / (
+            high_freq_factor - low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= original_max_len / high_freq_factor) & (
+            wavelen <= original_max_len / low_freq_factor
+        )
+        freq = jnp.where(medium, smoothed, scaled)
+    elif scaling != "none":
+        raise ValueError(f"rope scaling {scaling!r} is not one of none, linear, llama3")
+    angle = positions.astype(jnp.float32)[..., None] * freq  # (b, t, half)
+    cos, sin = jnp.cos(angle)[:, :, None], jnp.sin(angle)[:, :, None]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def cross_entropy(logits, targets, tp):
+    """Per-token NLL from vocabulary-sharded fp32 logits, never gathering the vocabulary:
+    the max, the sum of exponentials and the target logit are reduced as scalars per token."""
+    if tp is None or tp.size == 1:
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        return log_z - target
+    local_vocab = logits.shape[-1]
+    m = tp.max(jnp.max(logits, axis=-1))
+    sum_exp = tp.sum(jnp.sum(jnp.exp(logits - m[..., None]), axis=-1))
+    local = targets - tp.vocab_start(local_vocab)
+    mine = (local >= 0) & (local < local_vocab)
+    picked = jnp.take_along_axis(logits, jnp.clip(local, 0, local_vocab - 1)[..., None], -1)
+    target = tp.sum(jnp.where(mine, picked[..., 0], 0.0))
+    return jnp.log(sum_exp) + m - target

@@ -1,0 +1,266 @@
+"""How the model reads a weight, and where that weight's gradient goes.
+
+A `Weight` pairs the value the forward pass reads (compute dtype, in the layout the
+matmul wants: gathered under ZeRO, this rank's heads under TP) with a *sink*: an
+fp32 zeros array in the layout of the gradient the optimizer wants (this rank's
+ZeRO shard, reduced over the data axes). The step differentiates the loss with
+respect to the sinks, never the values, so:
+
+- the weight gradient leaves its matmul in `parallel.grad_reduce_dtype` (fp32
+  accumulation in the dot, fp32 by default), and the embedding gradient is a
+  scatter-add into fp32: frequent tokens keep their gradient;
+- every reduction of a weight's gradient runs inside that weight's backward rule,
+  i.e. inside the backward layer loop, right after the layer's gradient exists,
+  where XLA's latency-hiding scheduler can overlap it with the next layer's backward;
+- which reductions run is read off the types: under `shard_map` with
+  `check_vma`, the gradient varies over the axes its inputs vary over, the sink
+  is typed with the axes the result may vary over, and the difference is summed
+  (`psum`). A gradient that still varies where the sink does not is an error,
+  never a silently wrong sum. A sink typed as varying over the data axes defers
+  that reduction (gradient accumulation's `no_sync`): the running sum `acc` rides
+  along and is added before the last micro-batch reduces.
+
+Plain arrays are accepted everywhere (decoding, reference computations): then the
+ops are ordinary `jnp` with ordinary autodiff.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+
+from ultrajax.kernels.varying import vma
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """What a weight's backward rule does with the local gradient (static).
+
+    dtype: the dtype the gradient leaves the matmul in and is reduced in.
+    scatter: (mesh axis, dimension) for a ZeRO reduce-scatter into this rank's shard,
+      or None. Whatever the gradient still varies over that the sink does not is
+      then all-reduced (psum), in `dtype`."""
+
+    dtype: str = "float32"
+    scatter: tuple[str, int] | None = None
+    spec: object = None  # a PartitionSpec for the result (gspmd: the partitioner reduces)
+    varying: frozenset = frozenset()  # the sink's varying axes: where the result may vary
+    shape: tuple = ()  # the sink's shape
+    defer: Deferred | None = None  # zero bubble: hand out (input, cotangent), see Deferred
+
+
+class Deferred:
+    """Zero bubble's split backward for one weight (parallel/pipeline/executor.py).
+
+    The input step (B) needs only the activation gradients; the weight step (W) later
+    needs, per matmul, its input and its output's cotangent, nothing else. A weight whose
+    `reduce.defer` is set has a backward rule that computes the input gradient and hands
+    out (input, cotangent) as the cotangent of its `acc` (a pair of zeros shaped like
+    them) instead of the weight gradient; `weight_gradient` turns the pair into the same
+    gradient the ordinary rule computes. A first trace with `acc=None` records the op
+    and the pair's shapes (`seen`), so the zeros can be made."""
+
+    def __init__(self):
+        self.seen = None  # (op: an einsum equation or "scale", input struct, output struct)
+        self.source = None  # which input (wq, wk and wv read the same one): kept once
+
+    def zeros(self):
+        """The pair of zeros to pass as the weight's `acc` (types included)."""
+        _, x, out = self.seen
+        return tuple(_typed_zeros(a) for a in (x, out))
+
+    def weight_gradient(self, pair, red: Reduce):
+        """The weight's gradient from its (input, cotangent): the ordinary rule's math."""
+        x, g = pair
+        red = dataclasses.replace(red, defer=None)
+        op = self.seen[0]
+        if op == "scale":
+            return finish(_scale_dw(x, g), None, red)
+        return finish(_dense_dw(op, x, g, red), None, red)
+
+
+def _struct(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype), vma(x)
+
+
+def _typed_zeros(struct):
+    shape_dtype, axes = struct
+    z = jnp.zeros(shape_dtype.shape, shape_dtype.dtype)
+    return jax.lax.pcast(z, tuple(sorted(axes)), to="varying") if axes else z
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Weight:
+    value: jax.Array  # read by the forward pass; never differentiated
+    sink: jax.Array  # fp32 zeros shaped and typed like the reduced gradient
+    acc: jax.Array | None  # gradients of earlier micro-batches (not yet reduced), or None
+    reduce: Reduce = field(metadata=dict(static=True))
+
+    @classmethod
+    def make(cls, value, sink, acc, reduce: Reduce) -> Weight:
+        """The sink's type goes into the static `reduce`: the backward rules need it, not
+        its (zero) values, so the sinks are never kept for the backward pass."""
+        return cls(
+            value, sink, acc, dataclasses.replace(reduce, varying=vma(sink), shape=sink.shape)
+        )
+
+    @property
+    def shape(self):
+        return self.value.shape
+
+
+def finish(dw, acc, red: Reduce):
+    """Local gradient -> the sink's gradient: reduce, add the running sum, reduce.
+
+    The running sum `acc` is already reduced over the axes it does not vary over, so
+    the gradient is reduced over those first, alone; over the axes `acc` still varies
+    over (a deferred reduction), it is reduced with `acc` added. Sums stay in fp32;
+    only the collectives run in `red.dtype`."""
+    f32, rdt = jnp.float32, jnp.dtype(red.dtype)
+
+    def psum(x, axes):
+        axes = tuple(sorted(axes))
+        return jax.lax.psum(x.astype(rdt), axes).astype(f32) if axes else x
+
+    dw = dw.astype(f32)
+    scatter_axis = red.scatter[0] if red.scatter is not None else None
+    held = vma(acc) if acc is not None else frozenset()
+    first = vma(dw) - red.varying - held - {scatter_axis}  # acc is already reduced over these
+    whole = acc is not None and acc.shape == dw.shape  # full-size running sum (ZeRO-0/1)
+    if whole:
+        dw = psum(dw, first) + acc
+    if red.scatter is not None:  # ZeRO: this rank keeps the sum of its shard
+        axis, dim = red.scatter
+        dw = jax.lax.psum_scatter(dw.astype(rdt), axis, scatter_dimension=dim, tiled=True)
+        dw = dw.astype(f32)
+    if not whole:  # reduce the (now smaller) shard, then add the sharded running sum
+        dw = psum(dw, first)
+        if acc is not None:
+            dw = dw + acc
+    dw = psum(dw, vma(dw) - red.varying)
+    if red.spec is not None:
+        dw = jax.lax.with_sharding_constraint(dw, red.spec)
+    missing = tuple(sorted(red.varying - vma(dw)))
+    return jax.lax.pcast(dw, missing, to="varying") if missing else dw
+
+
+# --------------------------------------------------------------------------- matmul
+
+
+def _transposes(eq: str) -> tuple[str, str]:
+    """'A,B->C' -> ('C,B->A', 'A,C->B'): the einsums of dx and dw."""
+    ins, out = eq.split("->")
+    a, b = ins.split(",")
+    return f"{out},{b}->{a}", f"{a},{out}->{b}"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 6))
+def _dense(eq, out_dtype, x, value, sink, acc, red):
+    return jnp.einsum(eq, x, value, preferred_element_type=out_dtype).astype(out_dtype)
+
+
+def _dense_fwd(eq, out_dtype, x, value, sink, acc, red):
+    keep = None if red.defer is not None else acc  # deferred: acc is only the pair's zeros
+    return _dense(eq, out_dtype, x, value, sink, acc, red), (x, value, keep)
+
+
+def _dense_dw(eq, x, g, red):
+    return jnp.einsum(_transposes(eq)[1], x, g, preferred_element_type=jnp.dtype(red.dtype))
+
+
+def _dense_bwd(eq, out_dtype, red, res, g):
+    x, value, acc = res
+    eq_dx, _ = _transposes(eq)
+    g = g.astype(x.dtype)
+    dx = jnp.einsum(eq_dx, g, value).astype(x.dtype)
+    if red.defer is not None:
+        return dx, None, None, (x, g)
+    return dx, None, finish(_dense_dw(eq, x, g, red), acc, red), None
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def dense(x, w, eq: str, out_dtype=None):
+    """einsum(eq, x, w) in x's dtype (or `out_dtype`), w cast to x's dtype."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if isinstance(w, Weight):
+        out = _dense(eq, out_dtype, x, w.value.astype(x.dtype), w.sink, w.acc, w.reduce)
+        if w.reduce.defer is not None and w.acc is None:  # the shape trace
+            w.reduce.defer.seen = (eq, _struct(x), _struct(out.astype(x.dtype)))
+            w.reduce.defer.source = id(x)  # the trace holds x: ids of live inputs
+        return out
+    return jnp.einsum(eq, x, w.astype(x.dtype), preferred_element_type=out_dtype).astype(out_dtype)
+
+
+# --------------------------------------------------------------------------- norm scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _scale(y, value, sink, acc, red):
+    return y * value.astype(y.dtype)
+
+
+def _scale_fwd(y, value, sink, acc, red):
+    keep = None if red.defer is not None else acc
+    return _scale(y, value, sink, acc, red), (y, value, keep)
+
+
+def _scale_dw(y, g):
+    return jnp.sum((g * y).reshape(-1, y.shape[-1]), axis=0)
+
+
+def _scale_bwd(red, res, g):
+    y, value, acc = res
+    dy = g * value.astype(g.dtype)
+    if red.defer is not None:
+        return dy, None, None, (y, g)
+    return dy, None, finish(_scale_dw(y, g), acc, red), None
+
+
+_scale.defvjp(_scale_fwd, _scale_bwd)
+
+
+def scale(y, w):
+    """y * w along the last axis (RMSNorm's learned scale), in y's dtype."""
+    if isinstance(w, Weight):
+        out = _scale(y, w.value, w.sink, w.acc, w.reduce)
+        if w.reduce.defer is not None and w.acc is None:  # the shape trace
+            w.reduce.defer.seen = ("scale", _struct(y), _struct(out))
+            w.reduce.defer.source = id(y)
+        return out
+    return y * w.astype(y.dtype)
+
+
+# --------------------------------------------------------------------------- lookup
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _lookup(idx, value, sink, acc, red):
+    return value[idx]
+
+
+def _lookup_fwd(idx, value, sink, acc, red):
+    return _lookup(idx, value, sink, acc, red), (idx, acc)
+
+
+def _lookup_bwd(red, res, g):
+    idx, acc = res
+    # the scatter-add accumulates in fp32 whatever the compute dtype
+    dw = jnp.zeros(red.shape, jnp.float32).at[idx].add(g.astype(jnp.float32))
+    return None, None, finish(dw, acc, red), None
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+def lookup(table, idx, dtype):
+    """Rows `idx` of the embedding table, in `dtype`."""
+    if isinstance(table, Weight):
+        return _lookup(idx, table.value.astype(dtype), table.sink, table.acc, table.reduce)
+    return table.astype(dtype)[idx]

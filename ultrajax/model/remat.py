@@ -1,0 +1,54 @@
+"""Activation recomputation: the tags the block names its tensors with, and the
+`jax.checkpoint` policy each `model.remat` setting means.
+
+The block tags the outputs of its matmuls with `checkpoint_name(x, tag)`; a policy
+keeps some tags and recomputes the rest in the backward pass. The tags are named
+here once: the config's validation, the block, the memory model and the tests read
+them from this file.
+"""
+
+from __future__ import annotations
+
+import jax
+
+# the block's tags, in the order the block makes them
+QUERY, KEY, VALUE, ATTN_OUT, MLP_IN, MLP_OUT = TAGS = (
+    "query",
+    "key",
+    "value",
+    "attn_out",
+    "mlp_in",
+    "mlp_out",
+)
+POLICIES = ("none", "full", "selective", "offload")  # or a list of tags to keep
+SELECTIVE = TAGS  # Korthikanti et al.: keep matmul outputs, recompute the rest
+GATHERED = "weights"  # ZeRO-3's gathered weights (parallel/layout.py): never kept
+
+
+def remat_policy(remat):
+    """model.remat -> a jax.checkpoint policy, or None (no recomputation)."""
+    cp = jax.checkpoint_policies
+    if remat == "none":
+        return None
+    if remat == "full":
+        return cp.nothing_saveable  # keep only the block input
+    if remat == "selective":
+        # keep matmul outputs, recompute softmax and elementwise work
+        return cp.save_only_these_names(*SELECTIVE)
+    if remat == "offload":
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=list(SELECTIVE),
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    return cp.save_only_these_names(*remat)  # a list of tags to keep
+
+
+def keeps_all_but_gathered_weights(prim, *_, **params) -> bool:
+    """remat policy for ZeRO-3 without recomputation: keep every activation, but never
+    a gathered weight (it is all-gathered again in the backward pass instead)."""
+    if prim.name == "all_gather":  # ZeRO-3 gathers weights over fsdp: never keep those
+        names = params.get("axis_name", ())
+        return "fsdp" not in (names if isinstance(names, tuple) else (names,))
+    return not (prim.name == "name" and params.get("name") == GATHERED)

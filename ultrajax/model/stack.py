@@ -1,0 +1,107 @@
+"""The whole network as pure functions of the parameter dict: embedding, the layer
+stack applied with one `lax.scan` (any slice of it: a pipeline stage is one), final
+norm and LM head."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ultrajax.config.schema import ModelConfig
+from ultrajax.model.boundaries import LOCAL, SINGLE, AttentionBoundary, TensorBoundary
+from ultrajax.model.llama import block
+from ultrajax.model.nn import rms_norm
+from ultrajax.model.ops import dense
+from ultrajax.model.remat import keeps_all_but_gathered_weights, remat_policy
+
+
+def cast(p, dtype):
+    """One layer's weights in the compute dtype (the default `prepare`)."""
+    return jax.tree.map(lambda w: w.astype(dtype), p)
+
+
+def embed(cfg: ModelConfig, params, tokens, *, tp: TensorBoundary = SINGLE):
+    """Token ids (batch, length) -> the residual stream (batch, length, embed)."""
+    return tp.embed(params["embed"], tokens, jnp.dtype(cfg.dtype))
+
+
+def layers(
+    cfg: ModelConfig,
+    stack,
+    x,
+    positions,
+    segment_ids=None,
+    *,
+    tp: TensorBoundary = SINGLE,
+    cp: AttentionBoundary = LOCAL,
+    prepare=None,
+    gathers: bool = False,
+):
+    """Apply every layer of `stack` (any slice of the stacked layers: a pipeline stage
+    is one) to the residual stream, with one `lax.scan`.
+
+    `prepare(p) -> p`, if given, turns one layer's slice of `stack` (any pytree with a
+    leading layer axis) into the weights `block` reads, inside the scan: the step uses
+    it to gather ZeRO-3 shards there and to attach gradient sinks (model/ops.py).
+    `gathers`: prepare all-gathers weights (tagged `checkpoint_name(w, "weights")`),
+    which are then recomputed in the backward pass rather than kept, so gathered
+    weights live one layer at a time."""
+    dtype = jnp.dtype(cfg.dtype)
+    prepare = prepare or (lambda p: cast(p, dtype))
+
+    def layer(p, x):
+        p = prepare(p)
+        return block(p, x, positions, segment_ids, cfg=cfg, tp=tp, cp=cp)
+
+    policy = remat_policy(cfg.remat)
+    if policy is None and gathers:
+        policy = keeps_all_but_gathered_weights
+    if policy is not None:
+        layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+    n = jax.tree.leaves(stack)[0].shape[0]
+    unroll = max(1, min(cfg.scan_unroll, n))  # model.scan_unroll layers per loop iteration
+    x, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), x, stack, unroll=unroll)
+    return x
+
+
+def final_norm(cfg: ModelConfig, params, x, *, tp: TensorBoundary = SINGLE):
+    """The final RMSNorm, entering the LM head's TP region (the whole sequence)."""
+    return tp.enter(rms_norm(x, params["final_norm"], cfg.norm_eps))
+
+
+def logits(cfg: ModelConfig, params, x, *, tp: TensorBoundary = SINGLE):
+    """LM head on normalised activations (any slice of the sequence): fp32 logits; under
+    tensor parallelism this rank's slice of the vocabulary (the loss never gathers them)."""
+    if cfg.tie_embeddings:
+        out = dense(x, params["embed"], "btd,vd->btv", jnp.float32)
+    else:
+        out = dense(x, params["lm_head"], "btd,dv->btv", jnp.float32)
+    return tp.constrain(out, ("batch", "length", "vocab"))
+
+
+def head(cfg: ModelConfig, params, x, *, tp: TensorBoundary = SINGLE):
+    """Final norm and LM head: fp32 logits (batch, length, vocab)."""
+    return logits(cfg, params, final_norm(cfg, params, x, tp=tp), tp=tp)
+
+
+def forward(
+    cfg: ModelConfig,
+    params,
+    tokens,
+    positions=None,
+    segment_ids=None,
+    *,
+    tp: TensorBoundary = SINGLE,
+    prepare=None,
+    gathers: bool = False,
+):
+    """Logits in fp32, (batch, length, vocab): `head(layers(embed(tokens)))`.
+
+    `params` is a pure dict of arrays (any dtype) or of `weights.Weight`s."""
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    x = embed(cfg, params, tokens, tp=tp)
+    x = layers(
+        cfg, params["layers"], x, positions, segment_ids, tp=tp, prepare=prepare, gathers=gathers
+    )
+    return head(cfg, params, x, tp=tp)

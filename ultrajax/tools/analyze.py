@@ -1,0 +1,412 @@
+"""`python -m ultrajax.analyze --config FILE [section.key=value ...] [options]`
+
+Will this fit, and what does it cost? Memory per device (analytic, and with
+--compile XLA's own figures beside it), FLOPs per step, and the communication of
+one step read from the compiled HLO beside the playbook's formulas.
+
+What is compiled is the real train step (`step.jit_train_step`, the program
+the train loop runs) lowered on abstract inputs: `jax.eval_shape` for the state and
+`ShapeDtypeStruct`s carrying the state and batch shardings. Nothing is
+allocated and nothing runs, so an 8B recipe is analysed on a laptop
+(`--cpu-devices N` simulates the mesh's N devices).
+
+Options:
+  --compile              compile and show XLA's memory_analysis / cost_analysis
+                         (implied on a mesh of more than one device, for the
+                         communication report; --no-compile skips it)
+  --json                 one JSON object on stdout instead of the tables
+  --device-memory SIZE   per-device memory for the verdict (80GB, 80GiB, bytes);
+                         default: the device's own where known
+  --plot FILE.png        predicted vs compiled memory, stacked bars
+  --plot-sweep FILE.png  activation memory against sequence length per remat policy
+  --plot-schedule FILE.png
+                         the pipeline schedule (mesh.pipeline > 1), devices by ticks;
+                         compiles nothing (the report stays analytic unless --compile)
+
+With mesh.pipeline > 1 the report has a pipeline section: the schedule's ticks, bubble
+and activations in flight read off the very table the executor runs, and the
+point-to-point bytes the executor sends beside the textbook count and the compiled HLO.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import json
+import sys
+
+import jax
+
+from ultrajax import cli
+from ultrajax.config.parse import dump
+from ultrajax.config.schema import Config, ConfigError
+from ultrajax.config.validate import no_effect, resolve_mesh
+from ultrajax.cost import flops, hardware, memory, units
+from ultrajax.cost.flops import attention_flops
+from ultrajax.model.attention import backends as attention
+from ultrajax.model.llama import param_count
+from ultrajax.parallel import mesh as mesh_lib
+from ultrajax.parallel.layout import unsupported
+from ultrajax.tools import hlo as hlo_lib
+from ultrajax.tools.plots import plot_breakdown, plot_schedule, plot_sweep
+from ultrajax.tools.report import format_report, pipeline_report
+from ultrajax.train import batch as batch_lib
+from ultrajax.train import optim
+from ultrajax.train.step import init_state, jit_train_step, state_shardings
+
+KNOWN_ACCELERATORS = ("h100", "h200", "a100")  # the verdict on a CPU host
+
+
+# --------------------------------------------------------------------------- compiling
+
+
+def _compile_config(cfg: Config) -> tuple[Config, list[str]]:
+    """The config to compile on this backend, and notes on what had to change."""
+    notes = []
+    backend = jax.default_backend()
+    on_gpu = attention.resolve(cfg.model.attention, "gpu", cfg.data.cross_doc_mask)
+    if backend != "gpu" and attention.BACKENDS[on_gpu].gpu_kernel:
+        cfg = copy.deepcopy(cfg)
+        cfg.model.attention = "xla"
+        notes.append(
+            f"attention={on_gpu} runs on a GPU: compiled here with attention=xla, whose s² "
+            "scores a flash kernel never stores (the predicted figures are for xla too; the "
+            f"verdict uses {on_gpu}'s)"
+        )
+    elif on_gpu != cfg.model.attention:
+        cfg = copy.deepcopy(cfg)
+        cfg.model.attention = on_gpu
+    if cfg.model.dtype != "float32" and backend == "cpu":
+        notes.append(
+            f"{cfg.model.dtype} on XLA:CPU: matmuls and collectives run in float32 there, so "
+            "compiled temporaries and communication exceed a GPU's; the "
+            "model is validated in float32 on CPU"
+        )
+
+    if unsupported(cfg, backend):
+        raise ConfigError(unsupported(cfg, backend))
+    if cfg.model.remat == "offload" and backend != "gpu":
+        raise ConfigError(
+            f"model.remat=offload needs host offloading, which the {backend} backend lacks; "
+            "analyse it without --compile, or use full or selective"
+        )
+    return cfg, notes
+
+
+def abstract_inputs(cfg: Config, mesh, rules, tx):
+    """(state, batch) as ShapeDtypeStructs with the train step's shardings."""
+
+    shardings = state_shardings(cfg, mesh, rules, tx)
+    shapes = jax.eval_shape(functools.partial(init_state, cfg, tx), jax.random.key(0))
+    state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings
+    )
+    t = cfg.train
+    batch_sh = batch_lib.sharding(mesh)
+    batch = batch_lib.abstract(
+        t.grad_accum, t.micro_batch_size * cfg.dp, cfg.model.seq_len, batch_sh
+    )
+    return state, batch, shardings, batch_sh
+
+
+def lower_step(cfg: Config, devices=None):
+    """The train step (step.jit_train_step) lowered on abstract inputs over `devices`."""
+
+    devices = list(jax.devices() if devices is None else devices)
+    mesh = mesh_lib.make_mesh(cfg, devices)
+    rules = mesh_lib.rules(cfg)
+    tx, schedule = optim.optimizer(cfg), optim.schedule(cfg)
+    state, batch, shardings, batch_sh = abstract_inputs(cfg, mesh, rules, tx)
+    with jax.set_mesh(mesh):
+        step = jit_train_step(cfg, mesh, rules, tx, schedule, shardings, batch_sh)
+        return step.lower(state, batch)
+
+
+_COMPILED: dict = {}  # (config, devices, options) -> (compiled step, partitioned module)
+
+
+def compile_step(cfg: Config, devices=None, compiler_options: dict | None = None):
+    """Lower and compile the train step; `compiler_options` go to XLA (tests use
+    {"xla_backend_optimization_level": 0}: the same buffers, half the compile time).
+    The same config on the same devices is compiled once per process."""
+    return compile_step_partitioned(cfg, devices, compiler_options)[0]
+
+
+def compile_step_partitioned(cfg: Config, devices=None, compiler_options: dict | None = None):
+    """(compiled step, its module as the SPMD partitioner left it, or None on one device),
+    from one compile."""
+
+    devices = list(jax.devices() if devices is None else devices)
+    key = (dump(cfg), tuple(d.id for d in devices), tuple(sorted((compiler_options or {}).items())))
+    if key not in _COMPILED:
+        if len(_COMPILED) >= 64:
+            _COMPILED.pop(next(iter(_COMPILED)))
+        lowered = lower_step(cfg, devices)
+        if len(devices) > 1:
+            _COMPILED[key] = hlo_lib.compile_partitioned(lowered, compiler_options)
+        else:
+            _COMPILED[key] = (lowered.compile(compiler_options), None)
+    return _COMPILED[key]
+
+
+def compiled_memory(compiled) -> dict:
+    """XLA's memory_analysis, and the peak we read from it.
+
+    The peak is argument + output - alias + temp: the donated state's outputs alias
+    its arguments, and on the CPU backend peak_memory_in_bytes leaves the temporaries
+    out (it comes to about argument + output), so we add them ourselves on every
+    backend."""
+    ma = compiled.memory_analysis()
+    out = {
+        "argument": int(ma.argument_size_in_bytes),
+        "output": int(ma.output_size_in_bytes),
+        "alias": int(ma.alias_size_in_bytes),
+        "temp": int(ma.temp_size_in_bytes),
+        "host_temp": int(getattr(ma, "host_temp_size_in_bytes", 0) or 0),
+    }
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
+def flops_report(cfg: Config, compiled=None, hlo_text: str | None = None) -> dict:
+    """FLOPs of one step per device: the model's (6N + attention), the hardware's
+    (+ recomputation), the compiled dots counted with their loops' trip counts, and
+    XLA's cost_analysis (which reads a loop body once)."""
+    m = cfg.model
+    n = math_prod(cfg.mesh.sizes().values())
+    tokens = cfg.tokens_per_step
+    out = {
+        "model": flops.flops_per_token(m) * tokens / n,
+        "hardware": flops.hardware_flops_per_token(m) * tokens / n,
+        "recompute": flops.recompute_flops_per_token(m) * tokens / n,
+    }
+    if compiled is not None:
+        try:
+            cost = compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, list) else cost
+            out["cost_analysis"] = float(cost["flops"]) if cost and "flops" in cost else None
+        except Exception:  # backends without a cost model
+            out["cost_analysis"] = None
+    if cfg.mesh.sequence > 1:  # context parallelism: causal attention work per device
+        out["attention_per_device"] = attention_flops(cfg)
+    if hlo_text is not None:
+        out["hlo_dots"], out["hlo_dots_once"] = hlo_lib.matmul_flops(hlo_text)
+        out["ratio"] = out["hardware"] / out["hlo_dots"] if out["hlo_dots"] else None
+        if cfg.mesh.pipeline > 1:  # each tick's branches are all counted: no like for like
+            out["ratio"] = None
+            out["note"] = (
+                "pipeline: the compiled count takes every branch of every tick (forward, "
+                "backward, head, ...) as run at every tick; a device runs one per tick"
+            )
+    return out
+
+
+def math_prod(values) -> int:
+    p = 1
+    for v in values:
+        p *= v
+    return p
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def verdict(peak: float, device_memory: int | None, source: str) -> dict:
+    if device_memory:
+        return {
+            "fits": peak <= device_memory,
+            "device_memory": device_memory,
+            "source": source,
+            "fraction": peak / device_memory,
+        }
+    return {
+        "fits": None,
+        "device_memory": None,
+        "source": source,
+        "known": {name: peak <= hardware.by_name(name).memory for name in KNOWN_ACCELERATORS},
+    }
+
+
+def analyze(
+    cfg: Config,
+    *,
+    compile: bool = False,
+    communication: bool | None = None,
+    devices=None,
+    compiler_options: dict | None = None,
+    device_memory: int | None = None,
+    both_modes: bool = False,
+) -> dict:
+    """Everything analyze prints, as a JSON-ready dict.
+
+    both_modes: also compile the step with the other `parallel.collectives` and report
+    its communication beside this one's (`communication_modes`)."""
+    devices = list(jax.devices() if devices is None else devices)
+    resolve_mesh(cfg, len(devices))
+    original = cfg
+    ccfg, notes = _compile_config(cfg) if compile or communication else (cfg, [])
+    analysed = ccfg  # predictions for what is compiled; the verdict for the config as given
+    # a config analysed as given is predicted for a GPU (the attention `auto` means there)
+    est = memory.estimate(analysed, platform="gpu" if analysed is original else None)
+    report = {
+        "config": {
+            "devices": len(devices),
+            "backend": jax.default_backend(),
+            "mesh": dict(cfg.mesh.sizes()),
+            "zero": cfg.parallel.zero,
+            "sequence_parallel": cfg.parallel.sequence_parallel,
+            "remat": cfg.model.remat,
+            "dtype": cfg.model.dtype,
+            "param_dtype": cfg.model.param_dtype,
+            "attention": cfg.model.attention,
+            "parameters": param_count(cfg.model),
+            "micro_batch_size": cfg.train.micro_batch_size,
+            "grad_accum": cfg.train.grad_accum,
+            "seq_len": cfg.model.seq_len,
+            "tokens_per_step": cfg.tokens_per_step,
+            "pipeline_schedule": cfg.parallel.pipeline_schedule if cfg.mesh.pipeline > 1 else None,
+            "virtual_stages": cfg.parallel.virtual_stages,
+        },
+        "notes": notes,
+        "predicted": est.to_dict(),
+    }
+    peak_for_verdict = est.peak
+    if original is not analysed:
+        as_configured = memory.estimate(original, platform="gpu")
+        peak_for_verdict = as_configured.peak
+        report["predicted_as_configured"] = as_configured.to_dict()
+    if device_memory is None:
+        device_memory, source = hardware.device_memory(devices[0])
+    else:
+        source = "--device-memory"
+    report["verdict"] = verdict(peak_for_verdict, device_memory, source)
+
+    compiled = text = partitioned = None
+    if compile or communication:
+        compiled, partitioned = compile_step_partitioned(analysed, devices, compiler_options)
+        report["compiled"] = compiled_memory(compiled)
+        text = compiled.as_text()
+        c = report["compiled"]
+        report["ratios"] = {
+            "arguments": est.arguments / c["argument"] if c["argument"] else None,
+            "temp": est.temp / c["temp"] if c["temp"] else None,
+            "peak": est.peak / c["peak"] if c["peak"] else None,
+        }
+    report["flops"] = flops_report(analysed, compiled, text)
+    if cfg.mesh.pipeline > 1:
+        source = "partitioned" if partitioned is not None else "compiled"
+        hlo = partitioned if partitioned is not None else text
+        report["pipeline"] = pipeline_report(analysed, hlo, source)
+    if communication and text is not None:
+        report["communication"] = communication_report(analysed, text, partitioned)
+        report["communication_modes"] = {analysed.parallel.collectives: report["communication"]}
+        other = copy.deepcopy(analysed)
+        other.parallel.collectives = (
+            "gspmd" if analysed.parallel.collectives == "explicit" else "explicit"
+        )
+
+        skip = unsupported(other, jax.default_backend())
+        if both_modes and skip:
+            report["notes"].append(f"{other.parallel.collectives} not compiled: {skip}")
+        elif both_modes:
+            other_compiled, other_part = compile_step_partitioned(other, devices, compiler_options)
+            report["communication_modes"][other.parallel.collectives] = communication_report(
+                other, other_compiled.as_text(), other_part
+            )
+    return report
+
+
+def communication_report(cfg: Config, text: str, partitioned: str | None = None) -> dict:
+    """comms.report of the step: read from the module as the SPMD partitioner left it
+    where there is one (the collectives, bytes and dtypes the program asks for, which a
+    GPU runs), else from the compiled program. `compiled_traffic` keeps the compiled
+    program's total, which on XLA:CPU moves bf16 collectives as f32."""
+    rep = hlo_lib.report(cfg, partitioned if partitioned is not None else text)
+    rep["mode"] = cfg.parallel.collectives
+    rep["source"] = "partitioned" if partitioned is not None else "compiled"
+    if partitioned is not None:
+        compiled = hlo_lib.summarize(hlo_lib.collectives(text)[0])
+        rep["compiled_traffic"] = sum(r["traffic"] for r in compiled.values())
+    return rep
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv=None) -> int:
+    p = cli.parser("ultrajax.analyze", "Memory, FLOPs and communication of one train step.")
+    p.add_argument("--compile", action="store_true", help="compile and compare with XLA")
+    p.add_argument("--no-compile", action="store_true", help="analytic figures only")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--device-memory", default=None, metavar="SIZE", help="e.g. 80GB, 80GiB")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="memory breakdown bars")
+    p.add_argument("--plot-sweep", default=None, metavar="FILE.png", help="memory vs seq_len")
+    p.add_argument(
+        "--plot-schedule",
+        default=None,
+        metavar="FILE.png",
+        help="the pipeline schedule (mesh.pipeline > 1); implies no compile unless --compile",
+    )
+    args = p.parse_args(argv)
+    device_memory = None
+    if args.device_memory is not None:
+        try:
+            device_memory = units.parse_bytes(args.device_memory)
+        except ValueError:
+            raise ConfigError(
+                f"--device-memory: {args.device_memory!r} is not a size; use e.g. 80GB, 80GiB "
+                "or a number of bytes"
+            ) from None
+    for flag in ("plot", "plot_sweep", "plot_schedule"):
+        path = getattr(args, flag)
+        if path is not None and not path.lower().endswith((".png", ".pdf", ".svg")):
+            raise ConfigError(f"--{flag.replace('_', '-')}: {path!r} should end in .png")
+    cli.setup_devices(args)
+    cfg = cli.load_config(args)
+    n = jax.device_count()
+    try:
+        resolve_mesh(cfg, n)
+    except ConfigError as e:
+        sizes = cfg.mesh.sizes().values()
+        want = math_prod(sizes) if -1 not in sizes else "N"
+        hint = f" (on a CPU host, --cpu-devices {want} simulates that many devices)"
+        raise ConfigError(f"{e}{'' if '--cpu-devices' in str(e) else hint}") from None
+    for line in no_effect(cfg):
+        print(f"warning: {line}", file=sys.stderr)
+    title = plot_schedule(cfg, args.plot_schedule) if args.plot_schedule else None
+    multi = math_prod(cfg.mesh.sizes().values()) > 1
+    # a multi-device mesh implies --compile (for the communication), unless only the
+    # schedule's picture was asked for
+    do_compile = (args.compile or (multi and not args.plot_schedule)) and not args.no_compile
+    report = analyze(
+        cfg,
+        compile=do_compile,
+        communication=do_compile,
+        device_memory=device_memory,
+        both_modes=do_compile and multi,
+    )
+    if args.plot:
+        plot_breakdown(report, args.plot)
+        report["plot"] = args.plot
+    if args.plot_sweep:
+        report["sweep"] = plot_sweep(cfg, args.plot_sweep, report["verdict"]["device_memory"])
+        report["plot_sweep"] = args.plot_sweep
+    if title is not None:
+        report["plot_schedule"] = args.plot_schedule
+        report["plot_schedule_title"] = title
+    if args.json:
+        json.dump(report, sys.stdout, indent=1, default=_jsonable)
+        print()
+    else:
+        print(format_report(report))
+        for key in ("plot", "plot_sweep", "plot_schedule"):
+            if key in report:
+                print(f"wrote {report[key]}")
+    return 0
+
+
+def _jsonable(x):
+    if dataclasses.is_dataclass(x):
+        return dataclasses.asdict(x)
+    return float(x)

@@ -1,0 +1,583 @@
+"""Hugging Face Llama <-> ultrajax checkpoints, and a logit check between the two.
+
+  python -m ultrajax.convert hf-to-orbax --hf DIR --out DIR [--param-dtype auto|float32|bfloat16]
+  python -m ultrajax.convert orbax-to-hf --checkpoint DIR --out DIR [--dtype auto|float32|...]
+  python -m ultrajax.convert verify --hf DIR --checkpoint DIR [--tokens N] [--batch B] [--tol T]
+
+verify prints the largest |logit difference| (both in fp32) and a PASS/FAIL line against
+--tol (default 1e-4, VERIFY_TOL); FAIL exits 1.
+
+Weight layout. Hugging Face stores torch `Linear` weights as (out, in); ours are
+einsum operands (in, ..., out) with the heads split out and the layers stacked:
+
+  model.embed_tokens.weight           (V, d)        -> embed       (V, d)
+  layers.i.input_layernorm.weight     (d,)          -> attn_norm   (L, d)
+  layers.i.self_attn.q_proj.weight    (H*hd, d)     -> wq          (L, d, H, hd)
+  layers.i.self_attn.k_proj.weight    (KV*hd, d)    -> wk          (L, d, KV, hd)
+  layers.i.self_attn.v_proj.weight    (KV*hd, d)    -> wv          (L, d, KV, hd)
+  layers.i.self_attn.o_proj.weight    (d, H*hd)     -> wo          (L, H, hd, d)
+  layers.i.post_attention_layernorm   (d,)          -> mlp_norm    (L, d)
+  layers.i.mlp.gate_proj/up_proj      (d_ff, d)     -> w_gate/w_up (L, d, d_ff)
+  layers.i.mlp.down_proj.weight       (d, d_ff)     -> w_down      (L, d_ff, d)
+  model.norm.weight                   (d,)          -> final_norm  (d,)
+  lm_head.weight                      (V, d)        -> lm_head     (d, V)  (absent when tied)
+
+Rotary convention. `model.rope` rotates the two halves of each head, pairing
+dimension i with i + hd/2 (Hugging Face Llama's `rotate_half`), with frequencies
+theta^(-2i/hd), rescaled as transformers' `linear` and `llama3` rope types do (Llama 3.1
+and 3.2: `rope_scaling` in config.json; transformers 5 calls it `rope_parameters`; other
+types are refused). Hugging Face Llama checkpoints are stored for exactly this
+layout (its conversion script permuted Meta's interleaved-pair weights once, when
+they were imported), so q_proj and k_proj are copied with no permutation, both
+ways. A checkpoint in Meta's original interleaved layout (consolidated.*.pth) is
+not accepted; convert it to Hugging Face format first.
+
+Streaming. Tensors are read one at a time (safetensors `safe_open`) straight
+into the stacked arrays, and written one layer per safetensors shard, so a model
+is never held twice in host memory; sharded Hugging Face checkpoints (an
+index.json beside the shards) are read the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from ultrajax import cli
+from ultrajax.config import parse, validate
+from ultrajax.config.schema import Config, ConfigError, ModelConfig
+from ultrajax.data import sources
+from ultrajax.data import tokenizer as tokenizer_lib
+from ultrajax.model.stack import forward
+from ultrajax.train import checkpoint as checkpoint_lib
+
+ARCHITECTURE = "LlamaForCausalLM"
+# transformers rope_type values we compute exactly; "dynamic" depends on the run-time length
+ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_KEYS = (
+    "rope_scaling",
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_len",
+)
+VERIFY_TOL = 1e-4  # max abs fp32 logit difference that verify calls a PASS
+DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
+
+
+# --------------------------------------------------------------------------- config
+
+
+def read_hf_config(hf_dir: str | Path) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"--hf: {path} does not exist (a Hugging Face model directory has one)")
+    try:
+        tree = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON (line {e.lineno})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return tree
+
+
+def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
+    """Our ModelConfig for a Llama config.json; anything that changes the math and that we
+    do not implement is an error naming the field."""
+    archs = hf.get("architectures") or []
+    if hf.get("model_type") != "llama" or any(a != ARCHITECTURE for a in archs):
+        name = ", ".join(archs) or f"model_type {hf.get('model_type')!r}"
+        raise ConfigError(f"{where}: architecture {name} is not supported (only {ARCHITECTURE})")
+
+    def need(key):
+        if hf.get(key) is None:
+            raise ConfigError(f"{where}: the field {key!r} is missing")
+        return hf[key]
+
+    def refuse(key, ok, allowed):
+        if key in hf and hf[key] is not None and hf[key] not in ok:
+            raise ConfigError(
+                f"{where}: {key}={json.dumps(hf[key])} is not supported (only {allowed})"
+            )
+
+    refuse("hidden_act", ("silu", "swish"), "silu")
+    refuse("attention_bias", (False,), "false")
+    refuse("mlp_bias", (False,), "false")
+    refuse("partial_rotary_factor", (1, 1.0), "1.0")
+    rope = _rope_from_hf(hf, where)
+    d, heads = need("hidden_size"), need("num_attention_heads")
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and d % heads == 0 and head_dim == d // heads:
+        head_dim = None  # the default: keep the YAML minimal
+    dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    return ModelConfig(
+        vocab_size=need("vocab_size"),
+        d_model=d,
+        n_layers=need("num_hidden_layers"),
+        n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        d_ff=need("intermediate_size"),
+        seq_len=hf.get("max_position_embeddings") or 2048,
+        head_dim=head_dim,
+        **rope,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype="float32" if dtype == "float32" else "bfloat16",
+    )
+
+
+def _rope_from_hf(hf: dict, where: str) -> dict:
+    """The ModelConfig rope fields of a config.json, read as transformers reads it: a
+    `rope_scaling` object (transformers 4, and Llama 3.x's own files) wins over
+    `rope_parameters` (transformers 5); `type` is the old spelling of `rope_type`."""
+    params = hf.get("rope_parameters") or {}
+    source = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    tree = hf.get("rope_scaling") or params
+    if not isinstance(tree, dict) or any(isinstance(v, dict) for v in tree.values()):
+        raise ConfigError(f"{where}: {source} must be one flat JSON object (not per layer type)")
+    theta = tree.get("rope_theta", hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    kind = tree.get("rope_type", tree.get("type", "default"))
+    out = {"rope_theta": float(theta)}
+    if kind == "default":
+        return out
+    if kind not in ROPE_TYPES:
+        raise ConfigError(
+            f"{where}: {source} type {kind!r} is not supported (only {', '.join(ROPE_TYPES)})"
+        )
+    # transformers' fallback when a llama3 file leaves the pretraining length out
+    tree = {"original_max_position_embeddings": hf.get("max_position_embeddings"), **tree}
+
+    def need(key):
+        value = tree.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ConfigError(f"{where}: {source} type {kind!r} needs a number {key!r}")
+        return value
+
+    out.update(rope_scaling=kind, rope_factor=float(need("factor")))
+    if kind == "llama3":
+        out.update(
+            rope_low_freq_factor=float(need("low_freq_factor")),
+            rope_high_freq_factor=float(need("high_freq_factor")),
+            rope_original_max_len=int(need("original_max_position_embeddings")),
+        )
+    return out
+
+
+def _rope_to_hf(m: ModelConfig) -> dict:
+    """rope_parameters for config.json (rope_scaling is the same, without rope_theta)."""
+    tree = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling != "none":
+        tree.update(rope_type=m.rope_scaling, factor=m.rope_factor)
+    if m.rope_scaling == "llama3":
+        tree.update(
+            low_freq_factor=m.rope_low_freq_factor,
+            high_freq_factor=m.rope_high_freq_factor,
+            original_max_position_embeddings=m.rope_original_max_len,
+        )
+    return tree
+
+
+def hf_config(m: ModelConfig, dtype: str, tokenizer=None) -> dict:
+    """config.json for transformers.LlamaConfig: rope written both ways (`rope_theta` and
+    `rope_scaling` for transformers 4, `rope_parameters` for 5), so either loads it."""
+    rope = _rope_to_hf(m)
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    tree = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "intermediate_size": m.d_ff,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.hd,
+        "hidden_act": "silu",
+        "max_position_embeddings": m.seq_len,
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "rope_parameters": rope,
+        "rope_scaling": scaling if m.rope_scaling != "none" else None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": m.tie_embeddings,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+    for key, value in (
+        ("bos", getattr(tokenizer, "BOS", None)),
+        ("eos", getattr(tokenizer, "EOS", None)),
+    ):
+        if value is not None and value < m.vocab_size:
+            tree[f"{key}_token_id"] = value
+    return tree
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def _layer_maps(m: ModelConfig):
+    """ours <- HF and HF <- ours, per layer tensor: (HF suffix, to ours, to HF)."""
+    d, h, kv, hd = m.d_model, m.n_heads, m.n_kv_heads, m.hd
+    same = lambda w: w  # noqa: E731
+    return {
+        "attn_norm": ("input_layernorm.weight", same, same),
+        "wq": (
+            "self_attn.q_proj.weight",
+            lambda w: w.T.reshape(d, h, hd),
+            lambda a: a.reshape(d, h * hd).T,
+        ),
+        "wk": (
+            "self_attn.k_proj.weight",
+            lambda w: w.T.reshape(d, kv, hd),
+            lambda a: a.reshape(d, kv * hd).T,
+        ),
+        "wv": (
+            "self_attn.v_proj.weight",
+            lambda w: w.T.reshape(d, kv, hd),
+            lambda a: a.reshape(d, kv * hd).T,
+        ),
+        "wo": (
+            "self_attn.o_proj.weight",
+            lambda w: w.T.reshape(h, hd, d),
+            lambda a: a.reshape(h * hd, d).T,
+        ),
+        "mlp_norm": ("post_attention_layernorm.weight", same, same),
+        "w_gate": ("mlp.gate_proj.weight", lambda w: w.T, lambda a: a.T),
+        "w_up": ("mlp.up_proj.weight", lambda w: w.T, lambda a: a.T),
+        "w_down": ("mlp.down_proj.weight", lambda w: w.T, lambda a: a.T),
+    }
+
+
+def _top_maps(m: ModelConfig):
+    same = lambda w: w  # noqa: E731
+    out = {
+        "embed": ("model.embed_tokens.weight", same, same),
+        "final_norm": ("model.norm.weight", same, same),
+    }
+    if not m.tie_embeddings:
+        out["lm_head"] = ("lm_head.weight", lambda w: w.T, lambda a: a.T)
+    return out
+
+
+def hf_names(m: ModelConfig) -> dict[str, tuple]:
+    """HF tensor name -> (our key, layer index or None, HF -> ours)."""
+    layer = _layer_maps(m)
+    names = {hf: (key, None, to_ours) for key, (hf, to_ours, _) in _top_maps(m).items()}
+    for i in range(m.n_layers):
+        for key, (suffix, to_ours, _) in layer.items():
+            names[f"model.layers.{i}.{suffix}"] = (key, i, to_ours)
+    return names
+
+
+def _weight_files(hf_dir: Path) -> list[Path]:
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ConfigError(f"{index}: not a safetensors index (no 'weight_map')") from None
+        files = sorted({hf_dir / f for f in weight_map.values()})
+    else:
+        files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(
+            f"--hf: {hf_dir} holds no .safetensors files (a pytorch_model.bin checkpoint is not "
+            "supported: re-save it with save_pretrained(safe_serialization=True))"
+        )
+    for f in files:
+        if not f.is_file():
+            raise ConfigError(f"--hf: the index names {f.name}, which does not exist")
+    return files
+
+
+# --------------------------------------------------------------------------- hf -> orbax
+
+
+def hf_to_orbax(hf_dir: str | Path, out: str | Path, param_dtype: str = "auto") -> Path:
+    """Write an ultrajax checkpoint (step 0, parameters only) plus out/config.yaml."""
+    from safetensors import safe_open
+
+    hf_dir, out = Path(hf_dir), Path(out).absolute()
+    hf = read_hf_config(hf_dir)
+    m = model_config_from_hf(hf, str(hf_dir / "config.json"))
+    if param_dtype == "auto":
+        param_dtype = "bfloat16" if m.dtype == "bfloat16" else "float32"
+    m.param_dtype = param_dtype
+    cfg = Config(model=m)
+    validate.validate(cfg)  # heads dividing, head_dim even, ...
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out: {out} is not empty; choose a new directory")
+    files = _weight_files(hf_dir)
+
+    dtype = np.dtype(DTYPES[param_dtype])
+    abstract = checkpoint_lib.abstract_params(m)
+    params = jax.tree.map(lambda a: np.empty(a.shape, dtype), abstract)
+    names = hf_names(m)
+    seen = set()
+    for path in files:
+        with safe_open(str(path), framework="numpy") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # a buffer some versions saved: recomputed from rope_theta
+                if name == "lm_head.weight" and m.tie_embeddings:
+                    continue  # tied: the embedding is the head
+                if name not in names:
+                    raise ConfigError(
+                        f"{path.name}: tensor {name!r} has no place in a {ARCHITECTURE} with "
+                        f"this config.json (n_layers={m.n_layers})"
+                    )
+                key, layer, to_ours = names[name]
+                dest = params["layers"][key] if layer is not None else params[key]
+                want = dest.shape[1:] if layer is not None else dest.shape
+                w = f.get_tensor(name)  # one tensor in memory at a time
+                try:
+                    value = to_ours(w)
+                except ValueError:
+                    value = None
+                if value is None or value.shape != want:
+                    raise ConfigError(
+                        f"{path.name}: tensor {name!r} has shape {tuple(w.shape)}, which does "
+                        f"not fit {key} {tuple(want)} as config.json describes it"
+                    )
+                if layer is None:
+                    dest[...] = value
+                else:
+                    dest[layer] = value
+                seen.add(name)
+                del w, value
+    missing = [n for n in names if n not in seen]
+    if missing:
+        raise ConfigError(f"--hf: {hf_dir} lacks the tensor {missing[0]!r}")
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = hf_dir / "tokenizer.json"
+    if tokenizer.is_file():
+        shutil.copy(tokenizer, out / "tokenizer.json")
+        cfg.data.tokenizer = str(out / "tokenizer.json")
+    cfg.checkpoint.init_from = str(out)
+    cfg.train.run_dir = f"runs/{hf_dir.absolute().name}"
+    checkpoint_lib.write_params(out, params, cfg)
+    header = (
+        f"# Converted from {hf_dir.absolute()} by `python -m ultrajax.convert hf-to-orbax`.\n"
+        "# Fine-tune: python -m ultrajax.train --config THIS_FILE model.seq_len=... "
+        "(seq_len is max_position_embeddings here)\n"
+    )
+    (out / "config.yaml").write_text(header + parse.dump(cfg))
+    return out
+
+
+# --------------------------------------------------------------------------- orbax -> hf
+
+
+def orbax_to_hf(checkpoint: str | Path, out: str | Path, dtype: str = "auto") -> Path:
+    """config.json + one safetensors shard per layer (and one for the rest) + index."""
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out: {out} is not empty; choose a new directory")
+    cfg = checkpoint_lib.read_config(checkpoint)
+    m = cfg.model
+    if dtype == "auto":
+        dtype = m.param_dtype
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    params = checkpoint_lib.load_params(checkpoint, m, cpu, warn=lambda s: None)
+    np_dtype = np.dtype(DTYPES[dtype])
+    layer = _layer_maps(m)
+    n_files = m.n_layers + 1
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map, total = {}, 0
+
+    def write(i: int, tensors: dict) -> None:
+        nonlocal total
+        name = f"model-{i + 1:05d}-of-{n_files:05d}.safetensors"
+        tensors = {k: np.ascontiguousarray(v, dtype=np_dtype) for k, v in tensors.items()}
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        for k, v in tensors.items():
+            weight_map[k] = name
+            total += v.nbytes
+
+    top = {hf: to_hf(np.asarray(params[key])) for key, (hf, _, to_hf) in _top_maps(m).items()}
+    write(0, top)
+    del top
+    for i in range(m.n_layers):  # one layer's copies at a time
+        tensors = {
+            f"model.layers.{i}.{suffix}": to_hf(np.asarray(params["layers"][key][i]))
+            for key, (suffix, _, to_hf) in layer.items()
+        }
+        write(i + 1, tensors)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    tokenizer = None
+    try:
+        tokenizer = sources.make_tokenizer(cfg.data)
+    except ConfigError:
+        pass
+    (out / "config.json").write_text(json.dumps(hf_config(m, dtype, tokenizer), indent=2) + "\n")
+    write_hf_tokenizer(cfg.data.tokenizer, out, m.seq_len)
+    return out
+
+
+BYTE_SPECIALS = ("<s>", "</s>", "<pad>")  # ByteTokenizer's BOS, EOS, PAD, in id order
+
+
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, the alphabet of a ByteLevel tokenizer."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    out, extra = {b: chr(b) for b in keep}, 256
+    for b in range(256):
+        if b not in out:
+            out[b], extra = chr(extra), extra + 1
+    return out
+
+
+def byte_tokenizer_json():
+    """A `tokenizers` Tokenizer with our ByteTokenizer's ids: byte b is id b (a ByteLevel BPE
+    with no merges, so every byte is its own token), <s> </s> <pad> are 256 257 258, and
+    encoding prepends <s> as our data pipeline and generate do."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    vocab = {c: b for b, c in _byte_to_char().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_SPECIALS])
+    bos = tokenizer_lib.ByteTokenizer.BOS
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    ours = tokenizer_lib.ByteTokenizer
+    assert [tok.token_to_id(t) for t in BYTE_SPECIALS] == [ours.BOS, ours.EOS, ours.PAD]
+    return tok
+
+
+def write_hf_tokenizer(source: str, out: Path, max_len: int) -> None:
+    """The run's tokenizer beside the weights, so AutoTokenizer.from_pretrained(out) works:
+    for `bytes`, a tokenizer.json built to give our ids; for a tokenizer.json path, a copy."""
+    if source != "bytes":
+        if Path(source).is_file():
+            shutil.copy(source, out / "tokenizer.json")
+        else:
+            print(
+                f"warning: data.tokenizer {source!r} does not exist; no tokenizer written",
+                file=sys.stderr,
+            )
+        return
+    try:
+        tok = byte_tokenizer_json()
+    except ImportError:
+        print("warning: the 'tokenizers' package is missing; no tokenizer written", file=sys.stderr)
+        return
+    tok.save(str(out / "tokenizer.json"))
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",  # not Llama's: that would add its own
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "add_bos_token": True,
+        "split_special_tokens": True,  # "<s>" in text is 4 bytes, as ours encodes it
+        "model_max_length": max_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def verify(hf_dir, checkpoint, tokens: int = 32, batch: int = 2, seed: int = 0) -> float:
+    """Largest |logit difference| between transformers' model and ours on random tokens
+    (both in fp32; our matmuls at full precision)."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise ConfigError("verify needs torch and transformers: pip install -e '.[test]'") from None
+    hf_dir = Path(hf_dir)
+    cfg = checkpoint_lib.read_config(checkpoint)
+    m = cfg.model
+    hf_m = model_config_from_hf(read_hf_config(hf_dir), str(hf_dir / "config.json"))
+    checkpoint_lib.check_model(m, hf_m, f"{checkpoint} vs {hf_dir}")
+    for k in ROPE_KEYS:  # not among check_model's keys; a likely cause of a FAIL below
+        saved, want = getattr(m, k), getattr(hf_m, k)
+        if saved != want:
+            print(f"note: model.{k} is {saved} in {checkpoint}, {want} in {hf_dir}")
+    m.dtype, m.param_dtype = "float32", "float32"
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    params = checkpoint_lib.load_params(checkpoint, m, cpu, warn=lambda s: None)
+    length = min(tokens, m.seq_len)
+    ids = np.random.default_rng(seed).integers(0, m.vocab_size, (batch, length))
+
+    with jax.default_device(jax.devices("cpu")[0]), jax.default_matmul_precision("highest"):
+        ours = np.asarray(jax.jit(lambda p, t: forward(m, p, t))(params, ids))
+    del params
+    try:
+        model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    except TypeError:  # transformers < 4.56 spells it torch_dtype
+        model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        ref = model(torch.from_numpy(ids)).logits.float().numpy()
+    return float(np.max(np.abs(ref - ours)))
+
+
+# --------------------------------------------------------------------------- command line
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: one line, exit 2
+        cli.fail(f"{self.prog}: {message}")
+
+
+def main(argv=None) -> int:
+    p = _Parser(prog="ultrajax.convert", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    a = sub.add_parser("hf-to-orbax", help="Hugging Face Llama -> ultrajax checkpoint")
+    a.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
+    a.add_argument("--out", required=True, help="new directory for the checkpoint + config.yaml")
+    a.add_argument("--param-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    b = sub.add_parser("orbax-to-hf", help="ultrajax checkpoint -> Hugging Face Llama")
+    b.add_argument("--checkpoint", required=True, help="a checkpoint directory or one step")
+    b.add_argument("--out", required=True, help="new directory for config.json + safetensors")
+    b.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    c = sub.add_parser("verify", help="largest logit difference, transformers vs ultrajax")
+    c.add_argument("--hf", required=True)
+    c.add_argument("--checkpoint", required=True)
+    c.add_argument("--tokens", type=int, default=32, help="sequence length of the random batch")
+    c.add_argument("--batch", type=int, default=2)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument(
+        "--tol",
+        type=float,
+        default=VERIFY_TOL,
+        help=f"FAIL (exit 1) above this max abs fp32 logit difference (default {VERIFY_TOL:g})",
+    )
+    for q in (a, b, c):
+        q.add_argument("--cpu-devices", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    cli.setup_devices(args.cpu_devices)
+    if args.command == "hf-to-orbax":
+        out = hf_to_orbax(args.hf, args.out, args.param_dtype)
+        print(f"wrote {out / '0'} and {out / 'config.yaml'}")
+    elif args.command == "orbax-to-hf":
+        out = orbax_to_hf(args.checkpoint, args.out, args.dtype)
+        print(f"wrote {out / 'config.json'} and safetensors shards")
+    else:
+        if args.tokens < 1 or args.batch < 1:
+            raise ConfigError("--tokens and --batch must be >= 1")
+        if not args.tol >= 0:
+            raise ConfigError(f"--tol must be >= 0, got {args.tol:g}")
+        diff = verify(args.hf, args.checkpoint, args.tokens, args.batch, args.seed)
+        print(f"max abs logit difference: {diff:.3e}")
+        ok = diff <= args.tol  # a NaN difference fails
+        print(f"{'PASS' if ok else 'FAIL'}: {diff:.3e} {'<=' if ok else '>'} tol {args.tol:g}")
+        return 0 if ok else 1
+    return 0

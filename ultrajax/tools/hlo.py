@@ -1,0 +1,410 @@
+"""Reading compiled programs: every collective in `compiled.as_text()`, counted as
+many times as it runs, with its payload and ring traffic per device; and the
+module as the SPMD partitioner left it."""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import re
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+
+from ultrajax.config.schema import Config
+from ultrajax.cost.comms import KINDS, expected, expected_by_kind
+
+DTYPE_BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3": 1,
+    "f8e5m2fnuz": 1,
+    "f8e4m3fnuz": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
+_CALLEE = re.compile(
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
+
+
+def _split_shape(rest: str) -> tuple[str, str]:
+    """'(f32[2], f32[3]) all-reduce(...)' -> ('(f32[2], f32[3])', 'all-reduce(...)')."""
+    rest = rest.strip()
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1 :].strip()
+    shape, _, tail = rest.partition(" ")
+    return shape, tail.strip()
+
+
+def _top_level(shape: str) -> list[str]:
+    """Elements of a tuple shape at depth one ('(a, (b, c))' -> ['a', '(b, c)'])."""
+    shape = re.sub(r"/\*.*?\*/", "", shape).strip()
+    if not shape.startswith("("):
+        return [shape]
+    inner, parts, depth, cur = shape[1:-1], [], 0, ""
+    for ch in inner:
+        if ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+            continue
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        cur += ch
+    if cur.strip():
+        parts.append(cur.strip())
+    return parts
+
+
+def shape_bytes(shape: str) -> float:
+    """Bytes of an HLO shape string, tuples summed; layouts `{1,0}` ignored."""
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype not in DTYPE_BYTES:
+            continue
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * DTYPE_BYTES[dtype]
+    return total
+
+
+def group_size(attrs: str, n_devices: int) -> int:
+    """Devices in one replica group of a collective, from any of XLA's printed forms."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:  # mesh['axis_0'=8,'axis_1'=1] {'axis_0'}: product of the named axes
+        sizes = {k: int(v) for k, v in re.findall(r"'?([\w]+)'?=(\d+)", m.group(1))}
+        names = re.findall(r"'?([\w]+)'?", m.group(2))
+        return math.prod(sizes.get(n, 1) for n in names) if names else n_devices
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)
+    if m:  # iota form [groups, size]<=[...]
+        return int(m.group(1).split(",")[-1])
+    m = re.search(r"replica_groups=\{(\{[^}]*\})", attrs)
+    if m:
+        return len(re.findall(r"\d+", m.group(1)))
+    return n_devices  # replica_groups={} or absent: every device
+
+
+@dataclass
+class Collective:
+    kind: str
+    name: str
+    computation: str
+    group: int
+    bytes: float  # the result's bytes (for async starts: the output part)
+    count: int = 1  # times it runs per step (product of enclosing trip counts)
+    dtype: str = ""  # element type of the result ("bf16", "f32", ...)
+
+    @property
+    def payload(self) -> float:
+        return self.bytes * self.group if self.kind == "reduce-scatter" else self.bytes
+
+    @property
+    def traffic(self) -> float:
+        """Bytes one device sends per execution (ring algorithms)."""
+        n, b = self.group, self.bytes
+        if n <= 1 and self.kind != "collective-permute":
+            return 0.0
+        if self.kind == "all-reduce":
+            return 2.0 * b * (n - 1) / n
+        if self.kind == "reduce-scatter":
+            return b * (n - 1)
+        if self.kind == "collective-permute":
+            return b
+        return b * (n - 1) / n  # all-gather, all-to-all
+
+
+@dataclass
+class HloModule:
+    computations: dict[str, list[tuple[str, str, str]]] = field(default_factory=dict)
+    entry: str | None = None
+    n_devices: int = 1
+
+
+def parse_module(text: str) -> HloModule:
+    """Computations -> [(instruction name, shape, opcode + operands + attributes)]."""
+    mod = HloModule()
+    m = re.search(r"num_partitions=(\d+)", text)
+    mod.n_devices = int(m.group(1)) if m else 1
+    current = None
+    for line in text.splitlines():
+        h = _HEADER.match(line)
+        if h:
+            current = h.group(1)
+            mod.computations[current] = []
+            if line.startswith("ENTRY"):
+                mod.entry = current
+            continue
+        if current is None:
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        i = _INSTR.match(line)
+        if i:
+            shape, rest = _split_shape(i.group(2))
+            mod.computations[current].append((i.group(1), shape, rest))
+    return mod
+
+
+def _trip_count(rest: str, mod: HloModule, condition: str | None) -> int | None:
+    m = _TRIP.search(rest)
+    if m:
+        return int(m.group(1))
+    # fall back on the loop condition: compare(counter, constant(N)), direction=LT, the
+    # constant perhaps behind copies (the partitioned module of a scan under gspmd)
+    consts = {}
+    for name, _shape, op in mod.computations.get(condition, []):
+        c = re.match(r"constant\((-?\d+)\)", op)
+        if c:
+            consts[name] = int(c.group(1))
+        c = re.match(r"copy\(%?([\w.\-]+)\)", op)
+        if c and c.group(1) in consts:
+            consts[name] = consts[c.group(1)]
+    for _name, _shape, op in mod.computations.get(condition, []):
+        if op.startswith("compare(") and "direction=LT" in op:
+            for operand in re.findall(r"%([\w.\-]+)", op.split(")")[0]):
+                if operand in consts:
+                    return consts[operand]
+    return None
+
+
+def _reaches_collective(mod: HloModule, edges, comp: str, seen=None) -> bool:
+    seen = set() if seen is None else seen
+    if comp in seen:
+        return False
+    seen.add(comp)
+    for _name, _shape, rest in mod.computations.get(comp, []):
+        op = rest.split("(")[0]
+        if op.removesuffix("-start") in KINDS:
+            return True
+    return any(_reaches_collective(mod, edges, c, seen) for c, _ in edges.get(comp, []))
+
+
+def multiplicities(mod: HloModule) -> tuple[dict[str, int], list[str]]:
+    """How many times each computation runs per call of the entry; notes on unknown loops."""
+    edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    unknown = []  # (while instruction, its body) with no trip count in the HLO
+    for comp, instrs in mod.computations.items():
+        for name, _shape, rest in instrs:
+            callees = dict((k, v) for k, v in _CALLEE.findall(rest))
+            factor = 1
+            if rest.startswith("while("):
+                trip = _trip_count(rest, mod, callees.get("condition"))
+                if trip is None:
+                    unknown.append((name, callees.get("body")))
+                    trip = 1
+                factor = trip
+            for key, callee in callees.items():
+                # the condition runs trip + 1 times; collectives never live there
+                edges[comp].append((callee, factor if key in ("body", "condition") else 1))
+            b = _BRANCHES.search(rest)
+            if b:
+                for callee in re.findall(r"%?([\w.\-]+)", b.group(1)):
+                    edges[comp].append((callee, 1))
+    # a loop that runs no collective (context parallelism's 0-or-1-trip "skip this
+    # pair" loops) cannot change the communication: no note
+    notes = [
+        f"{name}: trip count unknown, counted once"
+        for name, body in unknown
+        if body is None or _reaches_collective(mod, edges, body)
+    ]
+    # computations form a DAG: accumulate in topological order from the entry
+    indeg: dict[str, int] = defaultdict(int)
+    for comp in mod.computations:
+        for callee, _ in edges.get(comp, []):
+            indeg[callee] += 1
+    mult: dict[str, int] = defaultdict(int)
+    roots = [mod.entry] if mod.entry else [c for c in mod.computations if indeg[c] == 0]
+    for r in roots:
+        mult[r] = 1
+    queue = [c for c in mod.computations if indeg[c] == 0]
+    while queue:
+        comp = queue.pop()
+        for callee, factor in edges.get(comp, []):
+            mult[callee] += mult[comp] * factor
+            indeg[callee] -= 1
+            if indeg[callee] == 0:
+                queue.append(callee)
+    return dict(mult), notes
+
+
+def collectives(text: str) -> tuple[list[Collective], list[str]]:
+    """Every collective of a compiled HLO module with its per-step execution count."""
+    mod = parse_module(text)
+    mult, notes = multiplicities(mod)
+    found = []
+    for comp, instrs in mod.computations.items():
+        for name, shape, rest in instrs:
+            op = rest.split("(", 1)[0]
+            kind = op[: -len("-start")] if op.endswith("-start") else op
+            if kind not in KINDS:
+                continue
+            parts = _top_level(shape)
+            if op.endswith("-start") and kind in ("all-gather", "collective-permute"):
+                # async forms return (operands, outputs[, contexts]): keep the outputs
+                parts = parts[1:2] if len(parts) >= 2 else parts
+            nbytes = sum(shape_bytes(p) for p in parts)
+            types = sorted({t for p in parts for t, _ in _ARRAY.findall(p) if t in DTYPE_BYTES})
+            found.append(
+                Collective(
+                    kind=kind,
+                    name=name,
+                    computation=comp,
+                    group=group_size(rest, mod.n_devices),
+                    bytes=nbytes,
+                    count=mult.get(comp, 0),
+                    dtype="+".join(types),
+                )
+            )
+    return found, notes
+
+
+def summarize(found: list[Collective]) -> dict[str, dict]:
+    """kind -> {ops (in the HLO), count (executions per step), payload, traffic} per device."""
+    out = {k: {"ops": 0, "count": 0, "payload": 0.0, "traffic": 0.0, "dtypes": {}} for k in KINDS}
+    for c in found:
+        row = out[c.kind]
+        row["ops"] += 1
+        row["count"] += c.count
+        row["payload"] += c.payload * c.count
+        row["traffic"] += c.traffic * c.count
+        if c.dtype:
+            row["dtypes"][c.dtype] = row["dtypes"].get(c.dtype, 0.0) + c.traffic * c.count
+    return out
+
+
+def partitioned_text(lowered, compiler_options: dict | None = None) -> str | None:
+    """The module as XLA's SPMD partitioner left it (None on one device)."""
+    return compile_partitioned(lowered, compiler_options)[1]
+
+
+def compile_partitioned(lowered, compiler_options: dict | None = None):
+    """(the compiled program, the module as XLA's SPMD partitioner left it, or None when
+    nothing was partitioned).
+
+    The partitioned module holds every collective the program asks for, in the dtype it
+    asks for. Later passes of a backend may change that (XLA:CPU promotes bf16
+    all-reduces to f32 and computes bf16 dots in f32), so the program's own dtypes and
+    bytes are read there."""
+
+    enabled = jax.config.jax_enable_compilation_cache
+    with tempfile.TemporaryDirectory() as tmp:
+        options = dict(compiler_options or {})
+        options.update(xla_dump_to=tmp, xla_dump_hlo_pass_re="spmd-partitioning")
+        # a persistent-cache hit (whose key leaves dump options out) would skip the
+        # passes, and so the dump: compile this once without the cache
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()
+        try:
+            compiled = lowered.compile(options)
+        finally:
+            jax.config.update("jax_enable_compilation_cache", enabled)
+            compilation_cache.reset_cache()
+        files = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*")))
+        if not files:
+            return compiled, None
+        with open(files[-1]) as f:
+            return compiled, f.read()
+
+
+def report(cfg: Config, hlo_text: str) -> dict:
+    """Measured (from the HLO) beside expected (the formulas), per kind, JSON-ready."""
+    found, notes = collectives(hlo_text)
+    if cfg.mesh.pipeline > 1:
+        notes = [
+            *notes,
+            "pipeline: a collective in a branch of the tick loop (the sends; tensor "
+            "parallelism's inside the stage) is counted at every tick, as if every branch "
+            "ran at every tick: an upper bound (the pipeline section has the sends' ticks)",
+        ]
+    measured = summarize(found)
+    terms = expected(cfg)
+    want = expected_by_kind(terms)
+    rows = {}
+    for k in KINDS:
+        got = measured[k]["traffic"]
+        rows[k] = dict(measured[k], expected=want[k], ratio=(got / want[k]) if want[k] else None)
+    total_got = sum(r["traffic"] for r in measured.values())
+    total_want = sum(want.values())
+    return {
+        "kinds": rows,
+        "total": {
+            "traffic": total_got,
+            "expected": total_want,
+            "ratio": total_got / total_want if total_want else None,
+        },
+        "terms": [vars(t) for t in terms],
+        "notes": notes,
+        "largest": [
+            {
+                "kind": c.kind,
+                "name": c.name,
+                "group": c.group,
+                "bytes": c.bytes,
+                "count": c.count,
+                "traffic": c.traffic * c.count,
+            }
+            for c in sorted(found, key=lambda c: -c.traffic * c.count)[:8]
+        ],
+    }
+
+
+def _dims(shape: str) -> list[int]:
+    m = _ARRAY.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def matmul_flops(text: str) -> tuple[float, float]:
+    """(FLOPs of every dot per step, the same counting each dot once) in a compiled module.
+
+    A dot's FLOPs are 2 x (output elements) x (contracted size). The first figure
+    multiplies each by the trip counts of its enclosing loops; the second is what
+    XLA's cost analysis does (it reads a loop body once), for comparison.
+    """
+    mod = parse_module(text)
+    mult, _ = multiplicities(mod)
+    total = once = 0.0
+    for comp, instrs in mod.computations.items():
+        shapes = {name: shape for name, shape, _ in instrs}
+        for _name, shape, rest in instrs:
+            if not rest.startswith("dot("):
+                continue
+            operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+            lhs = _dims(shapes.get(operands[0], "")) if operands else []
+            m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+            contracted = math.prod(lhs[int(i)] for i in m.group(1).split(",") if i) if m else 1
+            flops = 2.0 * math.prod(_dims(shape)) * contracted
+            once += flops
+            total += flops * mult.get(comp, 0)
+    return total, once

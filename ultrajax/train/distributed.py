@@ -1,0 +1,187 @@
+"""Multi-host start-up: `jax.distributed.initialize`, before anything touches the backend.
+
+One JAX process per host (per GPU node), each driving all of that host's devices;
+together they see one global device set and run one SPMD program. What a process
+needs to join: the coordinator's HOST:PORT, the number of processes and its own
+id. Three ways to get them, in this order:
+
+1. explicit flags, `--coordinator HOST:PORT --num-processes N --process-id I`
+   (what `scripts/launch_local.sh` passes);
+2. the scheduler's environment, read by JAX's own cluster detection: SLURM
+   (inside `srun`) and Open MPI (`mpirun`);
+3. nothing: a single process needs no distributed runtime at all.
+
+The known SLURM pitfall: JAX's detection assumes one process per GPU and makes
+each process see only the GPU numbered by its local task id, so with one task
+per node every node would train on its first GPU only. With one task on this
+node we therefore pass all of the node's GPUs explicitly, and the train loop
+checks (`check_local_devices`) that JAX sees as many devices as the node was given.
+
+On CPU the processes talk through gloo (`jax_cpu_collectives_implementation`),
+which is how multi-host runs are tested on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import jax
+
+from ultrajax.config.schema import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "multi-process", "join a multi-process run (not needed under SLURM or Open MPI)"
+    )
+    group.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+    group.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    group.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How this process joins the run; every None is left to JAX's cluster detection."""
+
+    source: str  # "flags", "slurm" or "openmpi"
+    num_processes: int
+    coordinator: str | None = None
+    process_id: int | None = None
+    local_device_ids: tuple[int, ...] | None = None  # None: JAX's default for the source
+    expect_local_devices: int | None = None  # checked after start-up (GPU runs)
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name, "")
+    return int(value) if value.strip().isdigit() else None
+
+
+def slurm_tasks_on_node(env: Mapping[str, str]) -> int | None:
+    """Tasks of this step on this node: SLURM_NTASKS_PER_NODE, or the first entry of
+    SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE (formats "8", "1(x2)", "2,1")."""
+    direct = _int_env(env, "SLURM_NTASKS_PER_NODE")
+    if direct is not None:
+        return direct
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        match = re.match(r"\s*(\d+)", env.get(name, ""))
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def node_gpus(env: Mapping[str, str]) -> int | None:
+    """GPUs given to this node: SLURM_GPUS_ON_NODE, else the CUDA_VISIBLE_DEVICES list."""
+    n = _int_env(env, "SLURM_GPUS_ON_NODE")
+    if n:
+        return n
+    visible = env.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible and visible != "NoDevFiles":
+        return len([v for v in visible.split(",") if v.strip()])
+    return None
+
+
+def plan(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Plan | None:
+    """Decide how to join, without touching JAX (so tests can call it). None: one process."""
+    env = os.environ if env is None else env
+    given = {"--coordinator": coordinator, "--num-processes": num_processes}
+    given["--process-id"] = process_id
+    if any(v is not None for v in given.values()):
+        missing = [k for k, v in given.items() if v is None]
+        if missing:
+            raise ConfigError(
+                f"{', '.join(missing)} missing: --coordinator, --num-processes and "
+                "--process-id go together"
+            )
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--coordinator {coordinator!r} must look like HOST:PORT")
+        if num_processes < 1:
+            raise ConfigError(f"--num-processes must be >= 1, got {num_processes}")
+        if not 0 <= process_id < num_processes:
+            raise ConfigError(f"--process-id must be in 0..{num_processes - 1}, got {process_id}")
+        if num_processes == 1:
+            return None
+        return Plan("flags", num_processes, coordinator, process_id)
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
+    if all(k in env for k in slurm):  # inside `srun` (what JAX's detection requires)
+        n = _int_env(env, "SLURM_NTASKS") or 1
+        if n == 1:
+            return None
+        ids, expect = None, None
+        if slurm_tasks_on_node(env) == 1:  # one process drives every GPU of its node
+            expect = node_gpus(env)
+            ids = tuple(range(expect)) if expect else None
+        return Plan("slurm", n, local_device_ids=ids, expect_local_devices=expect)
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        n = _int_env(env, "OMPI_COMM_WORLD_SIZE") or 1
+        return Plan("openmpi", n) if n > 1 else None
+    return None
+
+
+def initialize(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None):
+    """Join the multi-process run this process belongs to, if any. Call it after the
+    platform options are set and before anything asks JAX for devices."""
+    p = plan(
+        getattr(args, "coordinator", None),
+        getattr(args, "num_processes", None),
+        getattr(args, "process_id", None),
+        env,
+    )
+    if p is None:
+        return None
+    if jax.distributed.is_initialized():
+        return p
+    try:
+        if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except AttributeError:  # a JAX without the option: its default is what there is
+        pass
+    try:
+        jax.distributed.initialize(
+            coordinator_address=p.coordinator,
+            num_processes=p.num_processes,
+            process_id=p.process_id,
+            local_device_ids=list(p.local_device_ids) if p.local_device_ids else None,
+        )
+    except (ValueError, RuntimeError) as e:
+        first = (str(e).strip().splitlines() or [""])[0].rstrip(".")
+        hint = "" if p.source == "flags" else "; set JAX_COORDINATOR_ADDRESS=HOST:PORT"
+        raise ConfigError(
+            f"could not join the {p.num_processes}-process run ({p.source}): {first[:300]}{hint}"
+        ) from None
+    return p
+
+
+def check_local_devices(env: Mapping[str, str] | None = None) -> None:
+    """On GPU nodes with one process each: every GPU of the node must be in use.
+
+    Call it once the backend may start (it asks for devices), not from `initialize`:
+    flags read at backend start (XLA_FLAGS, train/overlap.py) are set between the two."""
+    p = plan(env=env)
+    if p is None or not p.expect_local_devices or jax.default_backend() != "gpu":
+        return
+    have = jax.local_device_count()
+    if have != p.expect_local_devices:
+        raise ConfigError(
+            f"process {jax.process_index()} sees {have} GPU(s) but its node was given "
+            f"{p.expect_local_devices}: do not set CUDA_VISIBLE_DEVICES per task; "
+            "use one task per node with --gpus-per-node (see scripts/slurm/train.sbatch)"
+        )
+
+
+def shutdown() -> None:
+    """Leave the run cleanly (a barrier with the other processes). Only on success: a
+    failing process must exit at once, so the launcher can stop the others."""
+    if jax.distributed.is_initialized():
+        sys.stdout.flush()
+        jax.distributed.shutdown()

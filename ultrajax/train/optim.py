@@ -1,0 +1,82 @@
+"""AdamW with warmup + cosine or warmup-stable-decay, built from optax's pieces.
+
+Moments are kept in the dtype of the master weights (fp32 by default); norm
+scales get no weight decay (decaying them pulls every activation toward zero).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ultrajax.config.schema import Config
+from ultrajax.model.llama import NORMS
+
+
+def schedule_steps(cfg: Config) -> int:
+    """The steps the learning-rate schedule spans: optim.schedule_steps, else train.steps."""
+    return cfg.optim.schedule_steps or cfg.train.steps
+
+
+def schedule(cfg: Config) -> optax.Schedule:
+    o, steps = cfg.optim, schedule_steps(cfg)
+    # the first step already moves the weights: lr/warmup, not 0
+    warmup = optax.linear_schedule(o.lr / max(o.warmup_steps, 1), o.lr, max(o.warmup_steps, 1))
+    if o.schedule == "constant":
+        main = optax.constant_schedule(o.lr)
+    elif o.schedule == "cosine":
+        main = optax.cosine_decay_schedule(
+            o.lr, max(steps - o.warmup_steps, 1), alpha=o.min_lr / o.lr
+        )
+    else:  # wsd: warmup, hold the peak, decay linearly to min_lr over the last decay_fraction
+        decay = max(int(round(o.decay_fraction * steps)), 1)
+        stable = max(steps - o.warmup_steps - decay, 0)
+        main = optax.join_schedules(
+            [optax.constant_schedule(o.lr), optax.linear_schedule(o.lr, o.min_lr, decay)],
+            [stable],
+        )
+    if o.warmup_steps == 0:
+        return main
+    return optax.join_schedules([warmup, main], [o.warmup_steps])
+
+
+def decay_mask(params: dict) -> dict:
+    """True where weight decay applies: everything but the norm scales."""
+
+    def keep(path, _):
+        return not any(getattr(k, "key", None) in NORMS for k in path)
+
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def _unit(count):
+    """adamw's learning rate: 1. The step multiplies the update by the schedule's value
+    itself (`scale`), read at a position in tokens, so that a change of batch size does not
+    change it; a callable, so the optimizer state keeps its step count as before."""
+    return 1.0
+
+
+def scale(updates, lr):
+    """The update times the learning rate: what adamw's own scaling did, cast alike."""
+    return jax.tree.map(lambda u: jnp.asarray(lr, u.dtype) * u, updates)
+
+
+def optimizer(cfg: Config) -> optax.GradientTransformation:
+    """Clipping, then AdamW at learning rate 1 (times `schedule` in the step)."""
+    o = cfg.optim
+    parts = []
+    if o.clip_norm > 0:
+        parts.append(optax.clip_by_global_norm(o.clip_norm))
+    parts.append(
+        optax.adamw(
+            _unit,
+            b1=o.b1,
+            b2=o.b2,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            mask=decay_mask,
+            mu_dtype=jnp.float32,  # first moment in fp32 even for bf16 parameters
+        )
+    )
+    return optax.chain(*parts)

@@ -1,0 +1,209 @@
+"""Where a run starts: a fresh state, a resumed checkpoint (state, data position,
+schedule checked), or parameters only (checkpoint.init_from)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from ultrajax.config.schema import Config, ConfigError
+from ultrajax.train import optim
+from ultrajax.train.checkpoint import (
+    Checkpoints,
+    _check_tree,
+    _item_metadata,
+    _read_json_item,
+    _reader,
+    _steps,
+    _unreadable,
+    _where,
+    check_model,
+    checkpoint_dir,
+    config_from_dict,
+    load_params,
+    locate,
+    remove_tmp,
+)
+
+
+def restore_train(
+    path: str | Path, cfg: Config, target: dict, data, warn=print
+) -> tuple[dict, int]:
+    """Restore a training checkpoint onto `target`'s shardings (any layout).
+
+    `target` is a tree of ShapeDtypeStructs carrying shardings, shaped like the
+    train state. Returns (state, step) and sets `data` to the saved position."""
+    root, step = locate(path)
+    where = _where(root, step)
+    meta = _read_json_item(root, step, "meta")
+    if meta.get("kind") != "train":
+        raise ConfigError(
+            f"checkpoint {where} holds parameters only (no optimizer state); "
+            "start from it with checkpoint.init_from instead of checkpoint.resume"
+        )
+    saved = config_from_dict(_read_json_item(root, step, "config"), where)
+    try:
+        check_model(saved.model, cfg.model, where, warn)
+    except ConfigError as e:  # most often: the shape changed, the run directory did not
+        raise ConfigError(
+            f"{e}. To train the new shape, give it its own run directory "
+            f"(train.run_dir=..., or leave train.run_dir unset: each config then gets its "
+            f"own), or delete {root} to start over; to continue that run, use its config"
+        ) from None
+    check_schedule(saved, cfg, where, step, warn)
+    if saved.global_batch != cfg.global_batch:
+        warn(
+            f"note: the global batch was {saved.global_batch} samples in {where} and is "
+            f"{cfg.global_batch} now: the data continues, but batches differ from the old run's"
+        )
+    opt_target = {"step": target["step"], "opt_state": target["opt_state"]}
+    mngr = _reader(root)
+    try:
+        params_meta = _item_metadata(mngr, step, "params", root)
+        opt_meta = _item_metadata(mngr, step, "optimizer", root)
+        if params_meta is None or opt_meta is None:
+            raise ConfigError(f"checkpoint {where} lacks its params or optimizer item")
+        _check_tree(params_meta, target["params"], where, "params")
+        _check_tree(
+            opt_meta,
+            opt_target,
+            where,
+            "optimizer",
+            " (the optim.* settings changed the optimizer state's structure)",
+        )
+        try:
+            out = mngr.restore(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(target["params"]),
+                    optimizer=ocp.args.StandardRestore(opt_target),
+                    data=ocp.args.JsonRestore(),
+                ),
+            )
+        except Exception as e:
+            raise _unreadable(root, step, e) from None
+    finally:
+        mngr.close()
+    data.restore(out["data"])
+    state = {
+        "step": out["optimizer"]["step"],
+        "params": out["params"],
+        "opt_state": out["optimizer"]["opt_state"],
+    }
+    return state, step
+
+
+def _free(tree) -> None:
+    """Free device buffers now (the caller drops its references right after)."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
+
+
+def resume_source(cfg: Config) -> tuple[Path, int] | None:
+    """The checkpoint `checkpoint.resume` picks, or None to start fresh.
+
+    auto: the latest in checkpoint.dir, or a fresh start when there is none (a requeued
+    job continues by itself). must: the latest, and an error when there is none (a job
+    that must never start over by accident). never: a fresh start, refused when
+    checkpoint.dir already holds checkpoints (the keep policy would delete them). A path:
+    that checkpoint, refused when checkpoint.dir holds later steps (they would be
+    overwritten).
+    """
+    root = checkpoint_dir(cfg)
+    steps = _steps(root)
+    mode = cfg.checkpoint.resume
+    if mode == "auto":
+        return (root, steps[-1]) if steps else None
+    if mode == "must":
+        if not steps:
+            raise ConfigError(
+                f"checkpoint.resume=must, but {root} holds no checkpoint: check train.run_dir "
+                "(or checkpoint.dir), or use checkpoint.resume=auto to start fresh when "
+                "there is none"
+            )
+        return root, steps[-1]
+    if mode == "never":
+        if steps:
+            raise ConfigError(
+                f"checkpoint.resume=never starts from step 0, but {root} already holds "
+                f"checkpoints (steps {', '.join(map(str, steps))}) that it would delete: give "
+                "this run its own train.run_dir=..., delete that folder, or use "
+                "checkpoint.resume=auto to continue it"
+            )
+        return None
+    source = locate(mode)
+    newer = [s for s in steps if s > source[1]]
+    if newer:
+        raise ConfigError(
+            f"checkpoint.dir {root} already holds steps after {source[1]} "
+            f"({', '.join(map(str, newer))}); resume into another checkpoint.dir"
+        )
+    return source
+
+
+def check_schedule(saved: Config, cfg: Config, where: str, step: int, warn=print) -> None:
+    """A resume must not change the learning-rate schedule behind the user's back.
+
+    Changing train.steps (or optim.schedule_steps) moves the end of a cosine or WSD
+    schedule, so the learning rate jumps at the next step. Refused unless asked for with
+    train.reschedule=true; the other way is to keep the old schedule's length."""
+    old, new = optim.schedule_steps(saved), optim.schedule_steps(cfg)
+    if old == new or cfg.optim.schedule == "constant":
+        return
+    before = float(optim.schedule(saved)(step))
+    after = float(optim.schedule(cfg)(step))
+    change = f"the learning rate at step {step} goes from {before:.2e} to {after:.2e}"
+    if cfg.train.reschedule:
+        warn(
+            f"rescheduled: the {cfg.optim.schedule} schedule spanned {old} steps in {where} "
+            f"and spans {new} now; {change}"
+        )
+        return
+    raise ConfigError(
+        f"{where} was trained on a {cfg.optim.schedule} schedule over {old} steps; spanning "
+        f"{new} would change it mid-run ({change}). Add train.reschedule=true to accept "
+        f"that, or optim.schedule_steps={old} to keep the old schedule (it stays at its "
+        "last value past its end)"
+    )
+
+
+_PICK = object()
+
+
+def start(cfg: Config, state: dict, data, say=print, source=_PICK):
+    """Open the run's checkpoints and pick where training starts: (Checkpoints, state, step).
+
+    `source` is `resume_source(cfg)` (computed here if not given). `state` gives the
+    target layout: ShapeDtypeStructs with shardings, or a freshly initialised state
+    whose buffers are freed once a checkpoint replaces them. Without a checkpoint to
+    resume, checkpoint.init_from loads parameters only (the optimizer starts fresh).
+    """
+    if source is _PICK:
+        source = resume_source(cfg)
+    if jax.process_index() == 0:  # one remover, also when the directory is shared
+        remove_tmp(checkpoint_dir(cfg), say)
+    ck = Checkpoints(cfg)
+    if source is not None:
+        target = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state
+        )
+        _free(state)
+        state, step = restore_train(source[0] / str(source[1]), cfg, target, data, warn=say)
+        say(f"resumed from {source[0] / str(source[1])} at step {step}")
+        return ck, state, step
+    if cfg.checkpoint.init_from:
+        shardings = jax.tree.map(lambda a: a.sharding, state["params"])
+        _free(state["params"])
+        state = dict(state, params=load_params(cfg.checkpoint.init_from, cfg.model, shardings, say))
+        say(
+            f"no checkpoint in {ck.dir}: parameters loaded from {cfg.checkpoint.init_from} "
+            "(optimizer state fresh)"
+        )
+    elif cfg.checkpoint.resume == "never":
+        say(f"starting fresh at step 0 (checkpoint.resume=never); saving to {ck.dir}")
+    else:
+        say(f"starting fresh at step 0: no checkpoint found in {ck.dir}")
+    return ck, state, 0

@@ -1,0 +1,261 @@
+"""The jitted train step: one program for the train loop and the analyzer.
+
+A step reads a Batch (grad_accum, rows, seq_len), runs every micro-batch's forward
+and backward, and applies one optimizer update. The loss is the sum of per-token
+losses over every micro-batch divided by the total count of target tokens.
+
+Two ways to place the collectives (`parallel.collectives`, docs/parallelism.md):
+- explicit: forward and backward run per device in one `shard_map` over the whole
+  mesh; each collective is written where the playbook puts it (ZeRO in
+  parallel/zero.py, data reductions in parallel/grads.py and ultrajax/model/ops.py,
+  tensor/sequence boundaries in parallel/tensor.py);
+- gspmd: the model's logical annotations drive XLA's partitioner (sharding
+  constraints, parallel/partitioned.py). Only the reductions that gradient
+  accumulation defers (ZeRO-0/1) run in a `shard_map` manual over the data axes.
+Which one, and everything else about the layout, is decided once in parallel/layout.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ultrajax.config.schema import Config
+from ultrajax.kernels.varying import vary, vma
+from ultrajax.model.llama import init_params, logical_axes
+from ultrajax.model.loss import loss_sum
+from ultrajax.parallel.layout import Layout, unsupported
+from ultrajax.parallel.mesh import Rules, make_mesh, tree_shardings
+from ultrajax.parallel.mesh import rules as mesh_rules
+from ultrajax.parallel.pipeline import executor as pipeline
+from ultrajax.parallel.pipeline import plan as plan_lib
+from ultrajax.train import optim
+from ultrajax.train.batch import Batch
+from ultrajax.train.batch import sharding as batch_sharding
+from ultrajax.train.batch import specs as batch_specs
+
+
+def init_state(cfg: Config, tx: optax.GradientTransformation, key) -> dict:
+    params = init_params(cfg.model, key)
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+
+def state_shardings(cfg: Config, mesh, rules: Rules, tx) -> dict:
+    """Where every leaf of the train state lives (ZeRO >= 1 shards it over fsdp)."""
+    abstract = jax.eval_shape(functools.partial(init_state, cfg, tx), jax.random.key(0))
+    params = tree_shardings(mesh, logical_axes(cfg.model), rules, "stored")
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt = optax.tree_map_params(
+        tx, lambda _, s: s, abstract["opt_state"], params, transform_non_params=lambda _: replicated
+    )
+    return {"step": replicated, "params": params, "opt_state": opt}
+
+
+def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
+    """gradients(params, batch) -> (grads, loss, n_targets): the mean-per-target gradient
+    of the batch, reduced as the layout says; the train step's first half."""
+    if mesh is None:  # one device, every mesh size 1
+        mesh, rules = make_mesh(cfg, jax.devices()[:1]), mesh_rules(cfg)
+    layout = Layout(cfg, mesh, rules)
+    grad_plan, gather = layout.grads, layout.gather_layer()
+
+    def per_device(params, cparams, batch: Batch):
+        if cparams is None:  # explicit: the compute copy is made per device
+            cparams = layout.compute_copy(params)
+        n_targets = layout.psum(batch.loss_mask.sum())
+        scale = 1.0 / jnp.maximum(n_targets, 1).astype(jnp.float32)
+
+        def micro(acc, mb, last):
+            sinks = grad_plan.sinks(params, cparams, last)
+            inside = acc if grad_plan.adds_inside(last) else None
+
+            def loss_fn(wrt):
+                w, prepare = grad_plan.attach(cparams, wrt, inside, last, gather)
+                total, _ = loss_sum(cfg, w, mb, tp=layout.tp, cp=layout.cp, prepare=prepare,
+                                    gathers=gather is not None)  # fmt: skip
+                return total * scale, total * scale
+
+            g, part = jax.grad(loss_fn, has_aux=True)(grad_plan.wrt(sinks, cparams))
+            g = grad_plan.finish(g, inside, sinks, last)
+            if inside is None:
+                g = jax.tree.map(jnp.add, acc, g)
+            return g, part
+
+        acc0 = grad_plan.sinks(params, cparams, last=not grad_plan.splits_last)
+        grads, loss = grad_plan.accumulate(micro, acc0, batch)
+        return grads, layout.psum(loss), n_targets
+
+    if layout.pipeline > 1:
+        per_device = _pipelined(cfg, layout)
+    grad_kind = "stored" if layout.zero.shards_state else "compute"
+    batch_spec = batch_specs()
+    if layout.gspmd:  # the compute copy is laid out by the partitioner, outside
+        fn, in_specs = per_device, (layout.specs["stored"], layout.specs["compute"], batch_spec)
+    else:
+        fn, in_specs = (lambda p, b: per_device(p, None, b)), (layout.specs["stored"], batch_spec)
+    out_specs = (layout.specs[grad_kind], PartitionSpec(), PartitionSpec())
+    sharded = layout.shard_map(fn, in_specs=in_specs, out_specs=out_specs)
+
+    def gradients(params, batch):
+        if layout.gspmd:
+            return sharded(params, layout.compute_copy(params), batch)
+        return sharded(params, batch)
+
+    return gradients
+
+
+def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = None):
+    """Build train_step(state, batch[, position]) -> (state, metrics). Jit it with
+    `jit_train_step`. The learning rate is schedule(position), position the step count
+    unless given (in config batches of tokens trained: ultrajax/train/ramp.py)."""
+    gradients = make_gradients(cfg, mesh, rules)
+
+    def train_step(state, batch, position=None):
+        params = state["params"]
+        grads, loss, n_targets = gradients(params, batch)
+        grad_norm = optax.tree.norm(grads)
+        lr = schedule(state["step"] if position is None else position)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new = {
+            "step": state["step"] + 1,
+            "params": optax.apply_updates(params, optim.scale(updates, lr)),
+            "opt_state": opt_state,
+        }
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "n_targets": n_targets}
+        return new, metrics
+
+    return train_step
+
+
+def jit_grad_norm(cfg: Config, mesh, rules: Rules, shardings: dict, batch_sh):
+    """(params, batch) -> (|gradient|, targets) of one batch, nothing updated: the gradient
+    noise scale's small-batch measurement (one micro-batch at a time)."""
+    gradients = make_gradients(cfg, mesh, rules)
+
+    def grad_norm(params, batch):
+        grads, _, n_targets = gradients(params, batch)
+        return optax.tree.norm(grads), n_targets
+
+    return jax.jit(grad_norm, in_shardings=(shardings["params"], batch_sh))
+
+
+def _plan(cfg: Config, layout: Layout, kind: str):
+    par = cfg.parallel
+    return plan_lib.make_plan(kind, layout.pipeline, cfg.train.grad_accum, par.virtual_stages)
+
+
+def _stage_copy(cfg: Config, layout: Layout, params, cparams):
+    """This device's compute copy with its layers as its chunks (interleaved: moved from
+    its slice of the model's order, in which the state keeps them)."""
+    if cparams is None:
+        cparams = layout.compute_copy(params)
+    v = cfg.parallel.virtual_stages
+    return dict(cparams, layers=pipeline.to_stages(cparams["layers"], layout.pipeline, v))
+
+
+def _pipelined(cfg: Config, layout: Layout):
+    """per_device for mesh.pipeline > 1: the schedule's executor (parallel/pipeline/executor.py),
+    then each gradient reduced once and its layers sent home."""
+    plan = _plan(cfg, layout, cfg.parallel.pipeline_schedule)
+
+    def per_device(params, cparams, batch: Batch):
+        cparams = _stage_copy(cfg, layout, params, cparams)
+        n_targets = layout.psum(batch.loss_mask.sum())
+        scale = 1.0 / jnp.maximum(n_targets, 1).astype(jnp.float32)
+        grads, loss = pipeline.run(plan, cfg, layout, cparams, batch, scale)
+        grads = pipeline.reduce(cfg, layout, grads, params)
+        v = cfg.parallel.virtual_stages
+        grads = dict(grads, layers=pipeline.to_model(grads["layers"], layout.pipeline, v))
+        return grads, jax.lax.psum(layout.psum(loss), pipeline.AXIS), n_targets
+
+    return per_device
+
+
+def _pipelined_eval(cfg: Config, layout: Layout):
+    """eval_step for mesh.pipeline > 1: the micro-batches go through the stages forwards
+    only (pipeline.evaluate), so no device ever holds another stage's layers."""
+    plan = _plan(cfg, layout, plan_lib.FORWARD_ONLY)
+
+    def per_device(params, cparams, batch: Batch):
+        total = pipeline.evaluate(
+            plan, cfg, layout, _stage_copy(cfg, layout, params, cparams), batch
+        )
+        return jax.lax.psum(layout.psum(total), pipeline.AXIS), layout.psum(batch.loss_mask.sum())
+
+    batch_spec = batch_specs()
+    out_specs = (PartitionSpec(), PartitionSpec())
+    if layout.gspmd:
+        in_specs = (layout.specs["stored"], layout.specs["compute"], batch_spec)
+        sharded = layout.shard_map(per_device, in_specs=in_specs, out_specs=out_specs)
+    else:
+        fn = lambda p, b: per_device(p, None, b)  # noqa: E731
+        sharded = layout.shard_map(fn, (layout.specs["stored"], batch_spec), out_specs)
+
+    def eval_step(params, batch):
+        if layout.gspmd:
+            return sharded(params, layout.compute_copy(params), batch)
+        return sharded(params, batch)
+
+    return eval_step
+
+
+def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
+    """eval_step(params, batch) -> (sum of NLL, count) over all micro-batches."""
+    if mesh is None:
+        mesh, rules = make_mesh(cfg, jax.devices()[:1]), mesh_rules(cfg)
+    layout = Layout(cfg, mesh, rules, grads=False)
+    if layout.pipeline > 1:
+        return _pipelined_eval(cfg, layout)
+    gather = layout.gather_layer()
+
+    def per_device(params, batch: Batch):
+        cparams = layout.compute_copy(params)
+        prepare = None
+        if gather is not None:
+            prepare = lambda p: {k: gather(w, k) for k, w in p.items()}  # noqa: E731
+
+        def micro(carry, mb):
+            s, _ = loss_sum(cfg, cparams, mb, tp=layout.tp, cp=layout.cp, prepare=prepare,
+                            gathers=gather is not None)  # fmt: skip
+            return carry + s, None
+
+        zero = vary(jnp.zeros((), jnp.float32), tuple(sorted(vma(batch.inputs))))
+        total, _ = jax.lax.scan(micro, zero, batch)
+        return layout.psum(total), layout.psum(batch.loss_mask.sum())
+
+    batch_spec = batch_specs()
+    return layout.shard_map(
+        per_device,
+        in_specs=(layout.specs["stored"], batch_spec),
+        out_specs=(PartitionSpec(), PartitionSpec()),
+    )
+
+
+def jit_train_step(
+    cfg: Config, mesh, rules: Rules, tx, schedule, shardings: dict, batch_sh, position=False
+):
+    """The jitted step with donated state: what the train loop runs and the analyzer compiles.
+    position=True: it takes the schedule's position as a third argument (train/loop.py)."""
+    step = make_train_step(cfg, tx, schedule, mesh, rules)
+    in_shardings = (shardings, batch_sh, None) if position else (shardings, batch_sh)
+    return jax.jit(
+        step, in_shardings=in_shardings, out_shardings=(shardings, None), donate_argnums=0
+    )
+
+
+__all__ = [
+    "Layout",
+    "batch_sharding",
+    "init_state",
+    "jit_grad_norm",
+    "jit_train_step",
+    "make_eval_step",
+    "make_gradients",
+    "make_train_step",
+    "state_shardings",
+    "unsupported",
+]
