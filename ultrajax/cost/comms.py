@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from ultrajax.config.schema import Config
 from ultrajax.cost import activations, sizes, units
 from ultrajax.cost.units import dtype_bytes
+from ultrajax.parallel.axes import FSDP
 from ultrajax.parallel.pipeline import schedules as schedule
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -75,7 +76,7 @@ def expected(cfg: Config) -> list[Term]:
     dp_d, fs, tp = mesh.data * mesh.sequence, mesh.fsdp, mesh.tensor
     accum = t.grad_accum
     c = units.dtype_bytes(m.dtype)
-    psi = sizes.param_elements(cfg, kind="compute", ignore=("fsdp",))
+    psi = sizes.param_elements(cfg, kind="compute", ignore=(FSDP,))
     grads = units.dtype_bytes(cfg.parallel.grad_reduce_dtype) * psi
     weights = c * psi
     zero = cfg.parallel.zero if fs > 1 else 0
@@ -127,7 +128,7 @@ def expected(cfg: Config) -> list[Term]:
             # backward needs no weights at all): once per step. The playbook's 2Ψ counts
             # every weight twice.
             psi_layers = sizes.param_elements(
-                cfg, kind="compute", ignore=("fsdp",), where=lambda p: p.startswith("['layers']")
+                cfg, kind="compute", ignore=(FSDP,), where=lambda p: p.startswith("['layers']")
             )
             rest = psi - psi_layers
             terms.append(
@@ -211,7 +212,7 @@ def _pipeline_terms(cfg: Config, grads: float, psi: int, dp_d: int, fs: int, zer
 
     p = cfg.mesh.pipeline
     psi_rest = sizes.param_elements(
-        cfg, kind="compute", ignore=("fsdp",), where=lambda w: not w.startswith("['layers']")
+        cfg, kind="compute", ignore=(FSDP,), where=lambda w: not w.startswith("['layers']")
     )
     rest = grads * psi_rest / psi  # grads: bytes of the psi weights' gradients
     layers = grads - rest

@@ -57,6 +57,7 @@ from ultrajax.cost.activations import (
 )
 from ultrajax.cost.sizes import dims, param_elements
 from ultrajax.cost.units import dtype_bytes, fmt_bytes
+from ultrajax.parallel.axes import FSDP
 from ultrajax.parallel.zero import Zero
 
 HEAD_WORK_V = 2.0  # exp(logits) and d logits: fp32 b·s·v each
@@ -191,7 +192,7 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
     # gradients leave each weight's backward rule in fp32, reduced (ultrajax/model/ops.py):
     # ZeRO >= 1 scatters them per layer, so only shards are kept; before the last
     # micro-batch ZeRO-0/1 accumulate whole, unreduced gradients (parallel/grads.py)
-    whole = param_elements(cfg, "compute", ignore=("fsdp",))
+    whole = param_elements(cfg, "compute", ignore=(FSDP,))
     final = stored if z.active >= 1 else whole
     acc_elems = stored if z.active >= 2 else whole
     grads = 4.0 * final
@@ -209,7 +210,7 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
         def where(p):
             return p == f"['{name}']"
 
-        full = param_elements(cfg, "compute", ignore=("fsdp",), where=where)
+        full = param_elements(cfg, "compute", ignore=(FSDP,), where=where)
         return nbytes * (full - param_elements(cfg, "stored", where=where))
 
     embed_full = beyond_shard("embed", 4) if z.active >= 1 else 0.0
@@ -257,7 +258,7 @@ def _pipelined(cfg: Config, states, arguments, outputs, copy, head_work) -> Esti
     z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
     plan = pipeline_plan(cfg)
     stored = param_elements(cfg, "stored")
-    whole = param_elements(cfg, "compute", ignore=("fsdp",))
+    whole = param_elements(cfg, "compute", ignore=(FSDP,))
     # fp32 sums of every weight this device holds, whole over fsdp (a tied embedding's
     # lookup and LM head add into one)
     accum = 4.0 * whole

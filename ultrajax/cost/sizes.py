@@ -13,6 +13,7 @@ from ultrajax.config.schema import Config, ModelConfig
 from ultrajax.cost.units import dtype_bytes
 from ultrajax.model.llama import init_params, logical_axes
 from ultrajax.parallel import mesh as mesh_lib
+from ultrajax.parallel.axes import FSDP
 
 # --------------------------------------------------------------------------- sharding
 
@@ -86,7 +87,7 @@ def param_elements(cfg: Config, kind: str = "stored", ignore=(), where=None) -> 
     )
 
 
-def layer_weight_elements(cfg: Config, ignore=("fsdp",)) -> dict[str, int]:
+def layer_weight_elements(cfg: Config, ignore=(FSDP,)) -> dict[str, int]:
     """One layer's compute weights per device (as used: gathered over fsdp)."""
     out = {"attn": 0, "mlp": 0, "norm": 0}
     for path, shape, names in _leaves(cfg.model):

@@ -41,10 +41,11 @@ from dataclasses import dataclass, field, replace
 from ultrajax.config.schema import Config
 from ultrajax.cost import comms, flops, hardware
 from ultrajax.model.llama import matmul_param_count
+from ultrajax.parallel.axes import AXES
 from ultrajax.parallel.pipeline import schedules as schedule
 
 # mesh axes slowest to fastest (GUIDE section 3): tensor wants the fastest links
-ULTRAJAX_ORDER = ("data", "fsdp", "pipeline", "sequence", "tensor")
+ULTRAJAX_ORDER = AXES  # the mesh order: slowest links outermost
 ADAM_BYTES = 36  # per stored parameter: read master, m, v, grad (16); write master, m, v (12);
 # write the compute copy (2) and read-modify temporaries (~6)
 

@@ -11,18 +11,18 @@ import jax
 import jax.numpy as jnp
 
 from ultrajax.config.schema import Config
-from ultrajax.kernels.varying import vary, vma
+from ultrajax.kernels.varying import vma, zeros
 from ultrajax.model.boundaries import LOCAL, SINGLE
 from ultrajax.model.stack import embed, final_norm, layers, logits
 
 
-def loss_sum(cfg: Config, params, mb, *, tp=SINGLE, cp=LOCAL, prepare=None, gathers=False):
+def loss_sum(cfg: Config, params, mb, *, tp=SINGLE, cp=LOCAL, prepare=None, gathered_over=None):
     """(sum of token NLLs, count of target tokens) for one micro-batch (rows, seq_len)."""
     m = cfg.model
     segments = mb.segment_ids if cfg.data.cross_doc_mask else None
     x = embed(m, params, mb.inputs, tp=tp)
     x = layers(m, params["layers"], x, mb.positions, segments, tp=tp, cp=cp, prepare=prepare,
-               gathers=gathers)  # fmt: skip
+               gathered_over=gathered_over)  # fmt: skip
     x = final_norm(m, params, x, tp=tp)
     mask = mb.loss_mask
     return head_nll(cfg, params, x, mb.targets, mask, tp), mask.sum()
@@ -49,6 +49,6 @@ def head_nll(cfg: Config, params, x, targets, mask, tp):
     def body(total, parts):
         return total + chunk(*parts), None
 
-    zero = vary(jnp.zeros((), jnp.float32), tuple(sorted(vma(mask))))
+    zero = zeros((), jnp.float32, vma(mask))
     total, _ = jax.lax.scan(body, zero, (split(x), split(targets), split(mask)))
     return total

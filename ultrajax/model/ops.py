@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
-from ultrajax.kernels.varying import vma
+from ultrajax.kernels.varying import vma, zeros
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Deferred:
     def zeros(self):
         """The pair of zeros to pass as the weight's `acc` (types included)."""
         _, x, out = self.seen
-        return tuple(_typed_zeros(a) for a in (x, out))
+        return tuple(zeros(s.shape, s.dtype, axes) for s, axes in (x, out))
 
     def weight_gradient(self, pair, red: Reduce):
         """The weight's gradient from its (input, cotangent): the ordinary rule's math."""
@@ -85,12 +85,6 @@ class Deferred:
 
 def _struct(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype), vma(x)
-
-
-def _typed_zeros(struct):
-    shape_dtype, axes = struct
-    z = jnp.zeros(shape_dtype.shape, shape_dtype.dtype)
-    return jax.lax.pcast(z, tuple(sorted(axes)), to="varying") if axes else z
 
 
 @jax.tree_util.register_dataclass

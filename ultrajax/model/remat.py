@@ -45,10 +45,15 @@ def remat_policy(remat):
     return cp.save_only_these_names(*remat)  # a list of tags to keep
 
 
-def keeps_all_but_gathered_weights(prim, *_, **params) -> bool:
-    """remat policy for ZeRO-3 without recomputation: keep every activation, but never
-    a gathered weight (it is all-gathered again in the backward pass instead)."""
-    if prim.name == "all_gather":  # ZeRO-3 gathers weights over fsdp: never keep those
-        names = params.get("axis_name", ())
-        return "fsdp" not in (names if isinstance(names, tuple) else (names,))
-    return not (prim.name == "name" and params.get("name") == GATHERED)
+def all_but_gathered_weights(axis: str):
+    """remat policy for ZeRO-3 without recomputation: keep every activation, but never a
+    weight gathered over mesh axis `axis` (it is all-gathered again in the backward pass
+    instead): neither the all-gather's output nor what is tagged GATHERED."""
+
+    def keep(prim, *_, **params) -> bool:
+        if prim.name == "all_gather":
+            names = params.get("axis_name", ())
+            return axis not in (names if isinstance(names, tuple) else (names,))
+        return not (prim.name == "name" and params.get("name") == GATHERED)
+
+    return keep

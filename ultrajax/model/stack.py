@@ -12,7 +12,7 @@ from ultrajax.model.boundaries import LOCAL, SINGLE, AttentionBoundary, TensorBo
 from ultrajax.model.llama import block
 from ultrajax.model.nn import rms_norm
 from ultrajax.model.ops import dense
-from ultrajax.model.remat import keeps_all_but_gathered_weights, remat_policy
+from ultrajax.model.remat import all_but_gathered_weights, remat_policy
 
 
 def cast(p, dtype):
@@ -35,7 +35,7 @@ def layers(
     tp: TensorBoundary = SINGLE,
     cp: AttentionBoundary = LOCAL,
     prepare=None,
-    gathers: bool = False,
+    gathered_over: str | None = None,
 ):
     """Apply every layer of `stack` (any slice of the stacked layers: a pipeline stage
     is one) to the residual stream, with one `lax.scan`.
@@ -43,9 +43,9 @@ def layers(
     `prepare(p) -> p`, if given, turns one layer's slice of `stack` (any pytree with a
     leading layer axis) into the weights `block` reads, inside the scan: the step uses
     it to gather ZeRO-3 shards there and to attach gradient sinks (model/ops.py).
-    `gathers`: prepare all-gathers weights (tagged `checkpoint_name(w, "weights")`),
-    which are then recomputed in the backward pass rather than kept, so gathered
-    weights live one layer at a time."""
+    `gathered_over`: the mesh axis over which prepare all-gathers weights (ZeRO-3; tagged
+    `checkpoint_name(w, GATHERED)`); they are then gathered again in the backward pass
+    rather than kept, so gathered weights live one layer at a time."""
     dtype = jnp.dtype(cfg.dtype)
     prepare = prepare or (lambda p: cast(p, dtype))
 
@@ -54,8 +54,8 @@ def layers(
         return block(p, x, positions, segment_ids, cfg=cfg, tp=tp, cp=cp)
 
     policy = remat_policy(cfg.remat)
-    if policy is None and gathers:
-        policy = keeps_all_but_gathered_weights
+    if policy is None and gathered_over is not None:
+        policy = all_but_gathered_weights(gathered_over)
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     n = jax.tree.leaves(stack)[0].shape[0]
@@ -93,7 +93,7 @@ def forward(
     *,
     tp: TensorBoundary = SINGLE,
     prepare=None,
-    gathers: bool = False,
+    gathered_over: str | None = None,
 ):
     """Logits in fp32, (batch, length, vocab): `head(layers(embed(tokens)))`.
 
@@ -102,6 +102,13 @@ def forward(
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     x = embed(cfg, params, tokens, tp=tp)
     x = layers(
-        cfg, params["layers"], x, positions, segment_ids, tp=tp, prepare=prepare, gathers=gathers
+        cfg,
+        params["layers"],
+        x,
+        positions,
+        segment_ids,
+        tp=tp,
+        prepare=prepare,
+        gathered_over=gathered_over,
     )
     return head(cfg, params, x, tp=tp)

@@ -40,12 +40,13 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from ultrajax.kernels import flash_attention as fa
-from ultrajax.kernels.varying import vary, vma
+from ultrajax.kernels.varying import vary, vma, zeros
 from ultrajax.model.attention.backends import attend, resolve
 from ultrajax.model.attention.blocked import block_grads
 from ultrajax.model.attention.xla import NEG_INF
+from ultrajax.parallel.axes import SEQUENCE
 
-AXIS = "sequence"
+AXIS = SEQUENCE
 SKIP, FULL, CAUSAL = 0, 1, 2  # what a (query chunk, key chunk) pair needs
 
 
@@ -314,7 +315,7 @@ class Context:
         mine = jnp.asarray(chunks(self.size, self.zigzag))[jax.lax.axis_index(self.axis)]
         axes = tuple(sorted(set().union(*(vma(a) for a in (q, k, v, qs, ks)))))
         b, t, h, d = q.shape
-        o = vary(jnp.zeros((b, t, h, d), jnp.float32), axes)
+        o = zeros((b, t, h, d), jnp.float32, axes)
         lse = vary(jnp.full((b, h, t), NEG_INF, jnp.float32), axes)
 
         def step(state, blk, theirs):
@@ -336,7 +337,7 @@ class Context:
     def backward(self, q, k, v, qs, ks, o, lse, do):
         mine = jnp.asarray(chunks(self.size, self.zigzag))[jax.lax.axis_index(self.axis)]
         axes = tuple(sorted(set().union(*(vma(a) for a in (q, k, v, qs, ks, do)))))
-        z = lambda a: vary(jnp.zeros(a.shape, jnp.float32), axes)  # noqa: E731
+        z = lambda a: zeros(a.shape, jnp.float32, axes)  # noqa: E731
         ring = self.mode == "ring"
         # rowsum(dout * out), once for every pair: (b, h, t) like the log-sum-exp
         delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), -1).transpose(0, 2, 1)

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from ultrajax.kernels.varying import vary, vma, zeros32
+from ultrajax.kernels.varying import vary, vma, zeros, zeros32
 from ultrajax.model.ops import Reduce, Weight, finish
-from ultrajax.parallel.axes import TOKEN_AXES  # the batch's tokens are split over these
+from ultrajax.parallel.axes import FSDP, TOKEN_AXES  # the batch's tokens are split over these
 from ultrajax.parallel.zero import Zero
 
 
@@ -54,7 +54,7 @@ class Gradients:
     def deferred(self) -> tuple[str, ...]:
         """Manual data axes whose reduction waits for the last micro-batch."""
         if self.zero.shards_grads and self.zero.active:
-            axes = tuple(a for a in TOKEN_AXES if a != "fsdp")
+            axes = tuple(a for a in TOKEN_AXES if a != FSDP)
         else:
             axes = TOKEN_AXES
         return tuple(a for a in axes if a in self.manual)
@@ -154,7 +154,7 @@ class Gradients:
 
             return one
 
-        zero = vary(jnp.zeros((), jnp.float32), tuple(sorted(vma(batch.inputs))))
+        zero = zeros((), jnp.float32, vma(batch.inputs))
         if not self.splits_last:  # every micro-batch reduces alike
             (acc, loss), _ = jax.lax.scan(body(True), (acc, zero), batch)
             return acc, loss

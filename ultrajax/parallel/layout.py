@@ -12,12 +12,19 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ultrajax.config.schema import Config
 from ultrajax.model import remat
 from ultrajax.model.llama import logical_axes
-from ultrajax.parallel.axes import AXES, DATA_AXES, SEQUENCE_AXIS, TOKEN_AXES
+from ultrajax.parallel.axes import (
+    AXES,
+    DATA_AXES,
+    FSDP,
+    PIPELINE,
+    SEQUENCE_AXIS,
+    TENSOR,
+    TOKEN_AXES,
+)
 from ultrajax.parallel.context import Context, pair_kernel
 from ultrajax.parallel.grads import Gradients
 from ultrajax.parallel.mesh import Rules, only_axes
 from ultrajax.parallel.partitioned import Partitioned
-from ultrajax.parallel.pipeline.executor import AXIS as PIPELINE_AXIS
 from ultrajax.parallel.tensor import TensorParallel
 from ultrajax.parallel.zero import Zero
 
@@ -44,7 +51,7 @@ class Layout:
     def __init__(self, cfg: Config, mesh, rules: Rules, *, grads: bool = True):
         self.cfg, self.mesh, self.rules = cfg, mesh, rules
         self.names = logical_axes(cfg.model)
-        self.zero = Zero(cfg.parallel.zero, mesh.shape["fsdp"])
+        self.zero = Zero(cfg.parallel.zero, mesh.shape[FSDP])
         self.gspmd = cfg.parallel.collectives == "gspmd"
         big = frozenset(a for a in AXES if mesh.shape[a] > 1)
         # gspmd: manual only where accumulation defers a data reduction (ZeRO-0/1), over
@@ -53,9 +60,9 @@ class Layout:
         # (Shardy rejects that nested shard_map inside one manual over the data axes)
         defer = grads and self.zero.active <= 1
         needed = big & frozenset(TOKEN_AXES) if defer and big & set(DATA_AXES) else frozenset()
-        self.pipeline = mesh.shape[PIPELINE_AXIS]
+        self.pipeline = mesh.shape[PIPELINE]
         if self.pipeline > 1:  # the schedule runs per device; its data reductions wait
-            needed = big & frozenset((*TOKEN_AXES, PIPELINE_AXIS))
+            needed = big & frozenset((*TOKEN_AXES, PIPELINE))
         self.manual = needed if self.gspmd else big
         self.cp = Context(
             mesh.shape[SEQUENCE_AXIS],
@@ -71,12 +78,12 @@ class Layout:
         # of such (AllReducePromotion)
         self.axis_names = self.manual if self.gspmd else frozenset(AXES)
         self.specs = {k: self._specs(k) for k in ("stored", "compute")}
-        self.gathered = self._specs("compute", drop="fsdp")
+        self.gathered = self._specs("compute", drop=FSDP)
         inner = rules.inside(self.manual) if self.manual else rules
         self.tp = (
             Partitioned(inner)
             if self.gspmd
-            else TensorParallel(mesh.shape["tensor"], cfg.parallel.sequence_parallel)
+            else TensorParallel(mesh.shape[TENSOR], cfg.parallel.sequence_parallel)
         )
         grad_kind = "stored" if self.zero.shards_state else "compute"
         auto_specs = None
@@ -162,6 +169,11 @@ class Layout:
             else:
                 out[k] = jax.tree.map(self.zero.gather, w, self.names[k], is_leaf=_is_names)
         return out
+
+    @property
+    def gathered_over(self) -> str | None:
+        """The mesh axis ZeRO-3 gathers each layer's weights over inside the layer scan."""
+        return FSDP if self.zero.shards_params and self.zero.active else None
 
     def gather_layer(self):
         """ZeRO-3: one layer's whole weights inside the layer scan, or None."""

@@ -17,8 +17,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ultrajax.config.schema import Config, ConfigError
-from ultrajax.parallel.axes import AXES
-from ultrajax.parallel.zero import AXIS, Zero
+from ultrajax.parallel.axes import AXES, DATA_AXES, FSDP, PIPELINE, SEQUENCE, TENSOR
+from ultrajax.parallel.zero import Zero
 
 # Logical names used by the model. Parameters and activations share the names;
 # the table gives each a parameter column and an activation column, because the
@@ -139,26 +139,26 @@ def rules(cfg: Config) -> Rules:
     """The rules table for this run's parallel config (printed at start; docs/parallelism.md)."""
     zero, sp = Zero(cfg.parallel.zero), cfg.parallel.sequence_parallel
     weights = {
-        "vocab": "tensor",
-        "heads": "tensor",
-        "kv_heads": "tensor",
-        "mlp": "tensor",
+        "vocab": TENSOR,
+        "heads": TENSOR,
+        "kv_heads": TENSOR,
+        "mlp": TENSOR,
         "embed": None,
         "head_dim": None,
-        "layers": "pipeline" if cfg.mesh.pipeline > 1 else None,  # a stage: a slice of them
+        "layers": PIPELINE if cfg.mesh.pipeline > 1 else None,  # a stage: a slice of them
     }
-    stored = dict(weights, embed=AXIS if zero.shards_state else None)
-    compute = dict(weights, embed=AXIS if zero.shards_params else None)
+    stored = dict(weights, embed=FSDP if zero.shards_state else None)
+    compute = dict(weights, embed=FSDP if zero.shards_params else None)
     activation = {
-        "batch": ("data", "fsdp"),
-        "length": "sequence",
-        "norm_length": ("sequence", "tensor") if sp else "sequence",
+        "batch": DATA_AXES,
+        "length": SEQUENCE,
+        "norm_length": (SEQUENCE, TENSOR) if sp else SEQUENCE,
         "embed": None,
-        "heads": "tensor",
-        "kv_heads": "tensor",
+        "heads": TENSOR,
+        "kv_heads": TENSOR,
         "head_dim": None,
-        "mlp": "tensor",
-        "vocab": "tensor",
+        "mlp": TENSOR,
+        "vocab": TENSOR,
     }
     return Rules(stored=stored, compute=compute, activation=activation)
 

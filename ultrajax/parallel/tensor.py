@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from ultrajax.model.nn import cross_entropy
 from ultrajax.model.ops import lookup
+from ultrajax.parallel.axes import TENSOR
 
 SEQ = 1  # activations are (batch, length, ...)
 
@@ -89,7 +90,7 @@ class TensorParallel:
 
     size: int
     sequence_parallel: bool = False
-    axis: str = "tensor"
+    axis: str = TENSOR
 
     def enter(self, x):
         """Residual stream -> input of a TP region (whole sequence, same on every rank)."""

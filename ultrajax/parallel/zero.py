@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import jax
 
-AXIS = "fsdp"
+from ultrajax.parallel.axes import FSDP
+
+AXIS = FSDP
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ultrajax.config.schema import Config
-from ultrajax.kernels.varying import vary, vma
+from ultrajax.kernels.varying import vma, zeros
 from ultrajax.model.llama import init_params, logical_axes
 from ultrajax.model.loss import loss_sum
 from ultrajax.parallel.layout import Layout, unsupported
@@ -76,7 +76,7 @@ def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
             def loss_fn(wrt):
                 w, prepare = grad_plan.attach(cparams, wrt, inside, last, gather)
                 total, _ = loss_sum(cfg, w, mb, tp=layout.tp, cp=layout.cp, prepare=prepare,
-                                    gathers=gather is not None)  # fmt: skip
+                                    gathered_over=layout.gathered_over)  # fmt: skip
                 return total * scale, total * scale
 
             g, part = jax.grad(loss_fn, has_aux=True)(grad_plan.wrt(sinks, cparams))
@@ -220,10 +220,10 @@ def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
 
         def micro(carry, mb):
             s, _ = loss_sum(cfg, cparams, mb, tp=layout.tp, cp=layout.cp, prepare=prepare,
-                            gathers=gather is not None)  # fmt: skip
+                            gathered_over=layout.gathered_over)  # fmt: skip
             return carry + s, None
 
-        zero = vary(jnp.zeros((), jnp.float32), tuple(sorted(vma(batch.inputs))))
+        zero = zeros((), jnp.float32, vma(batch.inputs))
         total, _ = jax.lax.scan(micro, zero, batch)
         return layout.psum(total), layout.psum(batch.loss_mask.sum())
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ultrajax.kernels.varying import vma
+from ultrajax.kernels.varying import vary_like
 from ultrajax.model.attention.xla import NEG_INF
 
 BLOCK = 512  # keys per block of the blocked attention (its working set: memory.KERNEL_WORK)
@@ -61,15 +61,6 @@ def blocked_attention(q, k, v, segment_ids=None):
     return _blocked_forward(q, k, v, segment_ids)[0]
 
 
-def _typed(tree, *inputs):
-    """Loop-carry zeros typed as varying wherever the inputs do (inside shard_map: the
-    data, sequence or pipeline axes), so the carry keeps one type through the loop."""
-    axes = tuple(sorted(set().union(*(vma(x) for x in inputs if x is not None))))
-    if not axes:
-        return tree
-    return jax.tree.map(lambda z: jax.lax.pcast(z, axes, to="varying"), tree)
-
-
 def _blocked_forward(q, k, v, segment_ids):
     b, t, h, d = q.shape
     qg, seg, blocks = _blocked_parts(q, k, v, segment_ids, BLOCK)
@@ -87,7 +78,7 @@ def _blocked_forward(q, k, v, segment_ids):
                         preferred_element_type=jnp.float32)  # fmt: skip
         return (acc * corr[..., None] + pv, m_new, den * corr + p.sum(-1)), None
 
-    init = _typed(
+    init = vary_like(
         (
             jnp.zeros((b, kv, g, t, d), jnp.float32),
             jnp.full((b, kv, g, t), NEG_INF, jnp.float32),
@@ -126,7 +117,7 @@ def _blocked_bwd(res, dout):
         dq_b, dk, dv = block_grads(qg, kb, vb, dog, p, delta, scale)
         return dq + dq_b, (dk, dv)
 
-    zero = _typed(jnp.zeros(qg.shape, jnp.float32), q, k, v, segment_ids, dout)
+    zero = vary_like(jnp.zeros(qg.shape, jnp.float32), q, k, v, segment_ids, dout)
     dq, (dk, dv) = jax.lax.scan(body, zero, blocks)
     n = dk.shape[0]
     dk = dk.transpose(1, 0, 2, 3, 4).reshape(b, n * BLOCK, kv, d)[:, : k.shape[1]]

@@ -29,13 +29,13 @@ import jax
 import jax.numpy as jnp
 
 from ultrajax.config.schema import Config
-from ultrajax.kernels.varying import vary, vma
+from ultrajax.kernels.varying import like, vary, vma, zeros
 from ultrajax.model.llama import block
 from ultrajax.model.loss import head_nll
 from ultrajax.model.ops import Deferred, Reduce, Weight, finish
 from ultrajax.model.remat import remat_policy
 from ultrajax.model.stack import embed, final_norm, layers
-from ultrajax.parallel.axes import TOKEN_AXES
+from ultrajax.parallel.axes import PIPELINE, TOKEN_AXES
 from ultrajax.parallel.partitioned import RESIDUAL
 from ultrajax.parallel.pipeline import residuals
 from ultrajax.parallel.pipeline.plan import (
@@ -51,21 +51,12 @@ from ultrajax.parallel.pipeline.plan import (
     Plan,
 )
 
-AXIS = "pipeline"
-
-
-def _cast(x, dtype):
-    return jax.tree.map(lambda a: a.astype(dtype), x)
-
-
-def _like(tree, like):
-    """tree typed as varying over the axes `like` varies over (branch outputs must agree)."""
-    return jax.tree.map(lambda x, t: vary(x, tuple(sorted(vma(t)))), tree, like)
+AXIS = PIPELINE
 
 
 def _zeros(struct, axes, lead=()):
-    z = jnp.zeros((*lead, *struct.shape), struct.dtype)
-    return vary(z, tuple(sorted(axes)))
+    """Zeros shaped like `struct` behind the leading dimensions `lead`, typed by `axes`."""
+    return zeros((*lead, *struct.shape), struct.dtype, axes)
 
 
 def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
@@ -87,7 +78,7 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
 
     def sink(w):
         """fp32 zeros typed like w's gradient before any data reduction."""
-        return vary(jnp.zeros(w.shape, jnp.float32), tuple(sorted(vma(w) | set(grad_axes))))
+        return zeros(w.shape, jnp.float32, vma(w) | set(grad_axes))
 
     layer_w = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), cparams["layers"])
     per_layer = jax.tree.map(lambda a: a[0, 0], layer_w)
@@ -130,7 +121,7 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
 
     mb0, seg0 = given(0)
     x0 = jax.eval_shape(lambda: embed(m, cparams, mb0.inputs, tp=tp))
-    act_axes = tuple(sorted(residuals.varying(x0) | {AXIS}))
+    act_axes = tuple(sorted(vma(x0) | {AXIS}))
     act = jax.ShapeDtypeStruct(x0.shape, x0.dtype)
     x_probe = _zeros(act, act_axes)
     given0 = (per_layer, mb0.positions, seg0)
@@ -232,13 +223,11 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
 
         def apply(*ops):
             out = update(*ops)
-            return (_like(out[0], first), *out[1:])
+            return (like(out[0], first), *out[1:])
 
         def keep(*ops):
             out = jax.eval_shape(apply, *ops)
-            zeros = [vary(jnp.zeros(s.shape, s.dtype), tuple(sorted(residuals.varying(s))))
-                     for s in out[1:]]  # fmt: skip
-            return (ops[0], *zeros)
+            return (ops[0], *(zeros(s.shape, s.dtype, vma(s)) for s in out[1:]))
 
         return jax.lax.cond(pred, apply, keep, *operands)
 
@@ -291,7 +280,7 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
         return (acc + de,)
 
     slots = plan.slots
-    res_axes = [residuals.varying(s) | {AXIS} for s in split.stored]
+    res_axes = [vma(s) | {AXIS} for s in split.stored]
     state = {
         "res": [
             _zeros(s, ax, (slots["res"] + 1, n_per))
@@ -311,12 +300,12 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
         if split_backward
         else _zeros(act, act_axes, (1,)),
         "layers": jax.tree.map(
-            lambda s: vary(jnp.zeros((v, n_per, *s.shape), s.dtype), tuple(sorted(vma(s)))),
+            lambda s: zeros((v, n_per, *s.shape), s.dtype, vma(s)),
             layer_sink,
         ),  # fmt: skip
         "head": head_sink,  # a tied embedding's lookup adds into head["embed"] as well
         "embed": None if m.tie_embeddings else embed_sink,
-        "loss": vary(jnp.zeros((), jnp.float32), grad_axes),
+        "loss": zeros((), jnp.float32, grad_axes),
     }
     template = state
     down = [(k, (k + 1) % p) for k in range(p)]
@@ -355,7 +344,7 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
         dx = jax.lax.cond(sends[1], lambda a: jax.lax.ppermute(a, AXIS, up), lambda a: a, dx)
         st["act"] = write(st["act"], r["act_in"], y)
         st["grad"] = write(st["grad"], r["grad_in"], dx)
-        return _like(st, template), None
+        return like(st, template), None
 
     state, _ = jax.lax.scan(tick, state, (jnp.asarray(plan.rows), jnp.asarray(plan.sends)))
     grads = {k: state["head"][k] for k in head_keys}
@@ -382,7 +371,7 @@ def evaluate(plan: Plan, cfg: Config, layout, cparams: dict, batch):
         return mb, seg
 
     x0 = jax.eval_shape(lambda: embed(m, cparams, given(0)[0].inputs, tp=tp))
-    axes = tuple(sorted(residuals.varying(x0) | {AXIS}))
+    axes = tuple(sorted(vma(x0) | {AXIS}))
     act = jax.ShapeDtypeStruct(x0.shape, x0.dtype)
 
     def residual(x):
@@ -403,7 +392,7 @@ def evaluate(plan: Plan, cfg: Config, layout, cparams: dict, batch):
         xn = final_norm(m, cparams, y, tp=tp)
         return vary(head_nll(cfg, cparams, xn, mb.targets, mb.loss_mask, tp), (AXIS,))
 
-    zero_loss = vary(jnp.zeros((), jnp.float32), tuple(sorted(residuals.varying(
+    zero_loss = vary(jnp.zeros((), jnp.float32), tuple(sorted(vma(
         jax.eval_shape(lambda y: head(y, {"micro": 0}), _zeros(act, axes))) | {AXIS})))  # fmt: skip
     down = [(k, (k + 1) % plan.p) for k in range(plan.p)]
 

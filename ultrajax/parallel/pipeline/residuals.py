@@ -67,11 +67,3 @@ def backward(split: Split, given, const, stored, cotangent):
     known, it = jax.tree.leaves((given, const)), iter(stored)
     leaves = [known[r] if r >= 0 else next(it) for r in split.reuse]
     return jax.tree.unflatten(split.treedef, leaves)(cotangent)
-
-
-def varying(struct) -> frozenset:
-    """The manual axes a probed residual varies over."""
-    manual = getattr(struct, "manual_axis_type", None)
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(struct, "vma", ()))
