@@ -42,7 +42,8 @@ class ModelConfig:
     remat: str | list[str] = "none"
     # auto: cuDNN (causal) or our Pallas kernel (packed documents) on a GPU; elsewhere tiled
     # up to 512 tokens and blocked beyond
-    attention: Literal["auto", "xla", "cudnn", "pallas", "blocked", "tiled"] = "auto"
+    # (the backends: model/attention/backends.py's table, which validation reads)
+    attention: str = "auto"
     # the Pallas flash kernel's tiles [q, k, q_bwd, k_bwd] (powers of two, >= 16; the
     # sequence is padded to their least common multiple); null: kernels/flash_attention.py's
     # BlockSizes defaults. Used where the kernel runs: pallas, auto on a GPU with packed
@@ -151,7 +152,7 @@ class ParallelConfig:
     context: Literal["ring", "allgather"] = "ring"
     context_zigzag: bool = True  # balance causal attention work across the sequence axis
     # pipeline parallelism over mesh.pipeline (parallel/pipeline/, docs/pipeline.md)
-    pipeline_schedule: Literal["afab", "1f1b", "interleaved", "zb-h1"] = "1f1b"
+    pipeline_schedule: str = "1f1b"  # a name of parallel/pipeline/schedules.py's table
     virtual_stages: int = 1  # model chunks per device (interleaved only)
     # GPU: overlap collectives with compute, bucket them up to these sizes (train/overlap.py)
     overlap: bool = True

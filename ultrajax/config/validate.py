@@ -8,6 +8,7 @@ import math
 
 from ultrajax.config.schema import Config, ConfigError, ParallelConfig
 from ultrajax.model import remat
+from ultrajax.model.attention import backends as attention
 from ultrajax.parallel.pipeline import schedules as schedule
 
 # --------------------------------------------------------------------------- validation
@@ -20,7 +21,26 @@ def _check(ok: bool, msg: str) -> None:
 
 def validate(cfg: Config) -> None:
     """Every consistency rule a run depends on, each with a message saying what to change."""
-    m, t, o, d = cfg.model, cfg.train, cfg.optim, cfg.data
+    _validate_names(cfg)
+    _validate_model(cfg.model)
+    _validate_data(cfg.data)
+    _validate_training(cfg.train, cfg.optim)
+    _validate_mesh(cfg)
+    _validate_checkpoint(cfg)
+    validate_layout(cfg)
+
+
+def _one_of(key: str, value, choices) -> None:
+    _check(value in choices, f"{key}: {value!r} is not one of {', '.join(choices)}")
+
+
+def _validate_names(cfg: Config) -> None:
+    """Names the layers' own tables define: attention backends, pipeline schedules."""
+    _one_of("model.attention", cfg.model.attention, attention.CHOICES)
+    _one_of("parallel.pipeline_schedule", cfg.parallel.pipeline_schedule, schedule.NAMES)
+
+
+def _validate_model(m) -> None:
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "seq_len"):
         _check(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
     _check(
@@ -77,20 +97,15 @@ def validate(cfg: Config) -> None:
                 name in remat.TAGS,
                 f"model.remat: {name!r} is not a checkpoint name; use {', '.join(remat.TAGS)}",
             )
+
+
+def _validate_data(d) -> None:
     _check(
         d.path is None or d.source != "stdlib",
         f"data.path ({d.path}) is set but data.source is {d.source}, which ignores it: add "
         "data.source=files (text) or data.source=prepared (a directory made by "
         "`python -m ultrajax.data prepare`) to train on it, or drop it (data.path=)",
     )
-    for key in ("steps", "micro_batch_size", "grad_accum", "log_every", "eval_every"):
-        _check(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
-    _check(t.eval_batches >= 0, "train.eval_batches must be >= 0")
-    if t.profile_steps is not None:
-        _check(
-            len(t.profile_steps) == 2 and 0 <= t.profile_steps[0] <= t.profile_steps[1],
-            "train.profile_steps must be [first, last] with 0 <= first <= last",
-        )
     _check(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction must be in [0, 1)")
     if d.mixture:
         _check(
@@ -109,6 +124,17 @@ def validate(cfg: Config) -> None:
     _check(d.streams is None or d.streams >= 1, "data.streams must be >= 1 or null")
     _check(d.shuffle_window >= 0, "data.shuffle_window must be >= 0 (0 or 1: off)")
     _check(d.prefetch >= 0, "data.prefetch must be >= 0 (0: no background thread)")
+
+
+def _validate_training(t, o) -> None:
+    for key in ("steps", "micro_batch_size", "grad_accum", "log_every", "eval_every"):
+        _check(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
+    _check(t.eval_batches >= 0, "train.eval_batches must be >= 0")
+    if t.profile_steps is not None:
+        _check(
+            len(t.profile_steps) == 2 and 0 <= t.profile_steps[0] <= t.profile_steps[1],
+            "train.profile_steps must be [first, last] with 0 <= first <= last",
+        )
     _check(o.lr > 0, "optim.lr must be positive")
     _check(0 <= o.min_lr <= o.lr, "optim.min_lr must be between 0 and optim.lr")
     _check(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
@@ -125,6 +151,9 @@ def validate(cfg: Config) -> None:
     _check(o.weight_decay >= 0, "optim.weight_decay must be >= 0")
     _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optim.b1 and optim.b2 must be in [0, 1)")
     _check(o.clip_norm >= 0, "optim.clip_norm must be >= 0 (0 disables clipping)")
+
+
+def _validate_mesh(cfg: Config) -> None:
     sizes = cfg.mesh.sizes()
     fills = [k for k, v in sizes.items() if v == -1]
     _check(len(fills) <= 1, f"only one mesh size may be -1 (fill); got {', '.join(fills)}")
@@ -135,12 +164,14 @@ def validate(cfg: Config) -> None:
     _check(cfg.parallel.zero in (0, 1, 2, 3), "parallel.zero must be 0, 1, 2 or 3")
     for key in ("all_reduce_bucket_mib", "all_gather_bucket_mib", "reduce_scatter_bucket_mib"):
         _check(getattr(cfg.parallel, key) >= 0, f"parallel.{key} must be >= 0")
+
+
+def _validate_checkpoint(cfg: Config) -> None:
     if cfg.checkpoint.resume == "none":  # the name before `never`
         cfg.checkpoint.resume = "never"
     _check(bool(cfg.checkpoint.resume), "checkpoint.resume must be auto, never, must or a path")
     _check(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
     _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0: only at the end)")
-    validate_layout(cfg)
 
 
 def validate_layout(cfg: Config) -> None:
@@ -237,14 +268,14 @@ def _validate_ramp(cfg: Config) -> None:
 
 def _validate_pipeline(cfg: Config) -> None:
     """mesh.pipeline > 1: the stages, the schedule and what composes with them."""
-
     p, par = cfg.mesh.pipeline, cfg.parallel
     v = par.virtual_stages
     _check(v >= 1, f"parallel.virtual_stages must be >= 1, got {v}")
     _check(
-        v == 1 or par.pipeline_schedule == "interleaved",
-        f"parallel.virtual_stages={v} needs parallel.pipeline_schedule=interleaved "
-        f"(got {par.pipeline_schedule})",
+        v == 1 or schedule.SCHEDULES[par.pipeline_schedule].chunks,
+        f"parallel.virtual_stages={v} needs parallel.pipeline_schedule="
+        + " or ".join(n for n, s in schedule.SCHEDULES.items() if s.chunks)
+        + f" (got {par.pipeline_schedule})",
     )
     if p == 1:
         return
@@ -298,7 +329,8 @@ def no_effect(cfg: Config) -> list[str]:
             "train.grad_accum >= 2, or drop it"
         )
     m = cfg.model
-    if m.attention_blocks is not None and m.attention in ("xla", "blocked", "tiled"):
+    backend = attention.BACKENDS.get(m.attention)  # None: auto (may pick the kernel)
+    if m.attention_blocks is not None and backend is not None and not backend.tiles:
         out.append(
             f"model.attention_blocks has no effect with model.attention={m.attention} (they "
             "are the Pallas kernel's tiles): use model.attention=pallas, or drop them"

@@ -15,6 +15,7 @@ from ultrajax.model.attention import backends as attention_lib
 from ultrajax.model.attention import blocked, tiled
 from ultrajax.parallel.context import pair_kernel
 from ultrajax.parallel.pipeline import plan as plan_lib
+from ultrajax.parallel.pipeline import schedules
 
 # One layer's backward working set, in copies of (per device):
 #   S  b·a·s² fp32 attention scores     F  b·s·d_ff MLP hidden
@@ -86,10 +87,11 @@ def saved_per_layer(cfg: Config) -> dict[str, float]:
         norms = 2 * (8 * d.X_res + c * d.X + 8 * d.N_res + 4 * d.h)  # + the broadcast scale
         if flash:
             attention = c * (2 * d.Q + 2 * d.K) + 4 * d.a * d.N
-            if cfg.mesh.sequence == 1 and m.attention == "blocked":
-                attention += c * d.Q  # its own `out` beside the one wo reads
-            if cfg.mesh.sequence == 1 and m.attention == "tiled":
-                attention += c * d.Q - 4 * d.a * d.N  # a head-major output, no log-sum-exp
+            kind = attention_lib.BACKENDS.get(m.attention) if cfg.mesh.sequence == 1 else None
+            if kind is not None and kind.output_copy:  # its own output beside wo's input
+                attention += c * d.Q
+            if kind is not None and not kind.lse:  # no log-sum-exp kept (tiled)
+                attention -= 4 * d.a * d.N
         else:
             attention = c * (2 * d.Q + 2 * d.K) + (4 + c) * d.S + 8 * d.a * d.N
         return {"attention": attention, "mlp": 6 * c * d.F, "norms": norms}
@@ -206,11 +208,11 @@ def kernel_features(cfg: Config) -> dict[str, float]:
       M  blocked: b·a·s² bytes, the bool masks of every block (XLA:CPU hoists them out of
          the loop over blocks)."""
     out = {"T": 0.0, "P": 0.0, "M": 0.0}
-    name = cfg.model.attention
-    if cfg.mesh.sequence > 1 or name not in ("tiled", "blocked"):
+    kind = attention_lib.BACKENDS.get(cfg.model.attention)
+    if cfg.mesh.sequence > 1 or kind is None or not kind.holds:
         return out
     d = dims(cfg)
-    if name == "tiled":
+    if kind.holds == "row groups":
         shared = cfg.parallel.collectives == "gspmd" and math.prod(cfg.mesh.sizes().values()) > 1
         rows = min(tiled.TILE_ROWS, d.b)
         rows = d.b if shared or d.b % rows else rows
@@ -284,7 +286,7 @@ def pipeline_buffers(cfg: Config) -> dict[str, float]:
     out = {k: layers * v for k, v in pipeline_saved_per_layer(cfg).items()}
     out["arriving activations"] = (plan.slots["act"] + 1) * x
     out["arriving gradients"] = (plan.slots["grad"] + 1) * x
-    if plan.kind == "zb-h1":
+    if schedules.SCHEDULES[plan.kind].splits_backward:
         pairs = zero_bubble_pairs_per_layer(cfg)
         out["weight-step pairs (zb-h1)"] = (plan.slots["cot"] + 1) * per_chunk * pairs
     else:

@@ -20,6 +20,7 @@ from ultrajax.config import schema as config_lib
 from ultrajax.config import validate
 from ultrajax.config.schema import Config, ConfigError
 from ultrajax.cost import hardware, memory, steptime
+from ultrajax.parallel.pipeline import schedules as schedule
 
 REMATS = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -49,7 +50,7 @@ class Layout:
             base.parallel,
             zero=self.zero,
             sequence_parallel=self.tensor > 1,
-            pipeline_schedule=self.schedule if self.pipeline > 1 else "1f1b",
+            pipeline_schedule=self.schedule if self.pipeline > 1 else schedule.PLAIN,
             virtual_stages=self.virtual,
         )
         cfg.train = replace(
@@ -130,11 +131,13 @@ def _batch_splits(m, rows: int, dp: int, tp: int, cp: int, pp: int, gpn: int):
         for fsdp in sorted({dp, local}):
             if fsdp > 1 and dp % fsdp == 0 and m.d_model % fsdp == 0 and not (z == 3 and pp > 1):
                 shards.append((dp // fsdp, fsdp, z))
-    schedules = [("1f1b", 1)]
-    if pp > 1:
-        schedules.append(("zb-h1", 1))
-        if m.n_layers % (2 * pp) == 0:
-            schedules.append(("interleaved", 2))
+    kinds = [(schedule.PLAIN, 1)]  # the schedule a one-stage layout carries
+    if pp > 1:  # every schedule the planner tries; one that chunks, with 2 chunks a device
+        kinds = [
+            (name, 2 if s.chunks else 1)
+            for name, s in schedule.SCHEDULES.items()
+            if s.planned and (not s.chunks or m.n_layers % (2 * pp) == 0)
+        ]
     for mbs in MICRO_BATCHES:
         if rows % mbs:
             continue
@@ -142,8 +145,8 @@ def _batch_splits(m, rows: int, dp: int, tp: int, cp: int, pp: int, gpn: int):
         if pp > 1 and accum < pp:
             continue
         for data, fsdp, z in shards:
-            for kind, v in schedules:
-                if kind == "interleaved" and accum % pp:
+            for kind, v in kinds:
+                if v > 1 and accum % pp:
                     continue
                 for remat in REMATS:
                     yield Layout(data, fsdp, tp, pp, cp, z, mbs, accum, remat, kind, v)
@@ -214,7 +217,7 @@ def _valid(cfg: Config, seen: dict) -> bool:
     if p > 1:
         flat = copy.copy(cfg)
         flat.mesh = replace(cfg.mesh, pipeline=1)
-        flat.parallel = replace(cfg.parallel, pipeline_schedule="1f1b", virtual_stages=1)
+        flat.parallel = replace(cfg.parallel, pipeline_schedule=schedule.PLAIN, virtual_stages=1)
         alone = config_lib.Config(model=cfg.model)
         alone.mesh = config_lib.MeshConfig(pipeline=p)
         alone.parallel = replace(

@@ -173,7 +173,7 @@ def _scaled_terms(cfg: Config, cache: dict | None = None) -> list[tuple[comms.Te
         # every schedule's sends are 1F1B's times (v p - 1) / (p - 1): each micro-batch
         # crosses the v p - 1 stage boundaries once each way (cost/comms.py's 2 m (v p - 1) / p)
         v = cfg.parallel.virtual_stages
-        par = replace(cfg.parallel, pipeline_schedule="1f1b", virtual_stages=1)
+        par = replace(cfg.parallel, pipeline_schedule=schedule.PLAIN, virtual_stages=1)
         key = (repr(cfg.mesh), repr(par), repr(model))
         probe = copy.copy(cfg)
         probe.parallel = par

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec
 
 from ultrajax.kernels import flash_attention as fa
 from ultrajax.kernels.varying import vary, vma, zeros
-from ultrajax.model.attention.backends import attend, resolve
+from ultrajax.model.attention.backends import BACKENDS, attend, resolve
 from ultrajax.model.attention.blocked import block_grads
 from ultrajax.model.attention.xla import NEG_INF
 from ultrajax.parallel.axes import SEQUENCE
@@ -77,7 +77,7 @@ def pair_kernel(cfg, platform: str) -> str:
     flash kernel on this platform and the chunk fits its blocks, else plain XLA."""
 
     name = resolve(cfg.model.attention, platform, cfg.data.cross_doc_mask)
-    if name not in ("pallas", "cudnn"):
+    if not BACKENDS[name].gpu_kernel:  # a flash kernel on a GPU: ours runs the pairs
         return "xla"
 
     b = fa.BlockSizes.of(cfg.model.attention_blocks)

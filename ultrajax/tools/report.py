@@ -4,7 +4,6 @@ beside compiled."""
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 from ultrajax.config.schema import Config
 from ultrajax.cost import activations as activations_lib
@@ -14,21 +13,6 @@ from ultrajax.parallel.pipeline import schedules as schedule
 from ultrajax.tools import hlo
 
 # --------------------------------------------------------------------------- pipeline
-
-BUBBLE_FORMULA = {
-    "afab": "(p-1)/(m+p-1)",
-    "1f1b": "(p-1)/(m+p-1)",
-    "interleaved": "(p-1)/(v·m+p-1)",
-    "zb-h1": "(p-1)/(3m+p-1)",
-}
-
-
-def _in_flight_per_device(table: np.ndarray) -> list[int]:
-    """schedule.in_flight's count, per device: the most micro-batch chunks each holds."""
-    ops = table[..., 0]
-    stored = (ops == schedule.FORWARD).astype(np.int64)
-    stored -= (ops == schedule.BACKWARD) | (ops == schedule.BACKWARD_WEIGHT)
-    return [int(x) for x in np.cumsum(stored, axis=0).max(axis=0, initial=0)]
 
 
 def pipeline_report(cfg: Config, hlo_text: str | None = None, source: str = "") -> dict | None:
@@ -53,9 +37,9 @@ def pipeline_report(cfg: Config, hlo_text: str | None = None, source: str = "") 
         "layers_per_chunk": cfg.model.n_layers // (p * v),
         "bubble": schedule.bubble(table),
         "bubble_formula": schedule.formula(kind, p, m, v),
-        "bubble_formula_text": BUBBLE_FORMULA[kind],
+        "bubble_formula_text": schedule.SCHEDULES[kind].bubble,
         "in_flight": schedule.in_flight(table),
-        "in_flight_per_device": _in_flight_per_device(table),
+        "in_flight_per_device": schedule.in_flight_per_device(table),
         "slots": dict(plan.slots),
         "message": {
             "bytes": message,
@@ -126,7 +110,11 @@ def _pipeline_lines(pp: dict) -> list[str]:
         f"{per_device}{'; one per micro-batch and chunk' if pp['v'] > 1 else ''})",
         f"  buffer slots (+1 spare each)               residuals {slots['res']}, activations "
         f"{slots['act']}, gradients {slots['grad']}"
-        + (f", cotangents {slots['cot']}" if pp["schedule"] == "zb-h1" else ""),
+        + (
+            f", cotangents {slots['cot']}"
+            if schedule.SCHEDULES[pp["schedule"]].splits_backward
+            else ""
+        ),
         f"  point-to-point per step per device: message {shape} {msg['dtype']} = "
         f"{fmt_bytes(msg['bytes'])}",
         _p2p_row(

@@ -36,46 +36,31 @@ class Backend:
     # a GPU kernel: off a GPU it cannot run (gpu_only) or runs interpreted, for tests only,
     # so its speed and memory there say nothing (analyze compiles xla in its place)
     gpu_kernel: bool = False
+    # what the memory model reads (cost/activations.py): the plain-XLA flash attentions
+    # keep a copy of their output beside the one wo reads; tiled keeps no log-sum-exp;
+    # and each holds scores while it runs, per row group (tiled) or key block (blocked)
+    output_copy: bool = False
+    lse: bool = True
+    holds: str = ""  # "" | "row groups" | "key blocks"
 
 
 BACKENDS = {
     b.name: b
     for b in (
         Backend("xla", xla_attention, False, False, True, False, "plain einsum, s² fp32 scores"),
-        Backend(
-            "cudnn", cudnn_attention, True, False, False, True, "cuDNN via jax.nn", gpu_kernel=True
-        ),
-        Backend(
-            "pallas",
-            pallas_attention,
-            False,
-            True,
-            False,
-            True,
-            "kernels/, Pallas",
-            tiles=True,
-            gpu_kernel=True,
-        ),
-        Backend(
-            "blocked",
-            lambda q, k, v, seg=None: blocked_attention(q, k, v, seg),
-            False,
-            True,
-            False,
-            True,
-            "key blocks with an online softmax, plain XLA",
-        ),
-        Backend(
-            "tiled",
-            lambda q, k, v, seg=None: tiled_attention(q, k, v, seg),
-            False,
-            True,
-            False,
-            True,
-            "causal query tiles, probabilities recomputed, plain XLA",
-        ),
+        Backend("cudnn", cudnn_attention, True, False, False, True, "cuDNN via jax.nn",
+                gpu_kernel=True),
+        Backend("pallas", pallas_attention, False, True, False, True, "kernels/, Pallas",
+                tiles=True, gpu_kernel=True),
+        Backend("blocked", lambda q, k, v, seg=None: blocked_attention(q, k, v, seg),
+                False, True, False, True, "key blocks with an online softmax, plain XLA",
+                output_copy=True, holds="key blocks"),
+        Backend("tiled", lambda q, k, v, seg=None: tiled_attention(q, k, v, seg),
+                False, True, False, True,
+                "causal query tiles, probabilities recomputed, plain XLA",
+                output_copy=True, lse=False, holds="row groups"),
     )
-}
+}  # fmt: skip
 CHOICES = ("auto", *BACKENDS)
 
 

@@ -37,7 +37,7 @@ from ultrajax.model.remat import remat_policy
 from ultrajax.model.stack import embed, final_norm, layers
 from ultrajax.parallel.axes import PIPELINE, TOKEN_AXES
 from ultrajax.parallel.partitioned import RESIDUAL
-from ultrajax.parallel.pipeline import residuals
+from ultrajax.parallel.pipeline import residuals, schedules
 from ultrajax.parallel.pipeline.plan import (
     BWD,
     BWD_FIRST,
@@ -93,7 +93,7 @@ def run(plan: Plan, cfg: Config, layout, cparams: dict, batch, scale):
     # zero bubble: the layer's weights hand out (input, cotangent) pairs in the input step
     # and the weight step computes their gradients from those alone (weights.Deferred);
     # the other schedules differentiate the layer with respect to its sinks
-    split_backward = plan.kind == "zb-h1"
+    split_backward = schedules.SCHEDULES[plan.kind].splits_backward
     deferred = {k: Deferred() for k in per_layer}
 
     def deferring(w, pairs):

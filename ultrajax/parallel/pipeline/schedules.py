@@ -13,7 +13,8 @@ Every op takes one tick; a result made at tick t is usable from tick t + 1 on.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,8 +23,6 @@ FORWARD = 1
 BACKWARD = 2  # input and weight gradients together
 BACKWARD_INPUT = 3  # zero bubble's B: the input gradient only, on the critical path
 BACKWARD_WEIGHT = 4  # zero bubble's W: the weight gradient, free to fill idle ticks
-
-SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
 
 _NAMES = ("IDLE", "FORWARD", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")
 _CELL = (".", "F", "B", "b", "W")
@@ -96,20 +95,21 @@ def _list_schedule(p: int, v: int, orders: Sequence[Sequence[_Op]]) -> np.ndarra
 
 def _validate(kind: str, p: int, m: int, v: int) -> None:
     """Reject what no builder makes, in the config's words where they come from it."""
-    if kind not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {kind!r}; expected one of {SCHEDULES}")
+    schedule = SCHEDULES.get(kind)
+    if schedule is None:
+        raise ValueError(f"unknown pipeline schedule {kind!r}; expected one of {NAMES}")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"pipeline schedule needs p, m, v >= 1, got p={p}, m={m}, v={v}")
-    if v != 1 and kind != "interleaved":
+    if v != 1 and not schedule.chunks:
         raise ValueError(f"{kind} holds one model chunk per device (v=1), got v={v}")
     if m < p:
         raise ValueError(
             f"train.grad_accum (m={m}) must be >= mesh.pipeline (p={p}): "
             "the pipeline needs a micro-batch per stage to fill"
         )
-    if kind == "interleaved" and v > 1 and m % p:
+    if schedule.chunks and v > 1 and m % p:
         raise ValueError(
-            f"interleaved needs train.grad_accum (m={m}) to be a multiple of mesh.pipeline (p={p})"
+            f"{kind} needs train.grad_accum (m={m}) to be a multiple of mesh.pipeline (p={p})"
         )
 
 
@@ -213,19 +213,42 @@ def forward_only(p: int, m: int, v: int = 1) -> np.ndarray:
     return _list_schedule(p, v, orders)
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """A schedule's builder and the properties the executor, the memory and step-time
+    models, the planner and the config's validation read (never its name)."""
+
+    name: str
+    make: Callable[[int, int, int], np.ndarray]  # (p, m, v) -> table
+    chunks: bool  # v > 1 model chunks per device (then m must be a multiple of p)
+    splits_backward: bool  # B (input gradient) and W (weight gradient) apart: zero bubble
+    work: Callable[[int, int], int]  # ticks of work per device, (m, v) -> ticks
+    bubble: str  # the textbook bubble fraction, as printed
+    planned: bool  # the planner tries it (AFAB: 1F1B's bubble, m micro-batches held)
+
+
+SCHEDULES = {
+    s.name: s
+    for s in (
+        Schedule("afab", lambda p, m, v: afab(p, m), False, False, lambda m, v: m,
+                 "(p-1)/(m+p-1)", False),
+        Schedule("1f1b", lambda p, m, v: one_f_one_b(p, m), False, False, lambda m, v: m,
+                 "(p-1)/(m+p-1)", True),
+        Schedule("zb-h1", lambda p, m, v: zb_h1(p, m), False, True, lambda m, v: 3 * m,
+                 "(p-1)/(3m+p-1)", True),
+        Schedule("interleaved", interleaved, True, False, lambda m, v: v * m,
+                 "(p-1)/(v·m+p-1)", True),
+    )
+}  # fmt: skip
+NAMES = tuple(SCHEDULES)
+PLAIN = "1f1b"  # one chunk, one backward: the reference the step-time model scales from
+
+
 def build(kind: str, p: int, m: int, v: int = 1) -> np.ndarray:
-    """The table of schedule `kind` (one of SCHEDULES) for p devices, m >= p micro-batches
-    and v model chunks per device (v > 1 only for interleaved)."""
+    """The table of schedule `kind` (a name of SCHEDULES) for p devices, m >= p
+    micro-batches and v model chunks per device (v > 1 only where the schedule chunks)."""
     _validate(kind, p, m, v)
-    match kind:
-        case "afab":
-            return afab(p, m)
-        case "1f1b":
-            return one_f_one_b(p, m)
-        case "interleaved":
-            return interleaved(p, m, v)
-        case _:
-            return zb_h1(p, m)
+    return SCHEDULES[kind].make(p, m, v)
 
 
 def check(table: np.ndarray, p: int, m: int, v: int = 1) -> None:
@@ -288,7 +311,7 @@ def formula(kind: str, p: int, m: int, v: int = 1) -> float:
     idle (1F1B's drain is filled with Ws; its fill is still idle).
     """
     _validate(kind, p, m, v)
-    work = {"afab": m, "1f1b": m, "interleaved": v * m, "zb-h1": 3 * m}[kind]
+    work = SCHEDULES[kind].work(m, v)
     return (p - 1) / (work + p - 1)
 
 
@@ -326,9 +349,14 @@ def in_flight(table: np.ndarray) -> int:
     per device down), e.g. 11 for p=4, m=8, v=2. A chunk is 1/v of a device's layers, so
     that is p + (p - 1)/v devices' worth of layers against 1F1B's p.
     """
+    return max(in_flight_per_device(table), default=0)
+
+
+def in_flight_per_device(table: np.ndarray) -> list[int]:
+    """`in_flight`'s count for each device."""
     ops = np.asarray(table)[..., 0]
     stored = (ops == FORWARD).astype(np.int64) - ((ops == BACKWARD) | (ops == BACKWARD_WEIGHT))
-    return int(np.cumsum(stored, axis=0).max(initial=0))
+    return [int(x) for x in np.cumsum(stored, axis=0).max(axis=0, initial=0)]
 
 
 def p2p_messages(table: np.ndarray) -> tuple[int, int]:
