@@ -1,4 +1,4 @@
-"""Flash attention in Pallas (Triton-style), forward and backward, beside its jnp reference.
+"""Flash attention in Pallas (Triton-style), forward and backward.
 
 Dao et al. 2022/2023: queries are processed a block at a time; for each, the key/value
 blocks stream through with an online softmax (a running max `m` and sum `l`), so the
@@ -24,7 +24,8 @@ On a CPU it runs with `interpret=True` (the tests); on a GPU through Pallas's Tr
 lowering, where fp32 inputs are multiplied in TF32 (bf16 is the training dtype; measured
 against cuDNN in benchmarks/RESULTS.md, `scripts/bench_attention.py`). Shapes: q (batch,
 length, heads, head_dim), k and v (batch, kv_length, kv_heads, head_dim), segment ids
-(batch, length) and (batch, kv_length) int32.
+(batch, length) and (batch, kv_length) int32. Its tests hold it to the one plain-jnp
+attention, ultrajax/model/attention/xla.py's `reference` (tests/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -62,27 +63,6 @@ class BlockSizes:
     def of(cls, sizes) -> BlockSizes:
         """From `model.attention_blocks` ([q, k, q_bwd, k_bwd], or None: the defaults)."""
         return cls() if sizes is None else cls(*sizes)
-
-
-def reference(q, k, v, q_segment_ids=None, kv_segment_ids=None, causal=True):
-    """(out, lse) in plain jnp with the full scores in fp32: what the kernel must equal."""
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, t, kv, h // kv, d)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    s = s * (d**-0.5)
-    mask = jnp.ones((t, k.shape[1]), bool)
-    if causal:
-        mask = jnp.arange(t)[:, None] >= jnp.arange(k.shape[1])[None, :]
-    mask = jnp.broadcast_to(mask, (b, t, k.shape[1]))
-    if q_segment_ids is not None:
-        mask = mask & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
-    mask = mask[:, None, None]
-    s = jnp.where(mask, s, -jnp.inf)
-    lse = jax.nn.logsumexp(s, axis=-1)  # (b, kv, g, t); -inf where nothing is visible
-    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
-    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o.reshape(b, t, h, d).astype(q.dtype), lse.reshape(b, h, t).transpose(0, 2, 1)
 
 
 # --------------------------------------------------------------------------- kernels

@@ -10,9 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ultrajax.kernels.flash_attention import BlockSizes, flash_attention, reference
+from ultrajax.kernels.flash_attention import BlockSizes, flash_attention
+from ultrajax.model.attention import xla
 
 BLOCKS = BlockSizes(q=16, k=16, q_bwd=8, k_bwd=16)
+
+
+def reference(q, k, v, q_segment_ids=None, kv_segment_ids=None, causal=True):
+    """The one plain-jnp attention (ultrajax/model/attention/xla.py) in the kernel's
+    conventions: the output in q's dtype, the log-sum-exp as (batch, length, heads)."""
+    o, lse = xla.reference(q, k, v, q_segment_ids, kv_segment_ids, causal=causal)
+    return o.astype(q.dtype), lse.transpose(0, 2, 1)
 
 
 def inputs(b, t, h, kv, d, dtype, seed, packed=True):

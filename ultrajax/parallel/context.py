@@ -43,7 +43,7 @@ from ultrajax.kernels import flash_attention as fa
 from ultrajax.kernels.varying import vary, vma, zeros
 from ultrajax.model.attention.backends import BACKENDS, attend, resolve
 from ultrajax.model.attention.blocked import block_grads
-from ultrajax.model.attention.xla import NEG_INF
+from ultrajax.model.attention.xla import NEG_INF, reference, scores, visible
 from ultrajax.parallel.axes import SEQUENCE
 
 AXIS = SEQUENCE
@@ -107,44 +107,15 @@ def work(cp: int, zigzag: bool) -> np.ndarray:
 # ----------------------------------------------------------------- one pair of chunks
 
 
-def _visible(qs, ks, causal):
-    """(b, 1, 1, t, s): same document, and (if `causal`, a traced flag) not in the future."""
-    t = qs.shape[1]
-    past = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-    return ((qs[:, :, None] == ks[:, None, :]) & (past | ~causal))[:, None, None]
-
-
-def _scores(q, k, qs, ks, causal):
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, t, kv, h // kv, d)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * d**-0.5
-    visible = _visible(qs, ks, causal)
-    return qg, jnp.where(visible, s, NEG_INF), visible
-
-
-def pair_forward(q, k, v, qs, ks, causal):
-    """(out (b, t, h, d) fp32, lse (b, h, t) fp32) of queries against one key chunk."""
-    b, t, h, d = q.shape
-    _, s, visible = _scores(q, k, qs, ks, causal)
-    m = s.max(-1)
-    p = jnp.where(visible, jnp.exp(s - m[..., None]), 0.0)
-    den = p.sum(-1)
-    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    safe = jnp.where(den > 0, den, 1.0)
-    o = o / jnp.moveaxis(safe, 3, 1)[..., None]
-    lse = jnp.where(den > 0, m + jnp.log(safe), NEG_INF)
-    return o.reshape(b, t, h, d), lse.reshape(b, h, t)
-
-
 def pair_backward(q, k, v, qs, ks, lse, delta, do, causal):
     """This pair's share of (dq, dk, dv), fp32, from the *final* log-sum-exp and delta =
     rowsum(dout * out), both (b, h, t): the flash backward, probabilities recomputed."""
     b, t, h, d = q.shape
     kv = k.shape[2]
     g = h // kv
-    qg, s, visible = _scores(q, k, qs, ks, causal)
-    p = jnp.where(visible, jnp.exp(s - lse.reshape(b, kv, g, t)[..., None]), 0.0)
+    seen = visible(qs, ks, t, k.shape[1], causal)
+    qg, s = scores(q, k, seen)
+    p = jnp.where(seen, jnp.exp(s - lse.reshape(b, kv, g, t)[..., None]), 0.0)
     dog = do.reshape(b, t, kv, g, d)
     dq, dk, dv = block_grads(qg, k, v, dog, p, delta.reshape(b, kv, g, t), d**-0.5)
     return dq.reshape(b, t, h, d), dk, dv
@@ -247,7 +218,7 @@ class Context:
 
     def _pair_forward(self, q, k, v, qs, ks, causal):
         if self.kernel == "xla":
-            return pair_forward(q, k, v, qs, ks, causal)
+            return reference(q, k, v, qs, ks, causal=causal)
 
         opts = dict(blocks=fa.BlockSizes.of(self.blocks), interpret=_interpret())
 
