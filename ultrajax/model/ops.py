@@ -54,7 +54,7 @@ class Reduce:
 
 
 class Deferred:
-    """Zero bubble's split backward for one weight (parallel/pipeline/executor.py).
+    """Zero bubble's split backward for one weight (parallel/pipeline/stage.py).
 
     The input step (B) needs only the activation gradients; the weight step (W) later
     needs, per matmul, its input and its output's cotangent, nothing else. A weight whose

@@ -79,6 +79,12 @@ def logits(cfg: ModelConfig, params, x, *, tp: TensorBoundary = SINGLE):
     return tp.constrain(out, ("batch", "length", "vocab"))
 
 
+def head_params(cfg: ModelConfig) -> tuple[str, str]:
+    """The parameters `final_norm` and `logits` read: the final norm and the LM head (the
+    embedding, when tied). The pipeline's last stage holds their gradients."""
+    return ("final_norm", "embed" if cfg.tie_embeddings else "lm_head")
+
+
 def head(cfg: ModelConfig, params, x, *, tp: TensorBoundary = SINGLE):
     """Final norm and LM head: fp32 logits (batch, length, vocab)."""
     return logits(cfg, params, final_norm(cfg, params, x, tp=tp), tp=tp)

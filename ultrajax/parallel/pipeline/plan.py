@@ -17,7 +17,7 @@ COLUMNS = ("branch", "micro", "chunk", "res", "act", "grad", "cot", "act_in", "g
 
 
 @dataclass(frozen=True)
-class Plan:
+class TickPlan:
     """A schedule table turned into what the executor reads each tick, per device.
 
     rows: (ticks, p, len(COLUMNS)) int32. res/act/grad/cot: the slot of the residual,
@@ -61,7 +61,7 @@ class _Pool:
 FORWARD_ONLY = "forward"  # the evaluation's schedule: forwards only, nothing kept
 
 
-def make_plan(kind: str, p: int, m: int, v: int = 1) -> Plan:
+def make_plan(kind: str, p: int, m: int, v: int = 1) -> TickPlan:
     """The table of `kind` (a schedule, or FORWARD_ONLY) and every buffer slot it needs,
     assigned on the host."""
     training = kind != FORWARD_ONLY
@@ -127,7 +127,7 @@ def make_plan(kind: str, p: int, m: int, v: int = 1) -> Plan:
         leftover = [pl.held for pl in pool if pl.held]
         if leftover:
             raise RuntimeError(f"schedule {kind}: {k} slots still held at the end: {leftover}")
-    return Plan(kind, p, m, v, table, rows, sends, slots)
+    return TickPlan(kind, p, m, v, table, rows, sends, slots)
 
 
 def layer_order(n_layers: int, p: int, v: int) -> np.ndarray:

@@ -25,7 +25,6 @@ BACKWARD_INPUT = 3  # zero bubble's B: the input gradient only, on the critical 
 BACKWARD_WEIGHT = 4  # zero bubble's W: the weight gradient, free to fill idle ticks
 
 _NAMES = ("IDLE", "FORWARD", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")
-_CELL = (".", "F", "B", "b", "W")
 _NEVER = 1 << 62  # the tick of an op not done yet
 # per op: the ops on the same (stage, micro) it may not follow (no op twice, one backward)
 _CLASH = (
@@ -372,20 +371,3 @@ def p2p_messages(table: np.ndarray) -> tuple[int, int]:
     backward = (ops == BACKWARD) | (ops == BACKWARD_INPUT)
     gradients = int(np.sum(backward & (stage > 0)))
     return activations, gradients
-
-
-def render(table: np.ndarray) -> str:
-    """ASCII picture, one line per device: F3 forward, B3 backward, b3 input gradient,
-    W3 weight gradient, . idle (micro-batch 3); a chunk letter follows when v > 1 (F3a
-    is chunk 0, F3b chunk 1)."""
-    table = np.asarray(table)
-    v = _chunks(table)
-    cells = [
-        [
-            "." if op == IDLE else f"{_CELL[op]}{i}" + (chr(ord("a") + j) if v > 1 else "")
-            for op, i, j in row
-        ]
-        for row in table.transpose(1, 0, 2).tolist()
-    ]
-    width = max((len(c) for row in cells for c in row), default=1)
-    return "\n".join(" ".join(c.ljust(width) for c in row).rstrip() for row in cells)
