@@ -6,7 +6,7 @@
     python scripts/bench_step.py --compare-torch      # and transformers + torch, same shape
 
 The step is built exactly as `python -m ultrajax.train` builds it
-(`ultrajax.train.prepare`: mesh, rules, sharded state created inside jit, the
+(`ultrajax.train.setup.build_run`: mesh, rules, sharded state created inside jit, the
 donated, jitted step), then compiled once ahead of time and fed random token
 batches that are already on the device, so the figures leave out the data
 pipeline. MFU and HFU use `ultrajax.cost.flops`: FLOPs per token 6N + 12·L·h·s
@@ -83,9 +83,9 @@ def bench(name: str, cfg, steps: int, warmup: int) -> dict:
     import numpy as np
 
     from ultrajax.model.llama import param_count
-    from ultrajax.train.setup import prepare
+    from ultrajax.train.setup import build_run
 
-    mesh, _, _, state, step_fn, _, batch_sh = prepare(cfg)
+    mesh, _, _, state, step_fn, _, batch_sh = build_run(cfg)
     rng = np.random.default_rng(cfg.train.seed)
     with jax.set_mesh(mesh):
         batches = [random_batch(cfg, batch_sh, rng) for _ in range(2)]

@@ -109,10 +109,10 @@ def main(argv=None) -> int:
     from bench_step import random_batch, size_overrides
 
     from ultrajax.config.parse import load
-    from ultrajax.train.setup import prepare
+    from ultrajax.train.setup import build_run
 
     cfg = load(None, size_overrides(args.size, jax.default_backend(), args.overrides))
-    mesh, _, _, state, step_fn, _, batch_sh = prepare(cfg)
+    mesh, _, _, state, step_fn, _, batch_sh = build_run(cfg)
     trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="ultrajax-profile-")
     with jax.set_mesh(mesh):
         batch = random_batch(cfg, batch_sh, np.random.default_rng(0))

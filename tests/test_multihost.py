@@ -113,12 +113,12 @@ def test_dcn_checked_after_the_fill():
 
 
 def test_single_process_needs_nothing():
-    assert distributed.plan(env={}) is None
-    assert distributed.plan("127.0.0.1:1234", 1, 0, env={}) is None
+    assert distributed.joining(env={}) is None
+    assert distributed.joining("127.0.0.1:1234", 1, 0, env={}) is None
 
 
 def test_explicit_flags():
-    p = distributed.plan("10.0.0.1:8476", 4, 3, env={})
+    p = distributed.joining("10.0.0.1:8476", 4, 3, env={})
     assert (p.source, p.coordinator) == ("flags", "10.0.0.1:8476")
     assert (p.num_processes, p.process_id) == (4, 3)
 
@@ -136,7 +136,7 @@ def test_explicit_flags():
 )
 def test_bad_flags(flags, message):
     with pytest.raises(ConfigError, match=message):
-        distributed.plan(*flags, env={})
+        distributed.joining(*flags, env={})
 
 
 SLURM_NODE = {
@@ -151,23 +151,23 @@ SLURM_NODE = {
 def test_slurm_one_task_per_node_uses_every_gpu():
     """The pitfall: JAX alone would give this process only GPU 0 (its local task id)."""
     env = dict(SLURM_NODE, SLURM_NTASKS_PER_NODE="1", SLURM_GPUS_ON_NODE="8")
-    p = distributed.plan(env=env)
+    p = distributed.joining(env=env)
     assert p.source == "slurm" and p.num_processes == 2
     assert p.local_device_ids == tuple(range(8)) and p.expect_local_devices == 8
     env = dict(SLURM_NODE, SLURM_STEP_TASKS_PER_NODE="1(x2)", CUDA_VISIBLE_DEVICES="0,1,2,3")
-    assert distributed.plan(env=env).local_device_ids == (0, 1, 2, 3)
+    assert distributed.joining(env=env).local_device_ids == (0, 1, 2, 3)
 
 
 def test_slurm_one_task_per_gpu_keeps_jax_default():
     env = dict(SLURM_NODE, SLURM_NTASKS="16", SLURM_NTASKS_PER_NODE="8", SLURM_GPUS_ON_NODE="8")
-    p = distributed.plan(env=env)
+    p = distributed.joining(env=env)
     assert p.num_processes == 16 and p.local_device_ids is None
 
 
 def test_slurm_single_task_and_batch_script_need_nothing():
-    assert distributed.plan(env=dict(SLURM_NODE, SLURM_NTASKS="1")) is None
+    assert distributed.joining(env=dict(SLURM_NODE, SLURM_NTASKS="1")) is None
     outside_srun = {k: v for k, v in SLURM_NODE.items() if k != "SLURM_STEP_NODELIST"}
-    assert distributed.plan(env=outside_srun) is None
+    assert distributed.joining(env=outside_srun) is None
 
 
 def test_a_gpu_process_that_sees_too_few_gpus_stops(monkeypatch):
@@ -182,8 +182,8 @@ def test_a_gpu_process_that_sees_too_few_gpus_stops(monkeypatch):
 
 
 def test_open_mpi():
-    assert distributed.plan(env={"OMPI_COMM_WORLD_SIZE": "4"}).source == "openmpi"
-    assert distributed.plan(env={"OMPI_COMM_WORLD_SIZE": "1"}) is None
+    assert distributed.joining(env={"OMPI_COMM_WORLD_SIZE": "4"}).source == "openmpi"
+    assert distributed.joining(env={"OMPI_COMM_WORLD_SIZE": "1"}) is None
 
 
 def test_cli_has_the_flags_and_takes_options_after_overrides():

@@ -45,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """How this process joins the run; every None is left to JAX's cluster detection."""
+class Joining:
+    """How this process joins a multi-process run (the coordinator, the process count, its
+    own id, its devices); every None is left to JAX's cluster detection."""
 
     source: str  # "flags", "slurm" or "openmpi"
     num_processes: int
@@ -85,12 +86,12 @@ def node_gpus(env: Mapping[str, str]) -> int | None:
     return None
 
 
-def plan(
+def joining(
     coordinator: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
     env: Mapping[str, str] | None = None,
-) -> Plan | None:
+) -> Joining | None:
     """Decide how to join, without touching JAX (so tests can call it). None: one process."""
     env = os.environ if env is None else env
     given = {"--coordinator": coordinator, "--num-processes": num_processes}
@@ -111,7 +112,7 @@ def plan(
             raise ConfigError(f"--process-id must be in 0..{num_processes - 1}, got {process_id}")
         if num_processes == 1:
             return None
-        return Plan("flags", num_processes, coordinator, process_id)
+        return Joining("flags", num_processes, coordinator, process_id)
     slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
     if all(k in env for k in slurm):  # inside `srun` (what JAX's detection requires)
         n = _int_env(env, "SLURM_NTASKS") or 1
@@ -121,26 +122,26 @@ def plan(
         if slurm_tasks_on_node(env) == 1:  # one process drives every GPU of its node
             expect = node_gpus(env)
             ids = tuple(range(expect)) if expect else None
-        return Plan("slurm", n, local_device_ids=ids, expect_local_devices=expect)
+        return Joining("slurm", n, local_device_ids=ids, expect_local_devices=expect)
     if "OMPI_COMM_WORLD_SIZE" in env:
         n = _int_env(env, "OMPI_COMM_WORLD_SIZE") or 1
-        return Plan("openmpi", n) if n > 1 else None
+        return Joining("openmpi", n) if n > 1 else None
     return None
 
 
 def initialize(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None):
     """Join the multi-process run this process belongs to, if any. Call it after the
     platform options are set and before anything asks JAX for devices."""
-    p = plan(
+    how = joining(
         getattr(args, "coordinator", None),
         getattr(args, "num_processes", None),
         getattr(args, "process_id", None),
         env,
     )
-    if p is None:
+    if how is None:
         return None
     if jax.distributed.is_initialized():
-        return p
+        return how
     try:
         if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -148,18 +149,19 @@ def initialize(args: argparse.Namespace | None = None, env: Mapping[str, str] | 
         pass
     try:
         jax.distributed.initialize(
-            coordinator_address=p.coordinator,
-            num_processes=p.num_processes,
-            process_id=p.process_id,
-            local_device_ids=list(p.local_device_ids) if p.local_device_ids else None,
+            coordinator_address=how.coordinator,
+            num_processes=how.num_processes,
+            process_id=how.process_id,
+            local_device_ids=list(how.local_device_ids) if how.local_device_ids else None,
         )
     except (ValueError, RuntimeError) as e:
         first = (str(e).strip().splitlines() or [""])[0].rstrip(".")
-        hint = "" if p.source == "flags" else "; set JAX_COORDINATOR_ADDRESS=HOST:PORT"
+        hint = "" if how.source == "flags" else "; set JAX_COORDINATOR_ADDRESS=HOST:PORT"
         raise ConfigError(
-            f"could not join the {p.num_processes}-process run ({p.source}): {first[:300]}{hint}"
+            f"could not join the {how.num_processes}-process run ({how.source}): "
+            f"{first[:300]}{hint}"
         ) from None
-    return p
+    return how
 
 
 def check_local_devices(env: Mapping[str, str] | None = None) -> None:
@@ -167,14 +169,14 @@ def check_local_devices(env: Mapping[str, str] | None = None) -> None:
 
     Call it once the backend may start (it asks for devices), not from `initialize`:
     flags read at backend start (XLA_FLAGS, train/overlap.py) are set between the two."""
-    p = plan(env=env)
-    if p is None or not p.expect_local_devices or jax.default_backend() != "gpu":
+    how = joining(env=env)
+    if how is None or not how.expect_local_devices or jax.default_backend() != "gpu":
         return
     have = jax.local_device_count()
-    if have != p.expect_local_devices:
+    if have != how.expect_local_devices:
         raise ConfigError(
             f"process {jax.process_index()} sees {have} GPU(s) but its node was given "
-            f"{p.expect_local_devices}: do not set CUDA_VISIBLE_DEVICES per task; "
+            f"{how.expect_local_devices}: do not set CUDA_VISIBLE_DEVICES per task; "
             "use one task per node with --gpus-per-node (see scripts/slurm/train.sbatch)"
         )
 

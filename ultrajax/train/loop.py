@@ -3,14 +3,16 @@
 The loop: build the mesh, the data and the sharded state (inside jit, so no
 replicated copy ever exists), compile the step once ahead of time, then run it
 with no host synchronisation except at log steps.
+
+`train` reads as the run goes: build, announce, find the start point, then step until
+done or pre-empted, then the summary. `Training` carries what passes from one step to
+the next, with one method for each thing that may fall due after a step.
 """
 
 from __future__ import annotations
 
 import math
 import signal
-import sys
-import time
 from pathlib import Path
 
 import jax
@@ -20,241 +22,237 @@ from tqdm import tqdm
 from ultrajax import cli
 from ultrajax.config.parse import dump
 from ultrajax.config.schema import Config
-from ultrajax.config.validate import no_effect
-from ultrajax.cost import flops, units
-from ultrajax.cost import memory as memory_lib
-from ultrajax.model.llama import param_count
-from ultrajax.parallel import mesh as mesh_lib
-from ultrajax.train import batch as batch_lib
-from ultrajax.train import checkpoint as checkpoint_lib
+from ultrajax.cost import units
 from ultrajax.train import metrics as metrics_lib
-from ultrajax.train import optim, peaks, preemption
+from ultrajax.train import preemption, report
 from ultrajax.train import resume as resume_lib
-from ultrajax.train.noise import NoiseScale
+from ultrajax.train.checkpoint import Checkpoints
+from ultrajax.train.noise_probe import NoiseProbe
 from ultrajax.train.ramp import Ramp
-from ultrajax.train.setup import compile_steps, prepare, rows_to_global, to_global
-from ultrajax.train.step import (
-    jit_grad_norm,
-)
+from ultrajax.train.record import Throughput, log_line, step_record
+from ultrajax.train.setup import RunParts, build_run, compile_steps, rows_to_global, to_global
 
 
 def train(cfg: Config) -> int:
-    lead = jax.process_index() == 0
-    say = print if lead else (lambda *a, **k: None)
-    resume = resume_lib.resume_source(cfg)  # checked first: a refused resume fails fast
-    mesh, rules, data, state, step_fn, eval_fn, batch_sh = prepare(cfg, fresh=resume is None)
-    run_dir = Path(cfg.train.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if lead:  # one writer per file, also when the run directory is shared by all hosts
-        (run_dir / "config.yaml").write_text(dump(cfg))
+    """Train to train.steps, or until SIGTERM / Ctrl-C stops the run at a saved step.
 
-    m, t = cfg.model, cfg.train
-    say(dump(cfg).rstrip())
-    say(mesh_lib.describe(mesh, rules))
-    say(mesh_lib.describe_hosts(mesh))
-    for line in no_effect(cfg) if lead else ():
-        print(f"warning: {line}", file=sys.stderr)
-    say(f"run directory: {run_dir} (checkpoints in {checkpoint_lib.checkpoint_dir(cfg)})")
-    say(
-        f"batch: {cfg.global_batch} samples = {t.micro_batch_size} micro x {t.grad_accum} accum"
-        f" x {cfg.dp} dp; {cfg.tokens_per_step:,} tokens per step (x {m.seq_len} seq)"
-    )
-    n_params = param_count(m)
-    say(
-        f"model: {units.human(n_params)} parameters ({n_params:,}); "
-        f"{units.human(flops.flops_per_token(m))} FLOPs per token"
-    )
-    say(data.summary)
+    Returns the exit status: 0, or 143 (SIGTERM) / 130 (Ctrl-C) when the run was stopped
+    before it finished (the same command resumes it)."""
+    say = print if jax.process_index() == 0 else _quiet
+    resume = resume_lib.resume_source(cfg)  # checked first: a refused resume fails fast
+    parts = build_run(cfg, fresh=resume is None)
+    run_dir = open_run_dir(cfg)
+    report.announce(cfg, parts, run_dir, say)
     # resume (state, data position) or init_from (parameters) before the first batch is read
-    ckpt, state, start = resume_lib.start(cfg, state, data, say, resume)
+    ckpt, state, start = resume_lib.start(cfg, parts.state, parts.data, say, resume)
     ramp = Ramp(cfg)
-    ramp.load((data.progress or {}).get("ramp"), start)
+    ramp.load((parts.data.progress or {}).get("ramp"), start)
     if ramp.done:
         ckpt.close()
-        say(
-            f"{ckpt.dir} is at step {start}: train.steps={t.steps} is reached, nothing to "
-            "train. To train longer, raise train.steps (with train.reschedule=true, or "
-            f"optim.schedule_steps={optim.schedule_steps(cfg)} to keep the schedule); to "
-            f"start over, give train.run_dir=... or delete {run_dir}"
-        )
+        say(report.nothing_to_train(cfg, ckpt.dir, start, run_dir))
         return 0
 
-    # batches are read, packed and placed on a background thread, data.prefetch ahead
-    data.train.grad_accum = ramp.grad_accum
-    feed = data.feed(
-        lambda p, rows, ga: rows_to_global(p, rows, ga, batch_sh, cfg), cfg.data.prefetch
-    )
-    with jax.set_mesh(mesh):
-        steps = compile_steps(step_fn, state, ramp, batch_sh, cfg, say)
-        eval_batches = [to_global(b, batch_sh, cfg) for b in data.eval_batches(t.eval_batches)]
-        probe = None
-        if t.noise_every:
-            params_sh = {"params": jax.tree.map(lambda a: a.sharding, state["params"])}
-            grad_norm = jit_grad_norm(cfg, mesh, rules, params_sh, batch_sh)
-            one = batch_lib.abstract(1, t.micro_batch_size * cfg.dp, m.seq_len, batch_sh)
-            probe = grad_norm.lower(state["params"], one).compile()
-        first = next(feed)
-
-    peak, peak_source = peaks.host_peak(cfg)
-    say(f"peak: {units.human(peak)}FLOP/s ({peak_source})")
-    fpt, hfpt = flops.flops_per_token(m), flops.hardware_flops_per_token(m)
-    writer = metrics_lib.MetricsWriter(run_dir, fresh=start == 0) if lead else None
-
-    def evaluate():
-        total, count = 0.0, 0
-        for b in eval_batches:
-            s, n = eval_fn(state["params"], b)
-            total, count = total + float(s), count + int(n)
-        return total / max(count, 1) if count else None
-
-    history, eval_loss, last = [], None, None
-    tokens_per_s_all = []
-    base = ramp.base
-    bar = tqdm(total=t.steps, initial=round(ramp.tokens / base), disable=not lead,
-               dynamic_ncols=True, desc="train")  # fmt: skip
-    t_last, tokens_last = time.perf_counter(), ramp.tokens
-    noise = NoiseScale()
-    if data.progress and data.progress.get("noise"):
-        noise.load(data.progress["noise"])
-    pending = []  # noise measurements waiting for the next host sync
-    take = jax.jit(
-        lambda b, i: batch_lib.Batch(*(jax.lax.dynamic_index_in_dim(a, i, 0) for a in b)),
-        out_shardings=batch_sh,
-    )
-    batch = first
-    profile = t.profile_steps
-    step = start
+    run = Training(cfg, parts, ckpt, state, start, ramp, run_dir, say)
     # Preemption: SIGTERM or Ctrl-C -> save this step and stop; on the way out, wait for
     # pending saves (a second Ctrl-C exits at once) and put the previous handlers back
-    with jax.set_mesh(mesh), preemption.Preemption(ckpt) as preempted:
+    with jax.set_mesh(parts.mesh), preemption.Preemption(ckpt) as preempted:
         while not ramp.done:
-            if profile and step == profile[0]:
-                jax.profiler.start_trace(str(run_dir / "profile"))
-            if probe is not None and ramp.grad_accum > 1 and step % t.noise_every == 0:
-                # each micro-batch's gradient alone, at the parameters the step is about to use
-                small = [probe(state["params"], take(batch, i)) for i in range(ramp.grad_accum)]
-            else:
-                small = None
-            state, out = steps[ramp.grad_accum](state, batch, np.float32(ramp.position))
-            if small is not None:
-                pending.append((small, out["grad_norm"], out["n_targets"]))
-            if profile and step == profile[1]:
-                jax.block_until_ready(state)
-                jax.profiler.stop_trace()
-                jax.profiler.save_device_memory_profile(str(run_dir / "memory.prof"))
-                say(f"profile of steps {profile[0]}..{profile[1]} written to {run_dir}/profile")
-            step_tokens = ramp.tokens_per_step
-            switched = ramp.step_done()
-            step = done = step + 1
-            stop = preempted(done)
-            bar.update(step_tokens // base if step_tokens % base == 0 else step_tokens / base)
-            is_log = done == 1 or done % t.log_every == 0 or ramp.done or stop or switched
-            is_eval = eval_batches and (done % t.eval_every == 0 or ramp.done)
-            record = None
-            if is_log or is_eval:
-                out = jax.device_get(out)  # the only host sync: at log steps
-                switched |= ramp.observe(float(out["loss"]))  # a loss threshold reached
-                for parts, big, b_big in jax.device_get(pending):
-                    small_sq = float(np.mean([float(n) ** 2 for n, _ in parts]))
-                    b_small = float(np.mean([float(c) for _, c in parts]))
-                    noise.update(small_sq, b_small, float(big) ** 2, float(b_big))
-                pending.clear()
-                now = time.perf_counter()
-                tokens_per_s = (ramp.tokens - tokens_last) / (now - t_last)
-                step_time = step_tokens / tokens_per_s
-                t_last, tokens_last = now, ramp.tokens
-                tokens_per_s_all.append(tokens_per_s)
-                record = {
-                    "step": done,
-                    "time": time.time(),  # wall clock, to line runs and restarts up
-                    "tokens": ramp.tokens,  # trained so far: exact across resume and ramps
-                    "tokens_per_step": step_tokens,
-                    "loss": float(out["loss"]),
-                    "loss_ema": ramp.loss_ema,
-                    "grad_norm": float(out["grad_norm"]),
-                    "lr": float(out["lr"]),
-                    "tokens_per_s": tokens_per_s,
-                    "step_time_s": step_time,
-                    "mfu": tokens_per_s * fpt / peak,
-                    "hfu": tokens_per_s * hfpt / peak,
-                }
-                if noise.b_simple is not None:
-                    record["b_simple"] = noise.b_simple  # the critical batch, in tokens
-            if stop or ckpt.due(done) or ramp.done:
-                # async; the data state is taken before the next step's batch is pulled
-                data.progress = {"ramp": ramp.state(), "noise": noise.state()}
-                ckpt.save(done, state, data.state())
-            if switched and not ramp.done:
-                feed = data.regroup(ramp.grad_accum)  # drops batches made at the old size
-                if lead:
-                    tqdm.write(
-                        f"batch: {ramp.tokens_per_step:,} tokens per step from here "
-                        f"({ramp.grad_accum} x {ramp.unit:,}; stage {ramp.stage} of the "
-                        f"schedule, at {ramp.tokens:,} tokens)"
-                    )
-            if not ramp.done and not stop:
-                batch = next(feed)
-            if record is None:
-                continue
-            if stop and preempted.signum == signal.SIGINT and lead:
-                tqdm.write(f"Ctrl-C: saving step {done}, then stopping (Ctrl-C again: quit now)")
-            if not math.isfinite(record["loss"]):
-                bar.close()
-                cli.fail(f"loss is {record['loss']} at step {done}; lower optim.lr", code=1)
-            if is_eval:
-                eval_loss = evaluate()
-                record["eval_loss"] = eval_loss
-                t_last = time.perf_counter()  # evaluation time is not step time
-            history.append(record)
-            last = record
-            if writer:
-                writer.write(record)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
-            if lead:
-                ev = f" eval {eval_loss:.4f}" if is_eval and eval_loss is not None else ""
-                crit = record.get("b_simple")
-                bc = f" bcrit {units.human(crit)}tok" if crit is not None else ""
-                tqdm.write(
-                    f"step {done:>6} loss {record['loss']:.4f}{ev} gnorm {record['grad_norm']:.3f}"
-                    f" lr {record['lr']:.2e} {tokens_per_s:,.0f} tok/s"
-                    f" {step_time * 1e3:.0f} ms/step mfu {record['mfu']:.1%}{bc}"
-                )
-            if stop:
+            if run.one_step(preempted):
                 break
-    bar.close()
-    data.close()
-    if writer:
-        writer.close()
+    run.close()
 
-    steady = tokens_per_s_all[1:] or tokens_per_s_all
-    tps = float(np.median(steady))
-    mem = peaks.peak_memory_bytes()
-    say("summary:")
-    say(f"  tokens/s     {tps:,.0f} (median of logged intervals)")
-    say(f"  MFU / HFU    {tps * fpt / peak:.1%} / {tps * hfpt / peak:.1%}  (peak: {peak_source})")
-    say(f"  peak memory  {mem / 2**30:.2f} GiB" if mem else "  peak memory  not reported (CPU)")
-    for line in memory_lib.summary_lines(cfg, mem):  # predicted breakdown (cost/memory.py)
+    for line in run.summary():
         say(line)
-    if history:
-        first_loss = history[0]["loss"]
-        say(f"  train loss   {first_loss:.4f} at step {history[0]['step']} -> {last['loss']:.4f}")
-    if eval_loss is not None:
-        say(f"  eval loss    {eval_loss:.4f}")
-    if noise.b_simple is not None:
-        ratio = ramp.tokens_per_step / noise.b_simple
-        say(
-            f"  batch        {ramp.tokens_per_step:,} tokens per step, {ratio:.2g}x the measured "
-            f"critical batch B_simple = {noise.b_simple:,.0f} tokens ("
-            + ("above it: larger batches would waste compute)" if ratio > 2 else
-               "below it: larger batches would train faster per step)" if ratio < 0.5 else
-               "near it)")
-        )  # fmt: skip
-    say(f"  metrics      {run_dir / 'metrics.jsonl'}")
     ckpt.close()
     if preempted.requested:
         say(
-            f"stopped by {preempted.reason} after step {done}: saved in {ckpt.dir / str(done)};"
-            " run the same command again to resume"
+            f"stopped by {preempted.reason} after step {run.step}: saved in "
+            f"{ckpt.dir / str(run.step)}; run the same command again to resume"
         )
         return preempted.code  # 143 (SIGTERM) or 130 (Ctrl-C): the run did not finish
     return 0
+
+
+def _quiet(*args, **kwargs) -> None:
+    """`say` on processes other than 0: one log per run, however many hosts."""
+
+
+def open_run_dir(cfg: Config) -> Path:
+    """The run directory, with the resolved config in it (written by process 0 only: one
+    writer per file, also when the run directory is shared by all hosts)."""
+    run_dir = Path(cfg.train.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        (run_dir / "config.yaml").write_text(dump(cfg))
+    return run_dir
+
+
+class Training:
+    """One run in progress: what the loop carries from step to step (the state, the batch
+    feed, the ramp, the noise probe, the metrics writer, the progress bar).
+
+    Made once the start point is known (fresh, resumed or init_from) and steps are left;
+    making it compiles every step the run will need and pulls the first batch."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        parts: RunParts,
+        ckpt: Checkpoints,
+        state: dict,
+        start: int,
+        ramp: Ramp,
+        run_dir: Path,
+        say,
+    ):
+        t = cfg.train
+        self.cfg, self.say, self.run_dir = cfg, say, run_dir
+        self.lead = jax.process_index() == 0
+        self.ckpt, self.ramp, self.data, self.eval_fn = ckpt, ramp, parts.data, parts.eval_fn
+        self.state, self.step = state, start  # step: the steps done so far
+        self.profile = t.profile_steps
+        # batches are read, packed and placed on a background thread, data.prefetch ahead
+        self.data.train.grad_accum = ramp.grad_accum
+        sh = parts.batch_sh
+        self.feed = self.data.feed(
+            lambda p, rows, ga: rows_to_global(p, rows, ga, sh, cfg), cfg.data.prefetch
+        )
+        with jax.set_mesh(parts.mesh):
+            self.compiled = compile_steps(parts.step_fn, state, ramp, sh, cfg, say)  # by accum
+            held_out = self.data.eval_batches(t.eval_batches)
+            self.eval_batches = [to_global(b, sh, cfg) for b in held_out]
+            self.noise = NoiseProbe(cfg, parts, state, self.data.progress)
+            self.batch = next(self.feed)
+        self.speed = Throughput(cfg)
+        say(f"peak: {units.human(self.speed.peak)}FLOP/s ({self.speed.peak_source})")
+        self.writer = metrics_lib.MetricsWriter(run_dir, fresh=start == 0) if self.lead else None
+        self.history: list[dict] = []  # the records logged by this process, for the summary
+        self.eval_loss = None  # the latest
+        done = round(ramp.tokens / ramp.base)  # in config batches, as the bar counts
+        self.bar = tqdm(
+            total=t.steps, initial=done, disable=not self.lead, dynamic_ncols=True, desc="train"
+        )
+        self.speed.start(ramp.tokens)
+
+    def one_step(self, preempted: preemption.Preemption) -> bool:
+        """Train one step, then what falls due after it, in this order: the record (the
+        only host sync), the save, a new batch size, the next batch, then evaluation and
+        the log line. True: pre-empted; the step is saved and the run stops here."""
+        self.profile_start()
+        ramp = self.ramp
+        small = self.noise.measure(self.state["params"], self.batch, ramp.grad_accum, self.step)
+        compiled = self.compiled[ramp.grad_accum]
+        self.state, out = compiled(self.state, self.batch, np.float32(ramp.position))
+        self.noise.keep(small, out)
+        self.profile_stop()
+        step_tokens = ramp.tokens_per_step
+        switched = ramp.step_done()
+        self.step += 1
+        stop = preempted(self.step)
+        base = ramp.base  # the bar counts config batches: a ramp's steps count more
+        self.bar.update(step_tokens // base if step_tokens % base == 0 else step_tokens / base)
+        is_log, is_eval = self.due(stop, switched)
+        record = None
+        if is_log or is_eval:
+            out = jax.device_get(out)  # the only host sync: at log steps
+            switched |= ramp.observe(float(out["loss"]))  # a loss threshold reached
+            self.noise.fold()
+            rate = self.speed.lap(ramp.tokens)
+            b_simple = self.noise.b_simple
+            record = step_record(self.step, out, ramp, step_tokens, rate, self.speed, b_simple)
+        if stop or self.ckpt.due(self.step) or ramp.done:
+            self.save()
+        if switched and not ramp.done:
+            self.switch_batch_size()
+        if not ramp.done and not stop:
+            self.batch = next(self.feed)
+        if record is not None:
+            self.log(record, is_eval, stop and preempted.signum == signal.SIGINT)
+        return stop
+
+    def due(self, stop: bool, switched: bool) -> tuple[bool, bool]:
+        """(log, evaluate) after this step. The first and last steps, a stop and a new
+        batch size are always logged, so the log shows where each began and ended."""
+        t, done = self.cfg.train, self.step
+        is_log = done == 1 or done % t.log_every == 0 or self.ramp.done or stop or switched
+        is_eval = bool(self.eval_batches) and (done % t.eval_every == 0 or self.ramp.done)
+        return is_log, is_eval
+
+    def save(self) -> None:
+        """Save this step, asynchronously. The data position is taken now, before the next
+        step's batch is pulled, with the ramp's and the noise scale's state beside it, so a
+        resume continues all three exactly."""
+        self.data.progress = {"ramp": self.ramp.state(), "noise": self.noise.state()}
+        self.ckpt.save(self.step, self.state, self.data.state())
+
+    def switch_batch_size(self) -> None:
+        """A ramp stage began: the feed regroups the rows into the new number of
+        micro-batches (it drops the batches it made at the old size)."""
+        ramp = self.ramp
+        self.feed = self.data.regroup(ramp.grad_accum)
+        if self.lead:
+            tqdm.write(
+                f"batch: {ramp.tokens_per_step:,} tokens per step from here "
+                f"({ramp.grad_accum} x {ramp.unit:,}; stage {ramp.stage} of the "
+                f"schedule, at {ramp.tokens:,} tokens)"
+            )
+
+    def log(self, record: dict, is_eval: bool, ctrl_c: bool) -> None:
+        """A logged step: evaluation if due, then metrics.jsonl, the bar and the log line.
+        A loss that is not finite ends the run here, with a hint: nothing after it counts."""
+        if ctrl_c and self.lead:
+            tqdm.write(f"Ctrl-C: saving step {self.step}, then stopping (Ctrl-C again: quit now)")
+        if not math.isfinite(record["loss"]):
+            self.bar.close()
+            cli.fail(f"loss is {record['loss']} at step {self.step}; lower optim.lr", code=1)
+        if is_eval:
+            self.eval_loss = self.evaluate()
+            record["eval_loss"] = self.eval_loss
+            self.speed.pause()  # evaluation time is not step time
+        self.history.append(record)
+        if self.writer:
+            self.writer.write(record)
+        self.bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
+        if self.lead:
+            tqdm.write(log_line(record))
+
+    def evaluate(self) -> float | None:
+        """The mean loss per target over the eval batches: the same batches every time, so
+        the numbers compare along the run and across resumes. None without targets."""
+        total, count = 0.0, 0
+        for b in self.eval_batches:
+            s, n = self.eval_fn(self.state["params"], b)
+            total, count = total + float(s), count + int(n)
+        return total / max(count, 1) if count else None
+
+    def profile_start(self) -> None:
+        """train.profile_steps=[first, last], steps numbered from 0: the trace starts just
+        before step `first` is dispatched..."""
+        if self.profile and self.step == self.profile[0]:
+            jax.profiler.start_trace(str(self.run_dir / "profile"))
+
+    def profile_stop(self) -> None:
+        """...and stops once step `last` has finished on the devices (not merely been
+        dispatched), with a device memory profile beside it."""
+        if self.profile and self.step == self.profile[1]:
+            jax.block_until_ready(self.state)
+            jax.profiler.stop_trace()
+            jax.profiler.save_device_memory_profile(str(self.run_dir / "memory.prof"))
+            first, last = self.profile
+            self.say(f"profile of steps {first}..{last} written to {self.run_dir}/profile")
+
+    def summary(self) -> list[str]:
+        """The end of the log (train/report.py), from what this run measured."""
+        speed, ramp = self.speed, self.ramp
+        b_simple, tokens_per_step = self.noise.b_simple, ramp.tokens_per_step
+        return report.summary_lines(
+            self.cfg, speed, self.history, self.eval_loss, b_simple, tokens_per_step, self.run_dir
+        )
+
+    def close(self) -> None:
+        """The bar, the data threads and the metrics files; checkpoints close after the
+        summary (their saves may still be being written)."""
+        self.bar.close()
+        self.data.close()
+        if self.writer:
+            self.writer.close()

@@ -1,10 +1,6 @@
-"""FLOPs per token, MFU and HFU, device peaks, and the metrics writer (metrics.jsonl,
-TensorBoard scalars, and Weights & Biases when WANDB_PROJECT is set).
-
-MFU counts the FLOPs the model needs (6N + 12·L·h·s per token: forward 2N,
-backward 4N, attention scores and values 4·L·h·s forward); HFU counts what the
-hardware actually ran, adding the forward work that activation recomputation
-repeats. Both are against the dense bf16 peak of the device.
+"""The metrics writer: metrics.jsonl, TensorBoard scalars, and Weights & Biases when
+WANDB_PROJECT is set. The FLOPs behind MFU and HFU are cost/flops.py's; the peak they
+divide by is train/peaks.py's.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ steps; and the host batches turned into the step's global arrays."""
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -24,6 +25,18 @@ from ultrajax.train.step import (
     make_eval_step,
     state_shardings,
 )
+
+
+class RunParts(NamedTuple):
+    """What `build_run` makes, by name (it still unpacks as the 7-tuple scripts take apart)."""
+
+    mesh: jax.sharding.Mesh
+    rules: dict  # logical axis -> mesh axes (parallel/mesh.py)
+    data: data_lib.Data  # the train stream and the eval batches
+    state: dict  # params, opt_state, step; ShapeDtypeStructs when a checkpoint replaces it
+    step_fn: object  # the jitted train step, to be compiled per batch size
+    eval_fn: object  # jitted (params, batch) -> (summed loss, targets)
+    batch_sh: jax.sharding.NamedSharding  # where the step's batch lives
 
 
 def check_backend(cfg: Config) -> None:
@@ -73,8 +86,9 @@ def compile_steps(step_fn, state, ramp: Ramp, batch_sh, cfg: Config, say) -> dic
     return out
 
 
-def prepare(cfg: Config, *, fresh: bool = True):
-    """Everything before the loop: mesh, data, state, compiled step. Prints the plan.
+def build_run(cfg: Config, *, fresh: bool = True) -> RunParts:
+    """Everything before the loop: mesh, data, state, the jitted steps. (Not to be confused
+    with `python -m ultrajax.data.prepare`, which tokenizes a corpus into shards.)
 
     fresh=False (a checkpoint is about to replace the state): the state is returned as
     ShapeDtypeStructs carrying its shardings, and nothing is initialised for nothing."""
@@ -98,7 +112,7 @@ def prepare(cfg: Config, *, fresh: bool = True):
         grad_accum=cfg.train.grad_accum,
         rows=rows,
     )
-    tx, schedule = optim.optimizer(cfg), optim.schedule(cfg)
+    tx, schedule = optim.optimizer(cfg), optim.lr_schedule(cfg)
     shardings = state_shardings(cfg, mesh, rules, tx)
     with jax.set_mesh(mesh):
         init = jax.jit(lambda k: init_state(cfg, tx, k), out_shardings=shardings)
@@ -114,4 +128,4 @@ def prepare(cfg: Config, *, fresh: bool = True):
         eval_fn = jax.jit(
             make_eval_step(cfg, mesh, rules), in_shardings=(shardings["params"], batch_sh)
         )
-    return mesh, rules, data, state, step_fn, eval_fn, batch_sh
+    return RunParts(mesh, rules, data, state, step_fn, eval_fn, batch_sh)

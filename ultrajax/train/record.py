@@ -1,0 +1,102 @@
+"""The record of a logged step: the numbers metrics.jsonl, TensorBoard and the log line
+show, and the throughput clock they are measured with.
+
+Throughput is measured on the host between two host syncs (the log steps), so it is the
+rate the run really got, input pipeline and dispatch included; MFU and HFU divide it by
+the device's peak (train/peaks.py) with the FLOPs per token of cost/flops.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ultrajax.config.schema import Config
+from ultrajax.cost import flops, units
+from ultrajax.train import peaks
+from ultrajax.train.ramp import Ramp
+
+
+class Throughput:
+    """Tokens per second between logged steps, and MFU / HFU against the device's peak.
+
+    Evaluation restarts the clock (`pause`): its time is not step time."""
+
+    def __init__(self, cfg: Config):
+        self.peak, self.peak_source = peaks.host_peak(cfg)  # on CPU: measured once, cached
+        self.fpt = flops.flops_per_token(cfg.model)  # what the model needs: MFU
+        self.hfpt = flops.hardware_flops_per_token(cfg.model)  # what ran, recompute too: HFU
+        self.rates: list[float] = []  # one per logged interval, for the summary's median
+        self._since, self._tokens = time.perf_counter(), 0
+
+    def start(self, tokens: int) -> None:
+        """The clock starts here, at `tokens` trained (not 0 after a resume)."""
+        self._since, self._tokens = time.perf_counter(), tokens
+
+    def lap(self, tokens: int) -> float:
+        """Tokens per second since the last lap (or start or pause), now at `tokens`."""
+        now = time.perf_counter()
+        rate = (tokens - self._tokens) / (now - self._since)
+        self._since, self._tokens = now, tokens
+        self.rates.append(rate)
+        return rate
+
+    def pause(self) -> None:
+        """Restart the clock without counting tokens: what ran since was not training."""
+        self._since = time.perf_counter()
+
+    def mfu(self, rate: float) -> float:
+        return rate * self.fpt / self.peak
+
+    def hfu(self, rate: float) -> float:
+        return rate * self.hfpt / self.peak
+
+    def median(self) -> float:
+        """The steady rate: the median of the logged intervals, leaving out the first
+        (compilation and warm-up) when there are others."""
+        steady = self.rates[1:] or self.rates
+        return float(np.median(steady))
+
+
+def step_record(
+    step: int,
+    out: dict,
+    ramp: Ramp,
+    step_tokens: int,
+    rate: float,
+    speed: Throughput,
+    b_simple: float | None,
+) -> dict:
+    """One line of metrics.jsonl, from the step's outputs on the host. The key order is
+    the file's; eval_loss is added after evaluation (train/loop.py)."""
+    record = {
+        "step": step,
+        "time": time.time(),  # wall clock, to line runs and restarts up
+        "tokens": ramp.tokens,  # trained so far: exact across resume and ramps
+        "tokens_per_step": step_tokens,
+        "loss": float(out["loss"]),
+        "loss_ema": ramp.loss_ema,
+        "grad_norm": float(out["grad_norm"]),
+        "lr": float(out["lr"]),
+        "tokens_per_s": rate,
+        "step_time_s": step_tokens / rate,
+        "mfu": speed.mfu(rate),
+        "hfu": speed.hfu(rate),
+    }
+    if b_simple is not None:
+        record["b_simple"] = b_simple  # the critical batch, in tokens
+    return record
+
+
+def log_line(record: dict) -> str:
+    """The record as the one line the run prints for it."""
+    loss = record.get("eval_loss")
+    ev = f" eval {loss:.4f}" if loss is not None else ""
+    crit = record.get("b_simple")
+    bc = f" bcrit {units.human(crit)}tok" if crit is not None else ""
+    return (
+        f"step {record['step']:>6} loss {record['loss']:.4f}{ev} gnorm {record['grad_norm']:.3f}"
+        f" lr {record['lr']:.2e} {record['tokens_per_s']:,.0f} tok/s"
+        f" {record['step_time_s'] * 1e3:.0f} ms/step mfu {record['mfu']:.1%}{bc}"
+    )
