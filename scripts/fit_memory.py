@@ -36,6 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ultrajax.cost import activations, sizes
+from ultrajax.model import llama
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -290,6 +291,12 @@ def compile_all(shapes, threads: int = 2, cache: str | None = None):
     return results
 
 
+def mlp_moment(cfg) -> float:
+    """The MLP's moment of activations.layer_work (the fit of KERNEL_WORK replaces it)."""
+    pol, _common, mlp = activations.work_features(cfg)
+    return sum(activations.WORK[pol][k] * v for k, v in mlp.items())
+
+
 def fit(results) -> None:
     """Fit WORK, CP_WORK, PIPE_WORK and PIPE_ATTN_S in place (memory's module tables)."""
     import numpy as np
@@ -312,7 +319,7 @@ def fit(results) -> None:
         pol, common, mlp = activations.work_features(cfg)
         known = est.phases[memory.Phase.LAYER_BACKWARD] - est.parts.work
         d = sizes.dims(cfg)
-        target = compiled["temp"] - known - d.c * sizes.layer_weight_elements(cfg)["norm"]
+        target = compiled["temp"] - known - d.c * sizes.layer_weight_elements(cfg)[llama.NORM]
         rows.setdefault(pol, []).append(([*common.values(), *mlp.values()], target))
         names = [*common, *mlp]
     for pol, data in rows.items():
@@ -350,7 +357,7 @@ def fit(results) -> None:
                 a.append([w * feats[k] for k in keys])
                 target = compiled["temp"] - memory.estimate(cfg).temp
                 if name == "blocked":  # its moment replaces the MLP's, where it is larger
-                    target += activations.mlp_moment(cfg)
+                    target += mlp_moment(cfg)
                 b.append(w * target)
             coef = lsq_linear(np.array(a), np.array(b), bounds=(0.0, np.inf)).x
             for k, v in zip(keys, coef, strict=True):

@@ -46,6 +46,6 @@ def setup(cfg, devices=None):
     devices = devices or jax.devices()[: math.prod(cfg.mesh.sizes().values())]
     mesh = mesh_lib.make_mesh(cfg, devices)
     rules = mesh_lib.rules(cfg)
-    tx, schedule = optim.optimizer(cfg), optim.schedule(cfg)
+    tx, schedule = optim.optimizer(cfg), optim.lr_schedule(cfg)
     shardings = step_lib.state_shardings(cfg, mesh, rules, tx)
     return mesh, rules, tx, schedule, shardings, batch_lib.sharding(mesh)

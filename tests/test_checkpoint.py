@@ -278,6 +278,12 @@ ck.wait()
 """
 
 
+def read_meta(path) -> dict:
+    """The checkpoint's meta item: {"step", "seed", "kind"}."""
+    root, step = checkpoint.locate(path)
+    return checkpoint._read_json_item(root, step, "meta")
+
+
 def test_a_killed_save_never_replaces_the_last_good_checkpoint(tmp_path):
     script = tmp_path / "killed.py"
     script.write_text(textwrap.dedent(KILLED_SAVE))
@@ -288,7 +294,7 @@ def test_a_killed_save_never_replaces_the_last_good_checkpoint(tmp_path):
     assert leftovers and all(n.startswith("2.orbax-checkpoint-tmp") for n in leftovers)
     assert all(fnmatch.fnmatch(n, checkpoint.TMP_PATTERN) for n in leftovers)  # what start removes
     assert checkpoint.locate(ck_dir) == (ck_dir, 1)  # the half-written step 2 does not count
-    assert checkpoint.read_meta(ck_dir)["step"] == 1
+    assert read_meta(ck_dir)["step"] == 1
     # a new run saves step 2 for real (Orbax replaces its own unfinished temporary)
     cfg = parse.load(None, [f"checkpoint.dir={ck_dir}"])
     ck = checkpoint.Checkpoints(cfg)
@@ -327,8 +333,8 @@ def test_a_changed_schedule_length_on_resume_is_refused_or_rescheduled(reference
     optim.schedule_steps=20 (the old schedule, held at its end)."""
     source = reference[0] / "checkpoints" / "10"
     cfg = load(tmp_path, *LAYOUT_A, "train.steps=30")
-    old = float(optim.schedule(load(tmp_path))(10))
-    new = float(optim.schedule(cfg)(10))
+    old = float(optim.lr_schedule(load(tmp_path))(10))
+    new = float(optim.lr_schedule(cfg)(10))
     assert new > old * 1.2  # the cosine over 30 steps is higher at step 10
     with pytest.raises(ConfigError) as e:
         resume.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg))
@@ -342,7 +348,7 @@ def test_a_changed_schedule_length_on_resume_is_refused_or_rescheduled(reference
     )
     assert step == 10 and any(line.startswith("rescheduled: the cosine") for line in lines)
     cfg = load(tmp_path, *LAYOUT_A, "train.steps=30", "optim.schedule_steps=20")
-    assert float(optim.schedule(cfg)(10)) == old and float(optim.schedule(cfg)(29)) > 0
+    assert float(optim.lr_schedule(cfg)(10)) == old and float(optim.lr_schedule(cfg)(29)) > 0
     resume.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg))
     # a constant schedule has no length to change
     cfg = load(tmp_path, *LAYOUT_A, "train.steps=30", "optim.schedule=constant")

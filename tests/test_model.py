@@ -12,7 +12,13 @@ import pytest
 from ultrajax.config import parse
 from ultrajax.config import schema as config
 from ultrajax.config.schema import ModelConfig
-from ultrajax.model.llama import init_params, logical_axes, param_count
+from ultrajax.model.llama import (
+    NORMS,
+    init_params,
+    logical_axes,
+    matmul_param_count,
+    param_count,
+)
 from ultrajax.model.nn import rms_norm, rope
 from ultrajax.model.stack import forward
 from ultrajax.parallel.mesh import LOGICAL_NAMES
@@ -58,6 +64,25 @@ def test_param_count_by_hand():
     # 2 norms 64, wq 32*4*8, wk/wv 2*32*2*8, wo 4*8*32, mlp 3*32*64
     per_layer = 64 + 1024 + 1024 + 1024 + 6144
     assert param_count(BASE) == 2 * 128 * 32 + 32 + 2 * per_layer
+
+
+def test_matmul_param_count_by_hand():
+    # per layer wq 32*4*8, wk/wv 2*32*2*8, wo 4*8*32, mlp 3*32*64; + the LM head 32*128,
+    # which multiplies every token even when it is the (tied) embedding
+    per_layer = 1024 + 1024 + 1024 + 6144
+    assert matmul_param_count(BASE) == 2 * per_layer + 32 * 128
+    assert matmul_param_count(dataclasses.replace(BASE, tie_embeddings=True)) == (
+        2 * per_layer + 32 * 128
+    )
+
+
+def test_norms_are_the_scales_that_start_at_one():
+    params = init_params(BASE, jax.random.key(0))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        is_norm = path[-1].key in NORMS
+        assert is_norm == bool(jnp.all(leaf == 1)), path
+        scale_shapes = {(BASE.d_model,), (BASE.n_layers, BASE.d_model)}  # one per layer or one
+        assert is_norm == (leaf.shape in scale_shapes), path
 
 
 def test_every_parameter_has_logical_names_of_its_rank():

@@ -109,7 +109,7 @@ def test_a_ramp_trains_the_same_tokens_with_the_learning_rate_in_tokens(ramp_run
     assert sizes[0] == 256 and 512 in sizes and sizes[-1] == 1024  # both stages happened
     assert sizes == sorted(sizes)
     assert records[-1]["tokens"] == 24 * 256  # the budget of the fixed batch, in tokens
-    schedule = optim.schedule(cfg)
+    schedule = optim.lr_schedule(cfg)
     before = 0
     for r in records:  # the step's learning rate, read at its position in tokens
         assert r["lr"] == pytest.approx(float(schedule(before / 256)), rel=1e-6)

@@ -264,7 +264,7 @@ def test_adamw_decays_weights_but_not_norm_scales(random_params):
 
 def _sched(*overrides):
     cfg = load(None, ["train.steps=100", "optim.lr=1e-3", "optim.min_lr=1e-4", *overrides])
-    s = optim.schedule(cfg)
+    s = optim.lr_schedule(cfg)
     return np.asarray(jax.jit(s)(jnp.arange(101)), np.float64)
 
 

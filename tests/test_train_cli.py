@@ -124,7 +124,7 @@ def test_config_yaml_is_the_resolved_config_and_lr_follows_its_schedule(run):
     cfg = parse.load(run_dir / "config.yaml")
     assert cfg.train.steps == 12 and cfg.model.n_layers == 2 and cfg.model.seq_len == 64
     assert cfg.train.run_dir == str(run_dir)
-    schedule = optim.schedule(cfg)
+    schedule = optim.lr_schedule(cfg)
     for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
         # the lr logged at step s is the one step s used (the schedule at s - 1)
         assert r["lr"] == pytest.approx(float(schedule(r["step"] - 1)), rel=1e-5, abs=1e-12)

@@ -18,12 +18,17 @@ from ultrajax.config import schema as config_lib
 from ultrajax.train import distributed
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's own errors: one line with the usage, exit 2
+class ArgumentParser(argparse.ArgumentParser):
+    """Every command's parser: argparse's own errors become one line with the usage and
+    exit status 2, and options and overrides come in any order."""
+
+    def error(self, message):
         usage = " ".join(self.format_usage().split())  # "usage: python -m ... [--config ...]"
         fail(f"{self.prog}: {message} ({usage}; --help lists the options)")
 
-    def parse_args(self, args=None, namespace=None):  # options and overrides in any order
+    def parse_args(self, args=None, namespace=None):
+        if self._subparsers is not None:  # intermixed parsing cannot hand over to a subcommand
+            return super().parse_args(args, namespace)
         return self.parse_intermixed_args(args, namespace)
 
 
@@ -33,7 +38,7 @@ def fail(message: str, code: int = 2):
 
 
 def parser(prog: str, description: str, *, config_required: bool = True) -> argparse.ArgumentParser:
-    p = _Parser(
+    p = ArgumentParser(
         prog=prog,
         description=description,
         epilog=parse.keys_help(),
@@ -80,7 +85,7 @@ def device_count(args: argparse.Namespace) -> tuple[int | None, str]:
             fail("--cpu-devices must be >= 1")
         return args.cpu_devices, "cpu, --cpu-devices"
     try:
-        joining = distributed.plan(
+        joining = distributed.joining(
             getattr(args, "coordinator", None),
             getattr(args, "num_processes", None),
             getattr(args, "process_id", None),

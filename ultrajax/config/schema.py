@@ -1,7 +1,8 @@
-"""Typed run configuration: dataclasses, YAML plus dotted overrides, validation.
+"""Typed run configuration: the sections and keys, with their defaults, as dataclasses.
 
-Everything a run needs is checked here before JAX compiles anything, so a typo
-costs a one-line error instead of a minute of tracing and a traceback.
+Plain data, the bottom layer: config/parse.py reads YAML and dotted overrides into it,
+config/validate.py checks every rule before JAX compiles anything (a typo costs a
+one-line error, not a minute of tracing and a traceback).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import jax
 
 from ultrajax.config.schema import Config, ModelConfig
 from ultrajax.cost.sizes import dims, layer_weight_elements
+from ultrajax.model import llama, remat
 from ultrajax.model.attention import backends as attention_lib
 from ultrajax.model.attention import blocked, tiled
 from ultrajax.parallel.context import pair_kernel
@@ -97,18 +98,14 @@ def saved_per_layer(cfg: Config) -> dict[str, float]:
         return {"attention": attention, "mlp": 6 * c * d.F, "norms": norms}
     if pol in ("full", "offload"):
         return {"attention": 0.0, "mlp": 0.0, "norms": block_input}
-    names = (
-        {"query", "key", "value", "attn_out", "mlp_in", "mlp_out"}
-        if pol == "selective"
-        else set(m.remat)
-    )
+    names = set(remat.SELECTIVE) if pol == "selective" else set(m.remat)
     attention = c * (
-        d.Q * ("query" in names)
-        + d.K * ("key" in names)
-        + d.K * ("value" in names)
-        + d.Q * ("attn_out" in names)
+        d.Q * (remat.QUERY in names)
+        + d.K * (remat.KEY in names)
+        + d.K * (remat.VALUE in names)
+        + d.Q * (remat.ATTN_OUT in names)
     )
-    mlp = 2 * c * d.F * ("mlp_in" in names)
+    mlp = 2 * c * d.F * (remat.MLP_IN in names)
     return {"attention": attention, "mlp": mlp, "norms": block_input}
 
 
@@ -137,7 +134,7 @@ def work_features(cfg: Config) -> tuple[str, dict[str, float], dict[str, float]]
     d = dims(cfg)
     pol = _policy(cfg.model)
     if pol == "list":  # recomputing the MLP's inputs works like full, keeping them selective
-        pol = "selective" if "mlp_in" in cfg.model.remat else "full"
+        pol = "selective" if remat.MLP_IN in cfg.model.remat else "full"
     lw = layer_weight_elements(cfg)
     zero3 = cfg.parallel.zero >= 3 and cfg.mesh.fsdp > 1
     flash = _flash(cfg)
@@ -145,9 +142,9 @@ def work_features(cfg: Config) -> tuple[str, dict[str, float], dict[str, float]]
         "X": d.c * (d.X - d.X_res),
         "R": d.c * d.X_res,
         "K": d.c * d.K,
-        "Wm": d.c * lw["mlp"] / 3,
-        "Wa": d.c * lw["attn"] / 2,
-        "Z": d.c * (lw["mlp"] + lw["attn"]) * zero3,
+        "Wm": d.c * lw[llama.MLP] / 3,
+        "Wa": d.c * lw[llama.ATTENTION] / 2,
+        "Z": d.c * (lw[llama.MLP] + lw[llama.ATTENTION]) * zero3,
     }
     mlp = {"S": 0.0 if flash else 4 * d.S, "F": d.c * d.F}
     return ("full" if pol == "offload" else pol), common, mlp
@@ -166,7 +163,7 @@ def layer_work(cfg: Config, share: float = 1.0, attn_s: float = ATTN_S) -> float
     pol, common, mlp = work_features(cfg)
     coef = WORK[pol]
     d = dims(cfg)
-    norms = layer_weight_elements(cfg)["norm"]
+    norms = layer_weight_elements(cfg)[llama.NORM]
     attn = 0.0 if _flash(cfg) else attn_s * 4 * d.S
     if cfg.mesh.sequence > 1:  # context parallelism: one pair of chunks' fp32 scores at a
         # time, (s / 2cp)² = S / 4 with d.s = s / cp, unless a flash kernel runs the pair
@@ -179,12 +176,6 @@ def layer_work(cfg: Config, share: float = 1.0, attn_s: float = ATTN_S) -> float
     base = sum(coef[k] * v for k, v in common.items()) + d.c * norms
     moment = max(share * sum(coef[k] * v for k, v in mlp.items()), attn)
     return share * base + moment + ring_work(cfg) + kernel["T"]
-
-
-def mlp_moment(cfg: Config) -> float:
-    """The MLP's moment of layer_work (the fit of KERNEL_WORK replaces it)."""
-    pol, _common, mlp = work_features(cfg)
-    return sum(WORK[pol][k] * v for k, v in mlp.items())
 
 
 def ring_features(cfg: Config) -> dict[str, float]:
@@ -274,10 +265,11 @@ def zero_bubble_pairs_per_layer(cfg: Config) -> float:
 
 
 def pipeline_buffers(cfg: Config) -> dict[str, float]:
-    """Bytes per device of the executor's buffers (parallel/pipeline/executor.py `run`), each with
-    its spare slot: the residuals of (slots + 1) micro-batch chunks of n_layers / (p v)
-    layers, the arriving activations and gradients (b·s·h each, compute dtype), and
-    zero bubble's (input, cotangent) pairs per chunk (one b·s·h slot otherwise)."""
+    """Bytes per device of the executor's buffers (parallel/pipeline/tick.py's
+    `initial_state`), each with its spare slot: the residuals of (slots + 1) micro-batch
+    chunks of n_layers / (p v) layers, the arriving activations and gradients (b·s·h each,
+    compute dtype), and zero bubble's (input, cotangent) pairs per chunk (one b·s·h slot
+    otherwise)."""
     m, plan = cfg.model, pipeline_plan(cfg)
     d = dims(cfg)
     per_chunk = m.n_layers // (plan.p * plan.v)

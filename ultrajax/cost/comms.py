@@ -68,132 +68,140 @@ def expected(cfg: Config) -> list[Term]:
     ZeRO-1 reduce once per step (accumulation inside one jitted step is our no_sync),
     ZeRO-2 reduce-scatters every micro-batch (a sharded accumulator cannot hold
     unreduced gradients), ZeRO-3 also gathers the layer weights twice per micro-batch
-    (the embedding and LM head once per step: see the ZeRO-3 terms below).
+    (the embedding and LM head once per step: `_zero3_gathers`).
     """
-
-    mesh, m, t = cfg.mesh, cfg.model, cfg.train
-    # context parallelism splits the tokens like the data axes: gradients sum over it too
-    dp_d, fs, tp = mesh.data * mesh.sequence, mesh.fsdp, mesh.tensor
-    accum = t.grad_accum
-    c = units.dtype_bytes(m.dtype)
     psi = sizes.param_elements(cfg, kind="compute", ignore=(FSDP,))
     grads = units.dtype_bytes(cfg.parallel.grad_reduce_dtype) * psi
-    weights = c * psi
-    zero = cfg.parallel.zero if fs > 1 else 0
-    terms = []
-    dp = dp_d * fs
-    pp = mesh.pipeline
-    if pp > 1:  # parallel/pipeline/executor.py: psi counts this stage's layers and the whole rest
-        terms += _pipeline_terms(cfg, grads, psi, dp_d, fs, zero)
-    elif zero == 0 and dp > 1:
+    # under a pipeline (parallel/pipeline/executor.py) psi counts this stage's layers and
+    # the whole embedding, final norm and LM head
+    if cfg.mesh.pipeline > 1:
+        terms = _pipeline_terms(cfg, grads, psi)
+    else:
+        terms = _data_terms(cfg, grads, psi)
+    return terms + _context_terms(cfg) + _tensor_terms(cfg)
+
+
+def _data_axes(cfg: Config) -> tuple[int, int, int]:
+    """(data x sequence, fsdp, the ZeRO stage in effect): context parallelism splits the
+    tokens like the data axes, so gradients sum over it too; ZeRO needs fsdp > 1."""
+    mesh = cfg.mesh
+    fs = mesh.fsdp
+    return mesh.data * mesh.sequence, fs, cfg.parallel.zero if fs > 1 else 0
+
+
+def _data_terms(cfg: Config, grads: float, psi: int) -> list[Term]:
+    """Without a pipeline: DP's all-reduce of the gradients, or ZeRO's reduce-scatter (and
+    an all-reduce of the shards over the data axes) and its gathers of the weights."""
+    dp_d, fs, zero = _data_axes(cfg)
+    over_sequence = " x sequence" if cfg.mesh.sequence > 1 else ""
+    if zero == 0:
+        if dp_d * fs == 1:
+            return []
+        return [Term("all-reduce", "gradients over data x fsdp" + over_sequence, "2Ψ(N-1)/N",
+                     _ring(grads, dp_d * fs, 2.0), "data", "hidden")]  # fmt: skip
+    rs_times = cfg.train.grad_accum if zero >= 2 else 1
+    terms = [
+        Term(
+            "reduce-scatter",
+            f"gradients over fsdp (ZeRO-{zero})" + (", every micro-batch" if rs_times > 1 else ""),
+            f"{rs_times}·Ψ(N-1)/N" if rs_times > 1 else "Ψ(N-1)/N",
+            rs_times * _ring(grads, fs),
+            "fsdp",
+            "hidden",
+        )
+    ]
+    if dp_d > 1:
         terms.append(
-            Term(
-                "all-reduce",
-                "gradients over data x fsdp" + (" x sequence" if mesh.sequence > 1 else ""),
-                "2Ψ(N-1)/N",
-                _ring(grads, dp, 2.0),
-                "data",
-                "hidden",
-            )
-        )
-    if zero >= 1 and pp == 1:
-        rs_times = accum if zero >= 2 else 1
-        terms.append(
-            Term(
-                "reduce-scatter",
-                f"gradients over fsdp (ZeRO-{zero})"
-                + (", every micro-batch" if rs_times > 1 else ""),
-                f"{rs_times}·Ψ(N-1)/N" if rs_times > 1 else "Ψ(N-1)/N",
-                rs_times * _ring(grads, fs),
-                "fsdp",
-                "hidden",
-            )
-        )
-        if dp_d > 1:
-            terms.append(
-                Term(
-                    "all-reduce",
-                    "gradient shards over data" + (" x sequence" if mesh.sequence > 1 else ""),
-                    "2(Ψ/N_fsdp)(N_data-1)/N_data",
-                    _ring(grads / fs, dp_d, 2.0),
-                    "data",
-                    "hidden",
-                )
-            )
-        if zero == 3:
-            # Layer weights are gathered inside the layer scan, forward and again in the
-            # (recomputing) backward, every micro-batch. The embedding, final norm and LM
-            # head are gathered outside it: the gather is loop-invariant, so XLA hoists it
-            # out of the micro-batch loop and the backward reuses it (the embedding's
-            # backward needs no weights at all): once per step. The playbook's 2Ψ counts
-            # every weight twice.
-            psi_layers = sizes.param_elements(
-                cfg, kind="compute", ignore=(FSDP,), where=lambda p: p.startswith("['layers']")
-            )
-            rest = psi - psi_layers
-            terms.append(
-                Term(
-                    "all-gather",
-                    "layer weights over fsdp (forward and backward, every micro-batch)",
-                    f"{2 * accum}·Ψ_layers(N-1)/N",
-                    2 * accum * _ring(c * psi_layers, fs),
-                    "fsdp",
-                    "gathers",
-                )
-            )
-            terms.append(
-                Term(
-                    "all-gather",
-                    "embedding, final norm, LM head over fsdp (once per step)",
-                    "Ψ_rest(N-1)/N",
-                    _ring(c * rest, fs),
-                    "fsdp",
-                    "exposed",
-                )
-            )
-        else:
-            terms.append(_updated_gather(weights, fs))
-    if mesh.sequence > 1:
-        ring = cfg.parallel.context == "ring"
-        what = (
-            "K/V blocks around the ring (cp-1 hops forward and backward) and dK/dV (cp hops)"
-            if ring
-            else "K/V all-gathered over sequence (forward, backward) and dK/dV scattered home"
-        )
-        for kind, nbytes in permute_bytes(cfg).items():
-            formula = "L·m·[2(cp-1)·kv_block + cp·dkv_block]" if ring else "L·m·(cp-1)·kv_block"
-            terms.append(Term(kind, what, formula, nbytes, "sequence", "context"))
-    if tp > 1:
-        # b·s·h of one micro-batch (the device's part of the sequence under CP)
-        act = c * t.micro_batch_size * (m.seq_len // mesh.sequence) * m.d_model
-        per_block = 6 if m.remat == "full" else 4  # full remat repeats the forward's two
-        # + embedding forward, LM head backward; a pipeline stage runs its layers
-        n_ops = (per_block * m.n_layers // mesh.pipeline + 2) * accum
-        what = f"activations b·s·h, {per_block} per block + embedding and LM head, per micro-batch"
-        if cfg.parallel.sequence_parallel:
-            for kind in ("all-gather", "reduce-scatter"):
-                terms.append(
-                    Term(
-                        kind,
-                        what + " (SP)",
-                        f"{n_ops}·bsh(t-1)/t",
-                        n_ops * _ring(act, tp),
-                        "tensor",
-                        "tp",
-                    )  # fmt: skip
-                )
-        else:
-            terms.append(
-                Term(
-                    "all-reduce",
-                    what,
-                    f"{n_ops}·2bsh(t-1)/t",
-                    n_ops * _ring(act, tp, 2.0),
-                    "tensor",
-                    "tp",
-                )  # fmt: skip
-            )
-    return terms
+            Term("all-reduce", "gradient shards over data" + over_sequence,
+                 "2(Ψ/N_fsdp)(N_data-1)/N_data", _ring(grads / fs, dp_d, 2.0), "data", "hidden")
+        )  # fmt: skip
+    if zero == 3:
+        return terms + _zero3_gathers(cfg, psi)
+    return terms + [_updated_gather(units.dtype_bytes(cfg.model.dtype) * psi, fs)]
+
+
+def _zero3_gathers(cfg: Config, psi: int) -> list[Term]:
+    """ZeRO-3's gathers of the weights over fsdp.
+
+    Layer weights are gathered inside the layer scan, forward and again in the
+    (recomputing) backward, every micro-batch. The embedding, final norm and LM head are
+    gathered outside it: the gather is loop-invariant, so XLA hoists it out of the
+    micro-batch loop and the backward reuses it (the embedding's backward needs no
+    weights at all): once per step. The playbook's 2Ψ counts every weight twice."""
+    fs, accum = cfg.mesh.fsdp, cfg.train.grad_accum
+    c = units.dtype_bytes(cfg.model.dtype)
+    psi_layers = sizes.param_elements(
+        cfg, kind="compute", ignore=(FSDP,), where=lambda p: p.layered
+    )
+    rest = psi - psi_layers
+    return [
+        Term(
+            "all-gather",
+            "layer weights over fsdp (forward and backward, every micro-batch)",
+            f"{2 * accum}·Ψ_layers(N-1)/N",
+            2 * accum * _ring(c * psi_layers, fs),
+            "fsdp",
+            "gathers",
+        ),
+        Term(
+            "all-gather",
+            "embedding, final norm, LM head over fsdp (once per step)",
+            "Ψ_rest(N-1)/N",
+            _ring(c * rest, fs),
+            "fsdp",
+            "exposed",
+        ),
+    ]
+
+
+def _context_terms(cfg: Config) -> list[Term]:
+    """Context parallelism (mesh.sequence > 1): the K/V blocks the ring passes around, or
+    the all-gathers and reduce-scatters of parallel.context=allgather (`permute_bytes`)."""
+    if cfg.mesh.sequence == 1:
+        return []
+    ring = cfg.parallel.context == "ring"
+    what = (
+        "K/V blocks around the ring (cp-1 hops forward and backward) and dK/dV (cp hops)"
+        if ring
+        else "K/V all-gathered over sequence (forward, backward) and dK/dV scattered home"
+    )
+    formula = "L·m·[2(cp-1)·kv_block + cp·dkv_block]" if ring else "L·m·(cp-1)·kv_block"
+    return [
+        Term(kind, what, formula, nbytes, "sequence", "context")
+        for kind, nbytes in permute_bytes(cfg).items()
+    ]
+
+
+def tp_collectives_per_block(m) -> int:
+    """Tensor parallelism's collectives per block and micro-batch: two in the forward
+    (attention's and the MLP's output), two in the backward; full remat repeats the
+    forward's two."""
+    return 6 if m.remat == "full" else 4
+
+
+def _tensor_terms(cfg: Config) -> list[Term]:
+    """Tensor parallelism (mesh.tensor > 1): all-reduces of b·s·h activations in every
+    block, plus the embedding's forward and the LM head's backward; with sequence
+    parallelism the same volume as all-gathers and reduce-scatters."""
+    mesh, m, t = cfg.mesh, cfg.model, cfg.train
+    tp = mesh.tensor
+    if tp == 1:
+        return []
+    # b·s·h of one micro-batch (the device's part of the sequence under CP)
+    act = units.dtype_bytes(m.dtype) * t.micro_batch_size * (m.seq_len // mesh.sequence)
+    act *= m.d_model
+    per_block = tp_collectives_per_block(m)
+    # + embedding forward, LM head backward; a pipeline stage runs its layers
+    n_ops = (per_block * m.n_layers // mesh.pipeline + 2) * t.grad_accum
+    what = f"activations b·s·h, {per_block} per block + embedding and LM head, per micro-batch"
+    if cfg.parallel.sequence_parallel:
+        return [
+            Term(kind, what + " (SP)", f"{n_ops}·bsh(t-1)/t", n_ops * _ring(act, tp),
+                 "tensor", "tp")
+            for kind in ("all-gather", "reduce-scatter")
+        ]  # fmt: skip
+    return [Term("all-reduce", what, f"{n_ops}·2bsh(t-1)/t", n_ops * _ring(act, tp, 2.0),
+                 "tensor", "tp")]  # fmt: skip
 
 
 def pipeline_message_bytes(cfg: Config) -> float:
@@ -204,72 +212,56 @@ def pipeline_message_bytes(cfg: Config) -> float:
     return float(d.c * d.X_res)
 
 
-def _pipeline_terms(cfg: Config, grads: float, psi: int, dp_d: int, fs: int, zero: int):
+def _pipeline_terms(cfg: Config, grads: float, psi: int) -> list[Term]:
     """mesh.pipeline > 1 (parallel/pipeline/executor.py): every gradient is reduced once, after the
     last micro-batch (ZeRO-2 too); the embedding, final norm and LM head, which every
     stage holds, sum over `pipeline` in the same all-reduce as over the data axes; and
     the activations and gradients cross the stage boundaries point to point."""
-
     p = cfg.mesh.pipeline
+    dp_d, fs, zero = _data_axes(cfg)
     psi_rest = sizes.param_elements(
-        cfg, kind="compute", ignore=(FSDP,), where=lambda w: not w.startswith("['layers']")
+        cfg, kind="compute", ignore=(FSDP,), where=lambda w: not w.layered
     )
     rest = grads * psi_rest / psi  # grads: bytes of the psi weights' gradients
     layers = grads - rest
     terms = []
     if zero >= 1:
         terms.append(
-            Term(
-                "reduce-scatter",
-                f"gradients over fsdp (ZeRO-{zero}, once per step)",
-                "Ψ(N-1)/N",
-                _ring(grads, fs),
-                "fsdp",
-                "hidden",
-            )
-        )
+            Term("reduce-scatter", f"gradients over fsdp (ZeRO-{zero}, once per step)",
+                 "Ψ(N-1)/N", _ring(grads, fs), "fsdp", "hidden")
+        )  # fmt: skip
     shard = fs if zero >= 1 else 1
     over = "gradient shards" if zero >= 1 else "gradients"
     n = dp_d * (fs if zero == 0 else 1)
     if n > 1:
         terms.append(
-            Term(
-                "all-reduce",
-                f"layer {over} over the data axes",
-                "2Ψ_layers(N-1)/N",
-                _ring(layers / shard, n, 2.0),
-                "data",
-                "hidden",
-            )
-        )
+            Term("all-reduce", f"layer {over} over the data axes", "2Ψ_layers(N-1)/N",
+                 _ring(layers / shard, n, 2.0), "data", "hidden")
+        )  # fmt: skip
     terms.append(
-        Term(
-            "all-reduce",
-            f"embedding, final norm, LM head {over} over data x pipeline",
-            "2Ψ_rest(N·p-1)/(N·p)",
-            _ring(rest / shard, n * p, 2.0),
-            "data+pipeline",
-            "hidden",
-        )
-    )
+        Term("all-reduce", f"embedding, final norm, LM head {over} over data x pipeline",
+             "2Ψ_rest(N·p-1)/(N·p)", _ring(rest / shard, n * p, 2.0), "data+pipeline", "hidden")
+    )  # fmt: skip
     if zero >= 1:
         weights = grads / units.dtype_bytes(cfg.parallel.grad_reduce_dtype)
         weights *= units.dtype_bytes(cfg.model.dtype)
         terms.append(_updated_gather(weights, fs))
-    table = activations.pipeline_plan(cfg).table
-    sends = sum(schedule.p2p_messages(table))
-    terms.append(
-        Term(
-            "collective-permute",
-            "activations down, gradients up the pipeline (each micro-batch crosses each "
-            "stage boundary once each way)",
-            "2·m·(v·p-1)/p·bsh",
-            sends / p * pipeline_message_bytes(cfg),
-            "pipeline",
-            "p2p",
-        )
+    return terms + [_pipeline_sends(cfg)]
+
+
+def _pipeline_sends(cfg: Config) -> Term:
+    """The stage boundaries' point-to-point traffic, counted off the schedule's table."""
+    p = cfg.mesh.pipeline
+    sends = sum(schedule.p2p_messages(activations.pipeline_plan(cfg).table))
+    return Term(
+        "collective-permute",
+        "activations down, gradients up the pipeline (each micro-batch crosses each "
+        "stage boundary once each way)",
+        "2·m·(v·p-1)/p·bsh",
+        sends / p * pipeline_message_bytes(cfg),
+        "pipeline",
+        "p2p",
     )
-    return terms
 
 
 def expected_by_kind(terms: list[Term]) -> dict[str, float]:

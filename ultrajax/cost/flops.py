@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ultrajax.config.schema import ModelConfig
+from ultrajax.model import remat
 from ultrajax.model.llama import matmul_param_count
 from ultrajax.parallel.context import work
 
@@ -33,24 +34,19 @@ def recompute_flops_per_token(m: ModelConfig) -> float:
         return 0.0
     h, hd, a, akv, f = m.d_model, m.hd, m.n_heads, m.n_kv_heads, m.d_ff
     attention = attention_flops_per_token(m)
-    kept = (
-        {
-            "full": set(),
-            "selective": {"query", "key", "value", "attn_out", "mlp_in", "mlp_out"},
-            "offload": {"query", "key", "value", "attn_out", "mlp_in", "mlp_out"},
-        }.get(m.remat)
-        if isinstance(m.remat, str)
-        else set(m.remat)
-    )
+    if isinstance(m.remat, str):  # selective keeps SELECTIVE, offload moves it to the host
+        kept = set() if m.remat == "full" else set(remat.SELECTIVE)
+    else:
+        kept = set(m.remat)
     per_layer = {
-        "query": 2 * h * a * hd,
-        "key": 2 * h * akv * hd,
-        "value": 2 * h * akv * hd,
-        "mlp_in": 4 * h * f,
+        remat.QUERY: 2 * h * a * hd,
+        remat.KEY: 2 * h * akv * hd,
+        remat.VALUE: 2 * h * akv * hd,
+        remat.MLP_IN: 4 * h * f,
     }
     redo = sum(v for k, v in per_layer.items() if k not in kept) * m.n_layers
     redo += 2 * a * hd * h * m.n_layers  # wo
-    redo += attention / 2 if "attn_out" not in kept else 0.0  # PV
+    redo += attention / 2 if remat.ATTN_OUT not in kept else 0.0  # PV
     return redo + attention / 2  # QK^T
 
 

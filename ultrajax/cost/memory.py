@@ -57,6 +57,7 @@ from ultrajax.cost.activations import (
 )
 from ultrajax.cost.sizes import dims, param_elements
 from ultrajax.cost.units import dtype_bytes, fmt_bytes
+from ultrajax.model import llama
 from ultrajax.parallel.axes import FSDP
 from ultrajax.parallel.zero import Zero
 
@@ -162,14 +163,47 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
     """The analytic memory of one train step per device (see the module docstring), for
     the attention `model.attention` means on `platform` (default: this backend)."""
     cfg = concrete(cfg, platform)
-    m, t, zero = cfg.model, cfg.train, cfg.parallel.zero
-    fsdp = cfg.mesh.fsdp
+    fixed = _fixed(cfg)
+    if cfg.mesh.pipeline > 1:
+        return _pipelined(cfg, fixed)
+    held = _gradients(cfg)
+    activations = {part: cfg.model.n_layers * b for part, b in saved_per_layer(cfg).items()}
+    activations["masks and rotary tables"] = invariant_activations(cfg)
+    saved = sum(activations.values())
+    work = layer_work(cfg)
+    kept = fixed.copy + held["gradients"] + held["accumulators"] + held["embed_grad"]
+    phases = _phases(cfg, saved, kept, work, fixed.head_work, held["head_copy"])
+    parts = Breakdown(
+        **fixed.states,
+        compute_copy=fixed.copy,
+        **held,
+        saved=saved,
+        head_work=fixed.head_work,
+        work=work,
+    )
+    host = cfg.model.n_layers * offloaded_per_layer(cfg)
+    return Estimate(parts, activations, phases, fixed.arguments, fixed.outputs, host)
+
+
+@dataclass(frozen=True)
+class _Fixed:
+    """What a step holds whatever the layout does with the gradients and activations."""
+
+    states: dict  # Breakdown's master, optimizer and batch
+    arguments: float
+    outputs: float  # loss, grad_norm, lr, n_targets
+    copy: float  # the compute-dtype copy of the weights, where a separate array
+    head_work: float  # the logits' and loss's working set
+
+
+def _fixed(cfg: Config) -> _Fixed:
+    """The arguments (master weights, Adam's moments and count, the batch), the outputs,
+    the compute copy of the weights and the logits' working set."""
+    m, t = cfg.model, cfg.train
     d = dims(cfg)
-    pb = dtype_bytes(m.param_dtype)
-    c = d.c
+    pb, c = dtype_bytes(m.param_dtype), d.c
     stored = param_elements(cfg, "stored")
     compute = param_elements(cfg, "compute")  # ZeRO-3: sharded over fsdp
-    head_elems = param_elements(cfg, "compute", where=lambda p: "lm_head" in p)
     # the five int32 fields of batch.Batch, (grad_accum, rows, seq_len) each
     batch = 5 * 4 * t.grad_accum * d.b * (m.seq_len // cfg.mesh.sequence)
     states = dict(
@@ -178,74 +212,84 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
         batch=batch,
     )
     arguments = (2 * pb + 4) * stored + batch + 8  # + step counter and Adam's count
-    outputs = 4 * 4  # loss, grad_norm, lr, n_targets
-
     # the compute-dtype copy: a separate array when the dtype differs, or when ZeRO-1/2
     # all-gather the (sharded) masters into a whole copy
-    z = Zero(zero, fsdp)
+    z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
     copy = c * compute if (c != pb or (z.active in (1, 2))) else 0.0
     # model.loss_chunk: the logits of one chunk of the sequence at a time (ultrajax/model/loss.py)
     chunk = m.loss_chunk / m.seq_len if 0 < m.loss_chunk < m.seq_len else 1.0
     head_work = HEAD_WORK_V * 4 * d.V * chunk + HEAD_WORK_X * c * d.X
-    if cfg.mesh.pipeline > 1:
-        return _pipelined(cfg, states, arguments, outputs, copy, head_work)
-    # gradients leave each weight's backward rule in fp32, reduced (ultrajax/model/ops.py):
-    # ZeRO >= 1 scatters them per layer, so only shards are kept; before the last
-    # micro-batch ZeRO-0/1 accumulate whole, unreduced gradients (parallel/grads.py)
+    return _Fixed(states, arguments, 4 * 4, copy, head_work)
+
+
+def _gradients(cfg: Config) -> dict[str, float]:
+    """Gradient memory held through the backward pass, by Breakdown field.
+
+    Gradients leave each weight's backward rule in fp32, reduced (ultrajax/model/ops.py):
+    ZeRO >= 1 scatters them per layer, so only shards are kept; before the last
+    micro-batch ZeRO-0/1 accumulate whole, unreduced gradients (parallel/grads.py). The
+    embedding's gradient is a whole fp32 table through the backward pass (read twice when
+    tied, it is reduced after it): beyond the shard kept under ZeRO >= 1; ZeRO-3 also
+    holds the LM head's whole copy until the head's backward is done."""
+    z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
+    stored = param_elements(cfg, "stored")
     whole = param_elements(cfg, "compute", ignore=(FSDP,))
     final = stored if z.active >= 1 else whole
     acc_elems = stored if z.active >= 2 else whole
-    grads = 4.0 * final
-    accum = 4.0 * acc_elems if t.grad_accum > 1 else 0.0
+    return dict(
+        gradients=4.0 * final,
+        accumulators=4.0 * acc_elems if cfg.train.grad_accum > 1 else 0.0,
+        embed_grad=_beyond_shard(cfg, llama.EMBEDDING, 4) if z.active >= 1 else 0.0,
+        head_copy=(
+            _beyond_shard(cfg, llama.HEAD, dims(cfg).c) if z.shards_params and z.active else 0.0
+        ),
+    )
 
-    activations = {part: d.L * nbytes for part, nbytes in saved_per_layer(cfg).items()}
-    activations["masks and rotary tables"] = invariant_activations(cfg)
-    saved = sum(activations.values())
-    work = layer_work(cfg)
 
-    # the embedding's gradient is a whole fp32 table through the backward pass (read twice
-    # when tied, it is reduced after it): beyond the shard kept under ZeRO >= 1; ZeRO-3
-    # also holds the LM head's whole copy until the head's backward is done
-    def beyond_shard(name, nbytes):
-        def where(p):
-            return p == f"['{name}']"
+def _beyond_shard(cfg: Config, part: str, nbytes: int) -> float:
+    """Bytes of the whole (gathered over fsdp) parameters of `part` beyond this device's
+    shard of them."""
 
-        full = param_elements(cfg, "compute", ignore=(FSDP,), where=where)
-        return nbytes * (full - param_elements(cfg, "stored", where=where))
+    def where(p):
+        return p.part == part
 
-    embed_full = beyond_shard("embed", 4) if z.active >= 1 else 0.0
-    head_full = beyond_shard("lm_head", c) if z.shards_params and z.active else 0.0
-    kept = copy + grads + accum + embed_full
+    full = param_elements(cfg, "compute", ignore=(FSDP,), where=where)
+    return nbytes * (full - param_elements(cfg, "stored", where=where))
+
+
+def _phases(cfg, saved, kept, work, head_work, head_full) -> dict[Phase, float]:
+    """Each phase's temporaries on top of the arguments (module docstring), in the order
+    the step runs them (the first of equal phases is the peak's)."""
+    d = dims(cfg)
+    head_elems = param_elements(cfg, "compute", where=lambda p: p.part == llama.HEAD)
     phases = {Phase.LAYER_BACKWARD: saved + kept + work}
     if not _flash(cfg):
-        # XLA hoists the mask's broadcasts out of the layer loop: two fp32 and one bool
-        # array of scores' size; under remat the layer's scores and probabilities are live
-        # again on top of them during the forward pass, and XLA:CPU writes the normalised
-        # probabilities as a third fp32 array once the softmax has SOFTMAX_ROWS_SPLIT rows
-        recompute = _policy(m) != "none"
-        hoisted = (2 * 4 + 1) * d.S + (2 * 4 * d.S if recompute else 0)
-        if recompute and d.b * d.a * d.s >= SOFTMAX_ROWS_SPLIT:
-            hoisted += 4 * d.S
-        phases[Phase.LAYER_FORWARD] = saved + kept + hoisted
-    phases[Phase.HEAD_BACKWARD] = saved + kept - c * head_elems + head_work + head_full
-    grads_f32 = 4.0 * stored  # after the reduction: the optimizer's input
-    phases[Phase.OPTIMIZER_UPDATE] = grads_f32 + OPT_WORK * 4 * stored
-    parts = Breakdown(
-        **states,
-        compute_copy=copy,
-        gradients=grads,
-        accumulators=accum,
-        embed_grad=embed_full,
-        head_copy=head_full,
-        saved=saved,
-        head_work=head_work,
-        work=work,
-    )
-    host = d.L * offloaded_per_layer(cfg)
-    return Estimate(parts, activations, phases, arguments, outputs, host)
+        phases[Phase.LAYER_FORWARD] = saved + kept + _hoisted(cfg)
+    phases[Phase.HEAD_BACKWARD] = saved + kept - d.c * head_elems + head_work + head_full
+    phases[Phase.OPTIMIZER_UPDATE] = _update(param_elements(cfg, "stored"))
+    return phases
 
 
-def _pipelined(cfg: Config, states, arguments, outputs, copy, head_work) -> Estimate:
+def _hoisted(cfg: Config) -> int:
+    """Plain attention's forward: XLA hoists the mask's broadcasts out of the layer loop,
+    two fp32 and one bool array of scores' size; under remat the layer's scores and
+    probabilities are live again on top of them during the forward pass, and XLA:CPU
+    writes the normalised probabilities as a third fp32 array once the softmax has
+    SOFTMAX_ROWS_SPLIT rows."""
+    d = dims(cfg)
+    recompute = _policy(cfg.model) != "none"
+    hoisted = (2 * 4 + 1) * d.S + (2 * 4 * d.S if recompute else 0)
+    if recompute and d.b * d.a * d.s >= SOFTMAX_ROWS_SPLIT:
+        hoisted += 4 * d.S
+    return hoisted
+
+
+def _update(stored: int) -> float:
+    """The optimizer's phase: the fp32 gradients it reads and the update's temporaries."""
+    return 4.0 * stored + OPT_WORK * 4 * stored
+
+
+def _pipelined(cfg: Config, fixed: _Fixed) -> Estimate:
     """mesh.pipeline > 1 (parallel/pipeline/executor.py): the executor's buffers replace the saved
     activations, every device holds one stage's layers and the whole embedding, final
     norm and LM head, and no gradient is reduced before the last micro-batch is done.
@@ -270,24 +314,26 @@ def _pipelined(cfg: Config, states, arguments, outputs, copy, head_work) -> Esti
     # a chunk of several layers stacks its residuals before they go into their slot
     chunk_res = per_chunk * sum(pipeline_saved_per_layer(cfg).values()) if per_chunk > 1 else 0
     work = layer_work(cfg, PIPE_WORK[work_features(cfg)[0]], PIPE_ATTN_S)
-    kept = copy + accum
+    kept = fixed.copy + accum
     phases = {
         Phase.PIPELINE_TICK: saved + kept + chunk_res + work,
-        Phase.HEAD_BACKWARD: saved + kept + head_work,
+        Phase.HEAD_BACKWARD: saved + kept + fixed.head_work,
         Phase.GRADIENT_REDUCTION: accum + grads,
-        Phase.OPTIMIZER_UPDATE: 4.0 * stored + OPT_WORK * 4 * stored,
+        Phase.OPTIMIZER_UPDATE: _update(stored),
     }
     parts = Breakdown(
-        **states,
-        compute_copy=copy,
+        **fixed.states,
+        compute_copy=fixed.copy,
         gradients=grads,
         accumulators=accum,
         saved=saved,
         chunk_residuals=chunk_res,
-        head_work=head_work,
+        head_work=fixed.head_work,
         work=work,
     )
-    return Estimate(parts, activations, phases, arguments, outputs, host, pipelined=True)
+    return Estimate(
+        parts, activations, phases, fixed.arguments, fixed.outputs, host, pipelined=True
+    )
 
 
 def summary_lines(cfg: Config, measured_peak: int | None = None) -> list[str]:

@@ -3,15 +3,12 @@ config and the rules table alone (nothing traced but shapes)."""
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
-import jax
-
-from ultrajax.config.schema import Config, ModelConfig
+from ultrajax.config.schema import Config
 from ultrajax.cost.units import dtype_bytes
-from ultrajax.model.llama import init_params, logical_axes
+from ultrajax.model import llama
 from ultrajax.parallel import mesh as mesh_lib
 from ultrajax.parallel.axes import FSDP
 
@@ -31,40 +28,7 @@ def _ways(cfg: Config, entry, ignore=()) -> int:
 
 
 def _rules(cfg: Config):
-
     return mesh_lib.rules(cfg)
-
-
-_SHAPE_FIELDS = (
-    "vocab_size",
-    "d_model",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "d_ff",
-    "head_dim",
-    "tie_embeddings",
-    "param_dtype",
-)
-
-
-@functools.lru_cache(maxsize=64)
-def _param_leaves(key: tuple) -> tuple[tuple[str, tuple[int, ...], tuple[str, ...]], ...]:
-    """(path, shape, logical names) of every parameter; traced abstractly, nothing allocated."""
-
-    m = ModelConfig(**dict(zip(_SHAPE_FIELDS, key, strict=True)))
-    shapes = jax.eval_shape(lambda: init_params(m, jax.random.key(0)))
-    names = logical_axes(m)
-    flat_s = jax.tree_util.tree_leaves_with_path(shapes)
-    flat_n = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))
-    return tuple(
-        (jax.tree_util.keystr(p), tuple(s.shape), tuple(n))
-        for (p, s), n in zip(flat_s, flat_n, strict=True)
-    )
-
-
-def _leaves(m: ModelConfig):
-    return _param_leaves(tuple(getattr(m, f) for f in _SHAPE_FIELDS))
 
 
 def shard_elements(cfg: Config, shape, names, kind: str, ignore=()) -> int:
@@ -79,23 +43,23 @@ def param_elements(cfg: Config, kind: str = "stored", ignore=(), where=None) -> 
     """Parameters held per device under the rules' `kind` column (stored | compute).
 
     `ignore` leaves mesh axes out (`("fsdp",)`: the size once gathered over fsdp);
-    `where(path)` selects leaves."""
+    `where(param)` selects rows of the family's table (llama.Param)."""
+    m = cfg.model
     return sum(
-        shard_elements(cfg, shape, names, kind, ignore)
-        for path, shape, names in _leaves(cfg.model)
-        if where is None or where(path)
+        shard_elements(cfg, p.shape(m), p.names, kind, ignore)
+        for p in llama.params_of(m)
+        if where is None or where(p)
     )
 
 
 def layer_weight_elements(cfg: Config, ignore=(FSDP,)) -> dict[str, int]:
-    """One layer's compute weights per device (as used: gathered over fsdp)."""
-    out = {"attn": 0, "mlp": 0, "norm": 0}
-    for path, shape, names in _leaves(cfg.model):
-        if not path.startswith("['layers']"):
-            continue
-        n = shard_elements(cfg, shape[1:], names[1:], "compute", ignore)
-        key = "mlp" if "'w_" in path else "norm" if "norm" in path else "attn"
-        out[key] += n
+    """One layer's compute weights per device (as used: gathered over fsdp), by part of
+    the model (llama.ATTENTION, MLP, NORM)."""
+    m = cfg.model
+    out = {p.part: 0 for p in llama.PARAMS if p.layered}
+    for p in llama.params_of(m):
+        if p.layered:
+            out[p.part] += shard_elements(cfg, p.shape(m)[1:], p.names[1:], "compute", ignore)
     return out
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 
 from ultrajax.config.schema import Config
 from ultrajax.cost import comms, flops, hardware
-from ultrajax.model.llama import matmul_param_count
+from ultrajax.model import llama
 from ultrajax.parallel.axes import AXES
 from ultrajax.parallel.pipeline import schedules as schedule
 
@@ -210,7 +210,7 @@ def features(
     accum = t.grad_accum
     tokens_mb = t.micro_batch_size * m.seq_len / cp  # one device's tokens per micro-batch
     tokens = tokens_mb * accum * cfg.dp * cp  # per step, all devices
-    head = 6.0 * m.d_model * m.vocab_size  # LM head, forward and backward, per token
+    head = 6.0 * _head_size(m)  # LM head, forward and backward, per token
     per_token = flops.hardware_flops_per_token(m)
     layers = math.ceil(m.n_layers / p)  # the slowest stage's (nanotron splits unevenly)
     if balanced:
@@ -236,7 +236,7 @@ def features(
         dl, pl = link["data"], link["pipeline"]
         slow = dl if dl.bw <= pl.bw else pl
         link["data+pipeline"] = Link(dl.size * pl.size, slow.bw, slow.latency, slow.inter)
-    per_block = 6 if m.remat == "full" else 4  # comms.expected's count per micro-batch
+    per_block = comms.tp_collectives_per_block(m)  # per micro-batch, as comms.expected counts
     tp_ops = (per_block * layers + 2) * (2 if cfg.parallel.sequence_parallel else 1)
     for term, scale in _scaled_terms(cfg, cache):
         axis, when = _axis_of(term)
@@ -259,11 +259,16 @@ def _stored_params(cfg: Config) -> float:
     tensor shard, its ZeRO shard)."""
 
     m, mesh = cfg.model, cfg.mesh
-    total = matmul_param_count(m) + (0 if m.tie_embeddings else m.vocab_size * m.d_model)
+    total = sum(p.size(m) for p in llama.params_of(m) if not p.norm)
     shard = mesh.tensor * mesh.pipeline
     if cfg.parallel.zero >= 1:
         shard *= mesh.fsdp
     return total / shard
+
+
+def _head_size(m) -> int:
+    """The LM head's weights: its matmul runs whether or not it is tied to the embedding."""
+    return sum(p.size(m) for p in llama.PARAMS if p.part == llama.HEAD)
 
 
 def _bubble(kind: str, p: int, m: int, v: int) -> float:

@@ -258,7 +258,7 @@ def _plot(runs: Sequence[dict], f: dict, entries: Sequence[dict], path: str) -> 
 
 def parser() -> argparse.ArgumentParser:
 
-    p = cli._Parser(  # argparse errors as one line, exit status 2, like every ultrajax tool
+    p = cli.ArgumentParser(  # argparse errors as one line, exit status 2, like every ultrajax tool
         prog=PROG,
         description="Fit B_crit = c * L^-alpha to the noise scale that runs logged and "
         "print the train.batch_schedule it implies.",

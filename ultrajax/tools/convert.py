@@ -8,7 +8,8 @@ verify prints the largest |logit difference| (both in fp32) and a PASS/FAIL line
 --tol (default 1e-4, VERIFY_TOL); FAIL exits 1.
 
 Weight layout. Hugging Face stores torch `Linear` weights as (out, in); ours are
-einsum operands (in, ..., out) with the heads split out and the layers stacked:
+einsum operands (in, ..., out) with the heads split out and the layers stacked (the
+names and shapes are model/llama.py's PARAMS table; `_layout` turns one into the other):
 
   model.embed_tokens.weight           (V, d)        -> embed       (V, d)
   layers.i.input_layernorm.weight     (d,)          -> attn_norm   (L, d)
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -54,6 +56,7 @@ from ultrajax.config import parse, validate
 from ultrajax.config.schema import Config, ConfigError, ModelConfig
 from ultrajax.data import sources
 from ultrajax.data import tokenizer as tokenizer_lib
+from ultrajax.model import llama
 from ultrajax.model.stack import forward
 from ultrajax.train import checkpoint as checkpoint_lib
 
@@ -222,57 +225,35 @@ def hf_config(m: ModelConfig, dtype: str, tokenizer=None) -> dict:
 # --------------------------------------------------------------------------- layouts
 
 
-def _layer_maps(m: ModelConfig):
-    """ours <- HF and HF <- ours, per layer tensor: (HF suffix, to ours, to HF)."""
-    d, h, kv, hd = m.d_model, m.n_heads, m.n_kv_heads, m.hd
-    same = lambda w: w  # noqa: E731
-    return {
-        "attn_norm": ("input_layernorm.weight", same, same),
-        "wq": (
-            "self_attn.q_proj.weight",
-            lambda w: w.T.reshape(d, h, hd),
-            lambda a: a.reshape(d, h * hd).T,
-        ),
-        "wk": (
-            "self_attn.k_proj.weight",
-            lambda w: w.T.reshape(d, kv, hd),
-            lambda a: a.reshape(d, kv * hd).T,
-        ),
-        "wv": (
-            "self_attn.v_proj.weight",
-            lambda w: w.T.reshape(d, kv, hd),
-            lambda a: a.reshape(d, kv * hd).T,
-        ),
-        "wo": (
-            "self_attn.o_proj.weight",
-            lambda w: w.T.reshape(h, hd, d),
-            lambda a: a.reshape(h * hd, d).T,
-        ),
-        "mlp_norm": ("post_attention_layernorm.weight", same, same),
-        "w_gate": ("mlp.gate_proj.weight", lambda w: w.T, lambda a: a.T),
-        "w_up": ("mlp.up_proj.weight", lambda w: w.T, lambda a: a.T),
-        "w_down": ("mlp.down_proj.weight", lambda w: w.T, lambda a: a.T),
-    }
+def _layout(p: llama.Param, m: ModelConfig):
+    """(HF -> ours, ours -> HF) for one parameter (a layer's slice of a stacked one).
+
+    A torch Linear is stored (out, in); ours is an einsum operand (in..., out...), the
+    `in` axes the parameter's fan-in, with the heads split out. Norm scales and the
+    embedding (a lookup, no fan-in) are stored alike."""
+    if not p.fan_in:
+        return (lambda w: w), (lambda a: a)
+    shape = p.shape(m)[1:] if p.layered else p.shape(m)
+    fan_in = math.prod(llama.axis_sizes(m)[n] for n in p.fan_in)
+    if len(shape) == 2:  # only transposed: a tensor of the wrong shape is refused, not reshaped
+        return (lambda w: w.T), (lambda a: a.T)
+    return (lambda w: w.T.reshape(shape)), (lambda a: a.reshape(fan_in, -1).T)
 
 
-def _top_maps(m: ModelConfig):
-    same = lambda w: w  # noqa: E731
-    out = {
-        "embed": ("model.embed_tokens.weight", same, same),
-        "final_norm": ("model.norm.weight", same, same),
-    }
-    if not m.tie_embeddings:
-        out["lm_head"] = ("lm_head.weight", lambda w: w.T, lambda a: a.T)
-    return out
+def _split(m: ModelConfig) -> tuple[list[llama.Param], list[llama.Param]]:
+    """The parameters whole in one tensor (embedding, final norm, LM head), and a layer's."""
+    present = llama.params_of(m)
+    return [p for p in present if not p.layered], [p for p in present if p.layered]
 
 
 def hf_names(m: ModelConfig) -> dict[str, tuple]:
-    """HF tensor name -> (our key, layer index or None, HF -> ours)."""
-    layer = _layer_maps(m)
-    names = {hf: (key, None, to_ours) for key, (hf, to_ours, _) in _top_maps(m).items()}
+    """HF tensor name -> (our key, layer index or None, HF -> ours): the whole-model
+    tensors first, then layer by layer."""
+    top, layer = _split(m)
+    names = {p.hf: (p.key, None, _layout(p, m)[0]) for p in top}
+    to_ours = {p.key: _layout(p, m)[0] for p in layer}
     for i in range(m.n_layers):
-        for key, (suffix, to_ours, _) in layer.items():
-            names[f"model.layers.{i}.{suffix}"] = (key, i, to_ours)
+        names.update({p.hf.format(i=i): (p.key, i, to_ours[p.key]) for p in layer})
     return names
 
 
@@ -320,14 +301,15 @@ def hf_to_orbax(hf_dir: str | Path, out: str | Path, param_dtype: str = "auto") 
     abstract = checkpoint_lib.abstract_params(m)
     params = jax.tree.map(lambda a: np.empty(a.shape, dtype), abstract)
     names = hf_names(m)
+    tied = {p.hf for p in llama.PARAMS if not p.present(m)}  # the embedding is the head
     seen = set()
     for path in files:
         with safe_open(str(path), framework="numpy") as f:
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):
                     continue  # a buffer some versions saved: recomputed from rope_theta
-                if name == "lm_head.weight" and m.tie_embeddings:
-                    continue  # tied: the embedding is the head
+                if name in tied:
+                    continue
                 if name not in names:
                     raise ConfigError(
                         f"{path.name}: tensor {name!r} has no place in a {ARCHITECTURE} with "
@@ -390,7 +372,6 @@ def orbax_to_hf(checkpoint: str | Path, out: str | Path, dtype: str = "auto") ->
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     params = checkpoint_lib.load_params(checkpoint, m, cpu, warn=lambda s: None)
     np_dtype = np.dtype(DTYPES[dtype])
-    layer = _layer_maps(m)
     n_files = m.n_layers + 1
     out.mkdir(parents=True, exist_ok=True)
     weight_map, total = {}, 0
@@ -404,13 +385,12 @@ def orbax_to_hf(checkpoint: str | Path, out: str | Path, dtype: str = "auto") ->
             weight_map[k] = name
             total += v.nbytes
 
-    top = {hf: to_hf(np.asarray(params[key])) for key, (hf, _, to_hf) in _top_maps(m).items()}
-    write(0, top)
-    del top
+    top, layer = _split(m)
+    to_hf = {p.key: _layout(p, m)[1] for p in top + layer}
+    write(0, {p.hf: to_hf[p.key](np.asarray(params[p.key])) for p in top})
     for i in range(m.n_layers):  # one layer's copies at a time
         tensors = {
-            f"model.layers.{i}.{suffix}": to_hf(np.asarray(params["layers"][key][i]))
-            for key, (suffix, _, to_hf) in layer.items()
+            p.hf.format(i=i): to_hf[p.key](np.asarray(params["layers"][p.key][i])) for p in layer
         }
         write(i + 1, tensors)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -532,14 +512,9 @@ def verify(hf_dir, checkpoint, tokens: int = 32, batch: int = 2, seed: int = 0) 
 # --------------------------------------------------------------------------- command line
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's own errors: one line, exit 2
-        cli.fail(f"{self.prog}: {message}")
-
-
 def main(argv=None) -> int:
-    p = _Parser(prog="ultrajax.convert", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = cli.ArgumentParser(prog="ultrajax.convert", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=cli.ArgumentParser)
     a = sub.add_parser("hf-to-orbax", help="Hugging Face Llama -> ultrajax checkpoint")
     a.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
     a.add_argument("--out", required=True, help="new directory for the checkpoint + config.yaml")

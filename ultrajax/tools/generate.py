@@ -4,7 +4,7 @@
 Sampling with a KV cache: the prompt is run once (prefill), writing every
 layer's keys and values into a cache sized for prompt + new tokens; then each
 new token costs one position's forward pass against the cache
-(`model.forward_with_cache`), instead of the whole sequence again. Temperature 0
+(`model/decode.py`'s `forward_with_cache`), instead of the whole sequence again. Temperature 0
 is greedy decoding. Generation stops after N new tokens or at the tokenizer's
 end-of-text token. Works on any checkpoint: a training run's or a converted one.
 """
@@ -24,7 +24,6 @@ from ultrajax import cli
 from ultrajax.config.schema import ConfigError, ModelConfig
 from ultrajax.data import sources
 from ultrajax.model.decode import forward_with_cache, init_cache
-from ultrajax.model.stack import forward
 from ultrajax.train import checkpoint as checkpoint_lib
 
 
@@ -62,11 +61,6 @@ def _cached_step(params, tokens, cache, start, static):
     return forward_with_cache(_model(static), params, tokens, cache, start)
 
 
-@functools.partial(jax.jit, static_argnames="static")
-def _full_logits(params, tokens, static):
-    return forward(_model(static), params, tokens)
-
-
 def generate(
     cfg: ModelConfig,
     params: dict,
@@ -99,21 +93,6 @@ def generate(
     return out
 
 
-def generate_uncached(cfg: ModelConfig, params: dict, prompt: list[int], max_new_tokens: int):
-    """Greedy decoding that runs the full forward pass over the whole sequence at every
-    step: the reference the KV cache is tested against. The sequence is padded to its
-    final length (causal attention: the padding never reaches earlier positions), so
-    it compiles once."""
-    static = _static(cfg)
-    ids = list(prompt)
-    total = len(prompt) + max_new_tokens
-    for _ in range(max_new_tokens):
-        padded = jnp.asarray([ids + [0] * (total - len(ids))], jnp.int32)
-        logits = _full_logits(params, padded, static)
-        ids.append(int(jnp.argmax(logits[0, len(ids) - 1])))
-    return ids[len(prompt) :]
-
-
 def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
@@ -124,13 +103,8 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's own errors: one line, exit 2
-        cli.fail(f"{self.prog}: {message}")
-
-
 def main(argv=None) -> int:
-    p = _Parser(prog="ultrajax.generate", description="Sample from a checkpoint.")
+    p = cli.ArgumentParser(prog="ultrajax.generate", description="Sample from a checkpoint.")
     p.add_argument("--checkpoint", required=True, help="a checkpoint directory or one step of it")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer")

@@ -44,11 +44,9 @@ import orbax.checkpoint as ocp
 
 from ultrajax.config import parse, validate
 from ultrajax.config.schema import Config, ConfigError, ModelConfig
-from ultrajax.model.llama import init_params
+from ultrajax.model import llama
 
 FORMAT = 1
-# model keys that decide the parameter shapes: a difference is an error
-SHAPE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
 # keys that change the function the weights compute: a difference is reported
 NUMERIC_KEYS = (
     "rope_theta",
@@ -187,19 +185,15 @@ def read_config(path: str | Path) -> Config:
     return config_from_dict(_read_json_item(root, step, "config"), _where(root, step))
 
 
-def read_meta(path: str | Path) -> dict:
-    root, step = locate(path)
-    return _read_json_item(root, step, "meta")
-
-
 # --------------------------------------------------------------------------- checks
 
 
 def check_model(saved: ModelConfig, want: ModelConfig, where: str, warn=print) -> None:
-    """Architecture keys must agree; numeric ones that differ are reported, not refused."""
+    """The keys the parameter shapes read (llama.SHAPE_KEYS, and the head dimension) must
+    agree; numeric ones that differ are reported, not refused."""
     diffs = [
         f"model.{k}={getattr(saved, k)} in the checkpoint, {getattr(want, k)} in the config"
-        for k in SHAPE_KEYS + ("tie_embeddings",)
+        for k in llama.SHAPE_KEYS
         if getattr(saved, k) != getattr(want, k)
     ]
     if saved.hd != want.hd:
@@ -322,7 +316,7 @@ def write_params(directory: str | Path, params: dict, cfg: Config, step: int = 0
 
 def abstract_params(cfg: ModelConfig) -> dict:
     """ShapeDtypeStructs of the parameters (nothing allocated)."""
-    return jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
+    return jax.eval_shape(functools.partial(llama.init_params, cfg), jax.random.key(0))
 
 
 def _with_shardings(abstract, shardings):

@@ -19,7 +19,8 @@ def schedule_steps(cfg: Config) -> int:
     return cfg.optim.schedule_steps or cfg.train.steps
 
 
-def schedule(cfg: Config) -> optax.Schedule:
+def lr_schedule(cfg: Config) -> optax.Schedule:
+    """The learning rate by step: warmup, then constant, cosine or warmup-stable-decay."""
     o, steps = cfg.optim, schedule_steps(cfg)
     # the first step already moves the weights: lr/warmup, not 0
     warmup = optax.linear_schedule(o.lr / max(o.warmup_steps, 1), o.lr, max(o.warmup_steps, 1))
@@ -42,7 +43,7 @@ def schedule(cfg: Config) -> optax.Schedule:
 
 
 def decay_mask(params: dict) -> dict:
-    """True where weight decay applies: everything but the norm scales."""
+    """True where weight decay applies: everything but the norm scales (llama.NORMS)."""
 
     def keep(path, _):
         return not any(getattr(k, "key", None) in NORMS for k in path)
@@ -63,7 +64,7 @@ def scale(updates, lr):
 
 
 def optimizer(cfg: Config) -> optax.GradientTransformation:
-    """Clipping, then AdamW at learning rate 1 (times `schedule` in the step)."""
+    """Clipping, then AdamW at learning rate 1 (times `lr_schedule` in the step)."""
     o = cfg.optim
     parts = []
     if o.clip_norm > 0:

@@ -153,8 +153,8 @@ def check_schedule(saved: Config, cfg: Config, where: str, step: int, warn=print
     old, new = optim.schedule_steps(saved), optim.schedule_steps(cfg)
     if old == new or cfg.optim.schedule == "constant":
         return
-    before = float(optim.schedule(saved)(step))
-    after = float(optim.schedule(cfg)(step))
+    before = float(optim.lr_schedule(saved)(step))
+    after = float(optim.lr_schedule(cfg)(step))
     change = f"the learning rate at step {step} goes from {before:.2e} to {after:.2e}"
     if cfg.train.reschedule:
         warn(
