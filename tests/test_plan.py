@@ -16,8 +16,7 @@ import pytest
 from ultrajax import cli
 from ultrajax.config import parse, validate
 from ultrajax.config import schema as config
-from ultrajax.cost import candidates as layouts
-from ultrajax.cost import comms, hardware, memory, steptime
+from ultrajax.cost import candidates, comms, hardware, memory, steptime
 from ultrajax.tools import plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +47,7 @@ def _small() -> config.Config:
 def test_enumeration_divides_model_batch_and_devices():
     base = _small()
     gpus, tokens = 16, 64 * 2048
-    seen = list(layouts.enumerate_layouts(base, gpus, 8, tokens // 2048))
+    seen = list(candidates.enumerate_candidates(base, gpus, 8, tokens // 2048))
     assert len(seen) > 100
     m = base.model
     for lay in seen:
@@ -69,6 +68,31 @@ def test_enumeration_divides_model_batch_and_devices():
         validate.validate_layout(cfg)
         assert cfg.tokens_per_step == tokens
     assert base.mesh.sizes() == config.MeshConfig().sizes()  # the base is not changed
+
+
+def test_enumeration_is_what_the_validator_accepts():
+    """The divisibility rules are the config's: the planner yields exactly the tries
+    (mesh shapes, batch splits) that validate_layout accepts, in order. Its shortcuts
+    (a mesh shape asked once, schedules asked on few micro-batches) change nothing; the
+    shape here makes each rule bite: 24 GPUs (fsdp 3, 6 ... against d_model 1024),
+    12 layers (no interleaving on 4 stages), 12 tokens (context and tensor chunks)."""
+    base = _small()
+    base.model.seq_len = 12
+    gpus, sequences = 24, 48
+    tries = []
+    for tp, cp, pp in candidates._mesh_shapes(gpus, 8):
+        dp = gpus // (tp * cp * pp)
+        if sequences % dp == 0:
+            tries += candidates._batch_splits(sequences // dp, dp, tp, cp, pp, 8)
+    accepted = []
+    for c in tries:
+        try:
+            validate.validate_layout(c.config(base))
+            accepted.append(c)
+        except config.ConfigError:
+            pass
+    assert 0 < len(accepted) < len(tries)
+    assert list(candidates.enumerate_candidates(base, gpus, 8, sequences)) == accepted
 
 
 def test_every_communication_term_has_an_axis():
@@ -102,7 +126,7 @@ def test_pipeline_shortcuts_match_the_full_computation(schedule, v):
     cfg.mesh.fsdp, cfg.mesh.pipeline, cfg.parallel.zero = 2, 2, 1
     cfg.parallel.pipeline_schedule, cfg.parallel.virtual_stages = schedule, v
     cfg.train.micro_batch_size, cfg.train.grad_accum = 2, 12
-    assert layouts.memory_of(cfg, {}) == pytest.approx(memory.estimate(cfg, platform="gpu").peak)
+    assert candidates.memory_of(cfg, {}) == pytest.approx(memory.estimate(cfg, platform="gpu").peak)
     direct = {t.what: t.traffic for t in comms.expected(cfg)}
     for term, scale in steptime._scaled_terms(cfg, {}):
         assert term.traffic * scale == pytest.approx(direct[term.what], rel=1e-9)
@@ -145,7 +169,7 @@ def test_best_layout_for_1_34b_on_one_node_is_among_the_measured_fastest():
     base = config.Config(model=vp.model_config("1.34B", 4096))
     acc = hardware.by_name("h100")
     scored = []
-    for lay in layouts.enumerate_layouts(base, 8, 8, 2**20 // 4096):
+    for lay in candidates.enumerate_candidates(base, 8, 8, 2**20 // 4096):
         if lay.remat != "none" or lay.zero > 1 or lay.sequence > 1 or lay.schedule != "1f1b":
             continue
         cfg = lay.config(base)

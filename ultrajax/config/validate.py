@@ -174,8 +174,12 @@ def _validate_checkpoint(cfg: Config) -> None:
     _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0: only at the end)")
 
 
-def validate_layout(cfg: Config) -> None:
-    """Divisibility rules of the mesh; needs concrete mesh sizes (no -1 left)."""
+def validate_layout(cfg: Config, *, build_schedule: bool = True) -> None:
+    """Divisibility rules of the mesh; needs concrete mesh sizes (no -1 left).
+
+    build_schedule=False leaves out the one slow rule, the pipeline schedule's own
+    (validate_schedule builds its table, seconds for thousands of micro-batches): the
+    planner asks it once per schedule instead of once per layout."""
     mesh = cfg.mesh
     if -1 in mesh.sizes().values():
         return  # checked again once the device count has resolved the fill
@@ -216,7 +220,7 @@ def validate_layout(cfg: Config) -> None:
             f"model.loss_chunk ({m.loss_chunk}) must divide the tokens per device along the "
             f"sequence (model.seq_len / mesh.sequence = {m.seq_len // cp})",
         )
-    _validate_pipeline(cfg)
+    _validate_pipeline(cfg, build_schedule)
     _validate_ramp(cfg)
 
 
@@ -266,7 +270,7 @@ def _validate_ramp(cfg: Config) -> None:
             last_loss = stage.from_loss
 
 
-def _validate_pipeline(cfg: Config) -> None:
+def _validate_pipeline(cfg: Config, build_schedule: bool = True) -> None:
     """mesh.pipeline > 1: the stages, the schedule and what composes with them."""
     p, par = cfg.mesh.pipeline, cfg.parallel
     v = par.virtual_stages
@@ -295,10 +299,17 @@ def _validate_pipeline(cfg: Config) -> None:
         "parallel.zero=3 with mesh.pipeline > 1: ZeRO-3 would all-gather every stage's "
         "weights again at every micro-batch tick; use parallel.zero=1 or 2 (docs/pipeline.md)",
     )
+    if build_schedule:
+        validate_schedule(par.pipeline_schedule, p, cfg.train.grad_accum, v)
+
+
+def validate_schedule(kind: str, p: int, m: int, v: int) -> None:
+    """The schedule's own rules on stages, micro-batches and chunks, as building its
+    table checks them."""
     try:
-        schedule.build(par.pipeline_schedule, p, cfg.train.grad_accum, v)
+        schedule.build(kind, p, m, v)
     except ValueError as e:
-        raise ConfigError(f"parallel.pipeline_schedule={par.pipeline_schedule}: {e}") from None
+        raise ConfigError(f"parallel.pipeline_schedule={kind}: {e}") from None
 
 
 def no_effect(cfg: Config) -> list[str]:

@@ -1,17 +1,19 @@
 """Every layout of a model on N GPUs that divides the model and the batch, with its
 predicted memory (memory.estimate) and step time (steptime.predict): the planner's
-search space (python -m ultrajax.plan, docs/planner.md).
+search space (python -m ultrajax.plan, docs/planner.md). What must divide what is the
+config's to say (config/validate.py): the planner asks it, never restates it.
 
 A layout is the mesh (data, fsdp, tensor, pipeline, sequence), the ZeRO stage, the
 pipeline schedule, the micro-batch, gradient accumulation and the remat policy. The
 global batch is fixed (tokens per step), so dp x micro-batch x accumulation is too.
 Sequence parallelism is on wherever tensor > 1 (the same bytes as TP's all-reduces,
-less memory). Tensor parallelism stays inside a node.
+less memory). Tensor and context parallelism stay inside a node.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -27,7 +29,10 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 
 
 @dataclass(frozen=True)
-class Layout:
+class Candidate:
+    """One layout the planner scores: the config's sections it sets (parallel/layout.py's
+    Layout is another thing, the step's placement of a config on a mesh)."""
+
     data: int
     fsdp: int
     tensor: int
@@ -101,60 +106,101 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(
+def enumerate_candidates(
     base: Config, gpus: int, gpus_per_node: int, sequences: int
-) -> Iterator[Layout]:
+) -> Iterator[Candidate]:
     """Every layout of `sequences` sequences per step on `gpus` devices that the config's
     own checks accept (config.validate_layout: heads, d_ff and vocab divisible by tensor,
-    layers by pipeline x virtual stages, the schedule's micro-batch rules, ...)."""
-    m = base.model
+    the sequence's chunks, layers by pipeline x virtual stages, ZeRO's d_model, the
+    schedule's micro-batch rules, ...)."""
+    for candidate, _ in _accepted(base, gpus, gpus_per_node, sequences):
+        yield candidate
+
+
+def _accepted(
+    base: Config, gpus: int, gpus_per_node: int, sequences: int
+) -> Iterator[tuple[Candidate, Config]]:
+    """The candidates the config's validate_layout accepts, each with its config. The
+    planner chooses only what it tries (tensor and context parallelism inside a node,
+    data ranks that divide the batch); the config decides what must divide what. A mesh
+    shape the config refuses with the least it can carry (one fsdp rank, ZeRO-0, the
+    plain schedule on one micro-batch a stage) it refuses with every batch split, so
+    each shape is asked once before its splits are."""
+    schedule_verdicts: dict = {}
+    for tp, cp, pp in _mesh_shapes(gpus, gpus_per_node):
+        dp = gpus // (tp * cp * pp)
+        if sequences % dp:
+            continue
+        least = Candidate(dp, 1, tp, pp, cp, 0, 1, pp, REMATS[0])
+        if not _accepts(least.config(base), schedule_verdicts):
+            continue
+        for candidate in _batch_splits(sequences // dp, dp, tp, cp, pp, gpus_per_node):
+            cfg = candidate.config(base)
+            if _accepts(cfg, schedule_verdicts):
+                yield candidate, cfg
+
+
+def _mesh_shapes(gpus: int, gpus_per_node: int) -> Iterator[tuple[int, int, int]]:
+    """(tensor, context, pipeline) sizes whose product divides `gpus`; tensor and context
+    parallelism stay inside a node (their collectives run every layer)."""
     for tp in divisors(gpus):
-        if tp > gpus_per_node or any(getattr(m, k) % tp for k in ("n_heads", "n_kv_heads", "d_ff")):
+        if tp > gpus_per_node:
             continue
         for cp in divisors(gpus // tp):
-            if cp > gpus_per_node or m.seq_len % (2 * cp * tp):
+            if cp > gpus_per_node:
                 continue
             for pp in divisors(gpus // (tp * cp)):
-                if m.n_layers % pp or (pp > 1 and cp > 1):
-                    continue
-                dp = gpus // (tp * cp * pp)
-                if sequences % dp:
-                    continue
-                yield from _batch_splits(m, sequences // dp, dp, tp, cp, pp, gpus_per_node)
+                yield tp, cp, pp
 
 
-def _batch_splits(m, rows: int, dp: int, tp: int, cp: int, pp: int, gpn: int):
+def _batch_splits(rows: int, dp: int, tp: int, cp: int, pp: int, gpn: int) -> Iterator[Candidate]:
+    """The planner's tries for one mesh shape: `rows` sequences per data rank as
+    micro-batch x accumulation; the dp ranks all data, or sharded (ZeRO-1/2/3) over all
+    of them or over those a node holds; every planned schedule, one that chunks with 2
+    chunks a device; each remat policy."""
     inner = tp * cp * pp
     local = max(1, min(dp, gpn // inner)) if inner < gpn else 1
     shards = [(dp, 1, 0)]  # (data, fsdp, zero)
     for z in (1, 2, 3):
         for fsdp in sorted({dp, local}):
-            if fsdp > 1 and dp % fsdp == 0 and m.d_model % fsdp == 0 and not (z == 3 and pp > 1):
+            if fsdp > 1 and dp % fsdp == 0:
                 shards.append((dp // fsdp, fsdp, z))
     kinds = [(schedule.PLAIN, 1)]  # the schedule a one-stage layout carries
-    if pp > 1:  # every schedule the planner tries; one that chunks, with 2 chunks a device
-        kinds = [
-            (name, 2 if s.chunks else 1)
-            for name, s in schedule.SCHEDULES.items()
-            if s.planned and (not s.chunks or m.n_layers % (2 * pp) == 0)
-        ]
+    if pp > 1:
+        kinds = [(n, 2 if s.chunks else 1) for n, s in schedule.SCHEDULES.items() if s.planned]
     for mbs in MICRO_BATCHES:
         if rows % mbs:
             continue
-        accum = rows // mbs
-        if pp > 1 and accum < pp:
-            continue
-        for data, fsdp, z in shards:
-            for kind, v in kinds:
-                if v > 1 and accum % pp:
-                    continue
-                for remat in REMATS:
-                    yield Layout(data, fsdp, tp, pp, cp, z, mbs, accum, remat, kind, v)
+        for (data, fsdp, z), (kind, v), remat in itertools.product(shards, kinds, REMATS):
+            yield Candidate(data, fsdp, tp, pp, cp, z, mbs, rows // mbs, remat, kind, v)
+
+
+def _accepts(cfg: Config, schedule_verdicts: dict) -> bool:
+    """config.validate_layout accepts cfg. Its slow rule, the pipeline schedule's own
+    (validate_schedule builds the table: seconds for thousands of micro-batches), is
+    asked once per schedule, p and v, on the fewest micro-batches with the same answer
+    (kept in `schedule_verdicts`): the schedules read the count m only as m >= p and
+    m mod p (parallel/pipeline/schedules.py), which min(m, p + m mod p) answers alike."""
+    try:
+        validate.validate_layout(cfg, build_schedule=False)
+    except ConfigError:
+        return False
+    p, m = cfg.mesh.pipeline, cfg.train.grad_accum
+    if p == 1:
+        return True
+    key = (cfg.parallel.pipeline_schedule, p, min(m, p + m % p), cfg.parallel.virtual_stages)
+    if key not in schedule_verdicts:
+        try:
+            validate.validate_schedule(*key)
+            schedule_verdicts[key] = True
+        except ConfigError:
+            schedule_verdicts[key] = False
+    return schedule_verdicts[key]
 
 
 @dataclass
 class Evaluated:
-    layout: Layout
+    candidate: Candidate
     time: steptime.StepTime
     memory: float | None = None  # bytes per device; None: not estimated (not needed)
 
@@ -195,49 +241,12 @@ def evaluate(
         raise ConfigError(
             f"--tokens-per-step ({tokens_per_step}) must be a multiple of model.seq_len ({seq})"
         )
-    out, cache, valid = [], {}, {}
-    for layout in enumerate_layouts(base, gpus, gpus_per_node, tokens_per_step // seq):
-        cfg = layout.config(base)
-        if not _valid(cfg, valid):
-            continue
+    out, cache = [], {}
+    for candidate, cfg in _accepted(base, gpus, gpus_per_node, tokens_per_step // seq):
         time = steptime.predict(cfg, acc, gpus_per_node, fit, cache=cache)
-        out.append(Evaluated(layout, time))
+        out.append(Evaluated(candidate, time))
     out.sort(key=lambda e: e.time.total)
     return out
-
-
-def _valid(cfg: Config, seen: dict) -> bool:
-    """config.validate_layout accepts cfg, asked in two cheap parts under a pipeline:
-    the layout without its pipeline (every rule but the pipeline's), and the pipeline
-    alone on one micro-batch a stage (its rules: layers per stage, the schedule; those
-    on micro-batch counts hold for m as the enumeration keeps m >= p and, interleaved,
-    m % p == 0). Building a schedule of many micro-batches is slow."""
-    checks = [cfg]
-    p = cfg.mesh.pipeline
-    if p > 1:
-        flat = copy.copy(cfg)
-        flat.mesh = replace(cfg.mesh, pipeline=1)
-        flat.parallel = replace(cfg.parallel, pipeline_schedule=schedule.PLAIN, virtual_stages=1)
-        alone = config_lib.Config(model=cfg.model)
-        alone.mesh = config_lib.MeshConfig(pipeline=p)
-        alone.parallel = replace(
-            config_lib.ParallelConfig(),
-            pipeline_schedule=cfg.parallel.pipeline_schedule,
-            virtual_stages=cfg.parallel.virtual_stages,
-        )
-        alone.train = replace(cfg.train, micro_batch_size=1, grad_accum=p)
-        checks = [flat, alone]
-    for check in checks:
-        key = (repr(check.mesh), repr(check.parallel), repr(check.model), repr(check.train))
-        if key not in seen:
-            try:
-                validate.validate_layout(check)
-                seen[key] = True
-            except ConfigError:
-                seen[key] = False
-        if not seen[key]:
-            return False
-    return True
 
 
 def rank(
@@ -251,7 +260,7 @@ def rank(
     for i, e in enumerate(evaluated):
         if len(best) >= top and i >= at_least:
             break
-        e.memory = memory_of(e.layout.config(base), cache)
+        e.memory = memory_of(e.candidate.config(base), cache)
         if e.memory <= capacity and len(best) < top:
             best.append(e)
     return best

@@ -34,6 +34,7 @@ import copy
 import dataclasses
 import functools
 import json
+import math
 import sys
 
 import jax
@@ -116,7 +117,7 @@ def lower_step(cfg: Config, devices=None):
     devices = list(jax.devices() if devices is None else devices)
     mesh = mesh_lib.make_mesh(cfg, devices)
     rules = mesh_lib.rules(cfg)
-    tx, schedule = optim.optimizer(cfg), optim.schedule(cfg)
+    tx, schedule = optim.optimizer(cfg), optim.lr_schedule(cfg)
     state, batch, shardings, batch_sh = abstract_inputs(cfg, mesh, rules, tx)
     with jax.set_mesh(mesh):
         step = jit_train_step(cfg, mesh, rules, tx, schedule, shardings, batch_sh)
@@ -174,7 +175,7 @@ def flops_report(cfg: Config, compiled=None, hlo_text: str | None = None) -> dic
     (+ recomputation), the compiled dots counted with their loops' trip counts, and
     XLA's cost_analysis (which reads a loop body once)."""
     m = cfg.model
-    n = math_prod(cfg.mesh.sizes().values())
+    n = math.prod(cfg.mesh.sizes().values())
     tokens = cfg.tokens_per_step
     out = {
         "model": flops.flops_per_token(m) * tokens / n,
@@ -200,13 +201,6 @@ def flops_report(cfg: Config, compiled=None, hlo_text: str | None = None) -> dic
                 "backward, head, ...) as run at every tick; a device runs one per tick"
             )
     return out
-
-
-def math_prod(values) -> int:
-    p = 1
-    for v in values:
-        p *= v
-    return p
 
 
 # --------------------------------------------------------------------------- the report
@@ -244,77 +238,109 @@ def analyze(
     its communication beside this one's (`communication_modes`)."""
     devices = list(jax.devices() if devices is None else devices)
     resolve_mesh(cfg, len(devices))
-    original = cfg
-    ccfg, notes = _compile_config(cfg) if compile or communication else (cfg, [])
-    analysed = ccfg  # predictions for what is compiled; the verdict for the config as given
-    # a config analysed as given is predicted for a GPU (the attention `auto` means there)
-    est = memory.estimate(analysed, platform="gpu" if analysed is original else None)
-    report = {
-        "config": {
-            "devices": len(devices),
-            "backend": jax.default_backend(),
-            "mesh": dict(cfg.mesh.sizes()),
-            "zero": cfg.parallel.zero,
-            "sequence_parallel": cfg.parallel.sequence_parallel,
-            "remat": cfg.model.remat,
-            "dtype": cfg.model.dtype,
-            "param_dtype": cfg.model.param_dtype,
-            "attention": cfg.model.attention,
-            "parameters": param_count(cfg.model),
-            "micro_batch_size": cfg.train.micro_batch_size,
-            "grad_accum": cfg.train.grad_accum,
-            "seq_len": cfg.model.seq_len,
-            "tokens_per_step": cfg.tokens_per_step,
-            "pipeline_schedule": cfg.parallel.pipeline_schedule if cfg.mesh.pipeline > 1 else None,
-            "virtual_stages": cfg.parallel.virtual_stages,
-        },
-        "notes": notes,
-        "predicted": est.to_dict(),
-    }
-    peak_for_verdict = est.peak
-    if original is not analysed:
-        as_configured = memory.estimate(original, platform="gpu")
-        peak_for_verdict = as_configured.peak
-        report["predicted_as_configured"] = as_configured.to_dict()
-    if device_memory is None:
-        device_memory, source = hardware.device_memory(devices[0])
-    else:
-        source = "--device-memory"
-    report["verdict"] = verdict(peak_for_verdict, device_memory, source)
-
+    compiling = compile or communication
+    # predictions for what is compiled; the verdict for the config as given
+    analysed, notes = _compile_config(cfg) if compiling else (cfg, [])
+    report, est = _predicted(cfg, analysed, notes, devices, device_memory)
     compiled = text = partitioned = None
-    if compile or communication:
+    if compiling:
         compiled, partitioned = compile_step_partitioned(analysed, devices, compiler_options)
         report["compiled"] = compiled_memory(compiled)
+        report["ratios"] = _ratios(est, report["compiled"])
         text = compiled.as_text()
-        c = report["compiled"]
-        report["ratios"] = {
-            "arguments": est.arguments / c["argument"] if c["argument"] else None,
-            "temp": est.temp / c["temp"] if c["temp"] else None,
-            "peak": est.peak / c["peak"] if c["peak"] else None,
-        }
     report["flops"] = flops_report(analysed, compiled, text)
     if cfg.mesh.pipeline > 1:
         source = "partitioned" if partitioned is not None else "compiled"
         hlo = partitioned if partitioned is not None else text
         report["pipeline"] = pipeline_report(analysed, hlo, source)
     if communication and text is not None:
-        report["communication"] = communication_report(analysed, text, partitioned)
-        report["communication_modes"] = {analysed.parallel.collectives: report["communication"]}
-        other = copy.deepcopy(analysed)
-        other.parallel.collectives = (
-            "gspmd" if analysed.parallel.collectives == "explicit" else "explicit"
+        modes = _communication_modes(
+            analysed, text, partitioned, devices, compiler_options, both_modes, report["notes"]
         )
-
-        skip = unsupported(other, jax.default_backend())
-        if both_modes and skip:
-            report["notes"].append(f"{other.parallel.collectives} not compiled: {skip}")
-        elif both_modes:
-            other_compiled, other_part = compile_step_partitioned(other, devices, compiler_options)
-            report["communication_modes"][other.parallel.collectives] = communication_report(
-                other, other_compiled.as_text(), other_part
-            )
+        report["communication"] = modes[analysed.parallel.collectives]
+        report["communication_modes"] = modes
     return report
+
+
+def _config_summary(cfg: Config, devices: list) -> dict:
+    """The layout and batch as the report's header shows them."""
+    return {
+        "devices": len(devices),
+        "backend": jax.default_backend(),
+        "mesh": dict(cfg.mesh.sizes()),
+        "zero": cfg.parallel.zero,
+        "sequence_parallel": cfg.parallel.sequence_parallel,
+        "remat": cfg.model.remat,
+        "dtype": cfg.model.dtype,
+        "param_dtype": cfg.model.param_dtype,
+        "attention": cfg.model.attention,
+        "parameters": param_count(cfg.model),
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "grad_accum": cfg.train.grad_accum,
+        "seq_len": cfg.model.seq_len,
+        "tokens_per_step": cfg.tokens_per_step,
+        "pipeline_schedule": cfg.parallel.pipeline_schedule if cfg.mesh.pipeline > 1 else None,
+        "virtual_stages": cfg.parallel.virtual_stages,
+    }
+
+
+def _predicted(cfg: Config, analysed: Config, notes: list, devices: list, device_memory):
+    """(the report's analytic part, the estimate of what is compiled). Memory is
+    predicted for `analysed`; the verdict is for `cfg` as configured, on a GPU (where
+    its attention `auto` means the kernel), when compiling here had to change it."""
+    est = memory.estimate(analysed, platform="gpu" if analysed is cfg else None)
+    report = {
+        "config": _config_summary(cfg, devices),
+        "notes": notes,
+        "predicted": est.to_dict(),
+    }
+    peak = est.peak
+    if analysed is not cfg:
+        as_configured = memory.estimate(cfg, platform="gpu")
+        peak = as_configured.peak
+        report["predicted_as_configured"] = as_configured.to_dict()
+    if device_memory is None:
+        device_memory, source = hardware.device_memory(devices[0])
+    else:
+        source = "--device-memory"
+    report["verdict"] = verdict(peak, device_memory, source)
+    return report, est
+
+
+def _ratios(est, c: dict) -> dict:
+    """Predicted over compiled (`c`: compiled_memory's figures), where XLA has one."""
+    return {
+        "arguments": est.arguments / c["argument"] if c["argument"] else None,
+        "temp": est.temp / c["temp"] if c["temp"] else None,
+        "peak": est.peak / c["peak"] if c["peak"] else None,
+    }
+
+
+def _communication_modes(
+    cfg: Config,
+    text: str,
+    partitioned: str | None,
+    devices: list,
+    compiler_options: dict | None,
+    both_modes: bool,
+    notes: list[str],
+) -> dict:
+    """collectives mode -> communication report: this config's, and with both_modes the
+    other mode's compiled beside it (or a note in `notes` saying why not)."""
+    modes = {cfg.parallel.collectives: communication_report(cfg, text, partitioned)}
+    if not both_modes:
+        return modes
+    other = copy.deepcopy(cfg)
+    other.parallel.collectives = "gspmd" if cfg.parallel.collectives == "explicit" else "explicit"
+    skip = unsupported(other, jax.default_backend())
+    if skip:
+        notes.append(f"{other.parallel.collectives} not compiled: {skip}")
+    else:
+        other_compiled, other_part = compile_step_partitioned(other, devices, compiler_options)
+        modes[other.parallel.collectives] = communication_report(
+            other, other_compiled.as_text(), other_part
+        )
+    return modes
 
 
 def communication_report(cfg: Config, text: str, partitioned: str | None = None) -> dict:
@@ -335,6 +361,37 @@ def communication_report(cfg: Config, text: str, partitioned: str | None = None)
 
 
 def main(argv=None) -> int:
+    """The report of one train step: checks, the analysis, the pictures, then the text."""
+    args = _parser().parse_args(argv)
+    device_memory = _device_memory(args.device_memory)
+    _check_plot_paths(args)
+    cli.setup_devices(args)
+    cfg = _load_config(args)
+    title = plot_schedule(cfg, args.plot_schedule) if args.plot_schedule else None
+    multi = math.prod(cfg.mesh.sizes().values()) > 1
+    # a multi-device mesh implies --compile (for the communication), unless only the
+    # schedule's picture was asked for
+    do_compile = (args.compile or (multi and not args.plot_schedule)) and not args.no_compile
+    report = analyze(
+        cfg,
+        compile=do_compile,
+        communication=do_compile,
+        device_memory=device_memory,
+        both_modes=do_compile and multi,
+    )
+    _plots(report, cfg, args, title)
+    if args.json:
+        json.dump(report, sys.stdout, indent=1, default=_jsonable)
+        print()
+    else:
+        print(format_report(report))
+        for key in ("plot", "plot_sweep", "plot_schedule"):
+            if key in report:
+                print(f"wrote {report[key]}")
+    return 0
+
+
+def _parser():
     p = cli.parser("ultrajax.analyze", "Memory, FLOPs and communication of one train step.")
     p.add_argument("--compile", action="store_true", help="compile and compare with XLA")
     p.add_argument("--no-compile", action="store_true", help="analytic figures only")
@@ -348,44 +405,49 @@ def main(argv=None) -> int:
         metavar="FILE.png",
         help="the pipeline schedule (mesh.pipeline > 1); implies no compile unless --compile",
     )
-    args = p.parse_args(argv)
-    device_memory = None
-    if args.device_memory is not None:
-        try:
-            device_memory = units.parse_bytes(args.device_memory)
-        except ValueError:
-            raise ConfigError(
-                f"--device-memory: {args.device_memory!r} is not a size; use e.g. 80GB, 80GiB "
-                "or a number of bytes"
-            ) from None
+    return p
+
+
+def _device_memory(size: str | None) -> int | None:
+    """--device-memory in bytes (None: the device's own), checked before devices start."""
+    if size is None:
+        return None
+    try:
+        return units.parse_bytes(size)
+    except ValueError:
+        raise ConfigError(
+            f"--device-memory: {size!r} is not a size; use e.g. 80GB, 80GiB or a number of bytes"
+        ) from None
+
+
+def _check_plot_paths(args) -> None:
+    """Each picture's path ends in an image suffix (matplotlib writes the format it
+    names), checked before any device starts."""
     for flag in ("plot", "plot_sweep", "plot_schedule"):
         path = getattr(args, flag)
         if path is not None and not path.lower().endswith((".png", ".pdf", ".svg")):
             raise ConfigError(f"--{flag.replace('_', '-')}: {path!r} should end in .png")
-    cli.setup_devices(args)
+
+
+def _load_config(args) -> Config:
+    """The config on this process's devices; a mesh that does not fit them says how
+    many to simulate on a CPU host. Settings without effect here are warned about."""
     cfg = cli.load_config(args)
-    n = jax.device_count()
     try:
-        resolve_mesh(cfg, n)
+        resolve_mesh(cfg, jax.device_count())
     except ConfigError as e:
         sizes = cfg.mesh.sizes().values()
-        want = math_prod(sizes) if -1 not in sizes else "N"
+        want = math.prod(sizes) if -1 not in sizes else "N"
         hint = f" (on a CPU host, --cpu-devices {want} simulates that many devices)"
         raise ConfigError(f"{e}{'' if '--cpu-devices' in str(e) else hint}") from None
     for line in no_effect(cfg):
         print(f"warning: {line}", file=sys.stderr)
-    title = plot_schedule(cfg, args.plot_schedule) if args.plot_schedule else None
-    multi = math_prod(cfg.mesh.sizes().values()) > 1
-    # a multi-device mesh implies --compile (for the communication), unless only the
-    # schedule's picture was asked for
-    do_compile = (args.compile or (multi and not args.plot_schedule)) and not args.no_compile
-    report = analyze(
-        cfg,
-        compile=do_compile,
-        communication=do_compile,
-        device_memory=device_memory,
-        both_modes=do_compile and multi,
-    )
+    return cfg
+
+
+def _plots(report: dict, cfg: Config, args, title: str | None) -> None:
+    """Draw the pictures asked for after the analysis and name them in the report (the
+    schedule's was drawn before: it needs no compile)."""
     if args.plot:
         plot_breakdown(report, args.plot)
         report["plot"] = args.plot
@@ -395,15 +457,6 @@ def main(argv=None) -> int:
     if title is not None:
         report["plot_schedule"] = args.plot_schedule
         report["plot_schedule_title"] = title
-    if args.json:
-        json.dump(report, sys.stdout, indent=1, default=_jsonable)
-        print()
-    else:
-        print(format_report(report))
-        for key in ("plot", "plot_sweep", "plot_schedule"):
-            if key in report:
-                print(f"wrote {report[key]}")
-    return 0
 
 
 def _jsonable(x):

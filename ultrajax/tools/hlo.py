@@ -304,11 +304,6 @@ def summarize(found: list[Collective]) -> dict[str, dict]:
     return out
 
 
-def partitioned_text(lowered, compiler_options: dict | None = None) -> str | None:
-    """The module as XLA's SPMD partitioner left it (None on one device)."""
-    return compile_partitioned(lowered, compiler_options)[1]
-
-
 def compile_partitioned(lowered, compiler_options: dict | None = None):
     """(the compiled program, the module as XLA's SPMD partitioner left it, or None when
     nothing was partitioned).

@@ -17,8 +17,7 @@ import time
 
 from ultrajax import cli
 from ultrajax.config.schema import ConfigError
-from ultrajax.cost import candidates as layouts
-from ultrajax.cost import flops, hardware, steptime
+from ultrajax.cost import candidates, flops, hardware, steptime
 from ultrajax.cost.units import GiB
 from ultrajax.tools.plots import _pyplot
 
@@ -27,7 +26,7 @@ PLOTTED = 500  # --plot: the fastest layouts whose memory is estimated and drawn
 
 
 def _parser():
-    p = cli._Parser(
+    p = cli.ArgumentParser(
         prog="python -m ultrajax.plan",
         description=__doc__.split("\n\n")[0],
     )
@@ -55,7 +54,7 @@ def _parser():
     return p
 
 
-def _mfu(e: layouts.Evaluated, base, acc) -> float:
+def _mfu(e: candidates.Evaluated, base, acc) -> float:
     return (
         e.time.tokens_per_s_per_gpu
         * flops.flops_per_token(base.model)
@@ -63,10 +62,10 @@ def _mfu(e: layouts.Evaluated, base, acc) -> float:
     )
 
 
-def _row(i, e: layouts.Evaluated, base, acc) -> str:
+def _row(i, e: candidates.Evaluated, base, acc) -> str:
     t = e.time
     return (
-        f"{i:>2}  {e.layout.short():<54} {t.tokens_per_s_per_gpu:>8,.0f} {t.total:>8.2f} "
+        f"{i:>2}  {e.candidate.short():<54} {t.tokens_per_s_per_gpu:>8,.0f} {t.total:>8.2f} "
         f"{_mfu(e, base, acc):>5.0%} {e.memory / GiB:>7.1f}  {t.where()}"
     )
 
@@ -84,11 +83,11 @@ def plan(args) -> dict:
     if gpn < 1:
         raise ConfigError(f"--gpus-per-node must be >= 1, got {gpn}")
     base = cli.load_config(args)
-    tokens = args.tokens_per_step or layouts.tokens_per_step(base, args.gpus)
+    tokens = args.tokens_per_step or candidates.tokens_per_step(base, args.gpus)
     if tokens < 1:
         raise ConfigError(f"--tokens-per-step must be >= 1, got {tokens}")
     start = time.perf_counter()
-    evaluated = layouts.evaluate(base, args.gpus, acc, gpn, tokens)
+    evaluated = candidates.evaluate(base, args.gpus, acc, gpn, tokens)
     if not evaluated:
         raise ConfigError(
             f"no layout of {args.gpus} GPUs divides the model and {tokens} tokens per step "
@@ -96,7 +95,7 @@ def plan(args) -> dict:
             "or --tokens-per-step"
         )
     shown = PLOTTED if args.plot else 0
-    best = layouts.rank(base, evaluated, acc.memory, args.top, at_least=shown)
+    best = candidates.rank(base, evaluated, acc.memory, args.top, at_least=shown)
     seconds = time.perf_counter() - start
     cut = evaluated.index(best[-1]) if best else len(evaluated)
     faster_oom = [e for e in evaluated[:cut] if e.memory is not None and e.memory > acc.memory]
@@ -115,10 +114,10 @@ def plan(args) -> dict:
     }
 
 
-def _summary(e: layouts.Evaluated, base, acc, best=None) -> dict:
+def _summary(e: candidates.Evaluated, base, acc, best=None) -> dict:
     out = {
-        "layout": e.layout.short(),
-        "overrides": e.layout.overrides(),
+        "layout": e.candidate.short(),
+        "overrides": e.candidate.overrides(),
         "tokens_per_s_per_gpu": e.time.tokens_per_s_per_gpu,
         "step_s": e.time.total,
         "mfu": _mfu(e, base, acc),
@@ -128,7 +127,7 @@ def _summary(e: layouts.Evaluated, base, acc, best=None) -> dict:
     if e.memory is not None and e.memory > acc.memory:
         out["lost"] = f"does not fit: {(e.memory - acc.memory) / GiB:.1f} GiB over"
     elif best is not None:
-        out["lost"] = layouts.slower_reason(e, best)
+        out["lost"] = candidates.slower_reason(e, best)
     return out
 
 
@@ -157,7 +156,7 @@ def report(r: dict, args) -> str:
         ]
         for e in oom[:LOSERS_SHOWN]:
             lines.append(
-                f"    {e.layout.short():<54} {e.time.tokens_per_s_per_gpu:>8,.0f} tok/s/GPU, "
+                f"    {e.candidate.short():<54} {e.time.tokens_per_s_per_gpu:>8,.0f} tok/s/GPU, "
                 f"needs {e.memory / GiB:.1f} GiB: {(e.memory - acc.memory) / GiB:.1f} GiB over"
             )
     slower = r["slower"]
@@ -167,11 +166,11 @@ def report(r: dict, args) -> str:
             f"slower ({len(slower)}; the next {min(len(slower), LOSERS_SHOWN)}), against #1:",
         ]
         for e in slower[:LOSERS_SHOWN]:
-            lines.append(f"    {e.layout.short():<54} {layouts.slower_reason(e, best[0])}")
+            lines.append(f"    {e.candidate.short():<54} {candidates.slower_reason(e, best[0])}")
     if best:
         lines += [
             "",
-            f"#1: python -m ultrajax.train --config {args.config} {best[0].layout.overrides()}",
+            f"#1: python -m ultrajax.train --config {args.config} {best[0].candidate.overrides()}",
         ]
     return "\n".join(lines)
 

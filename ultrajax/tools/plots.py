@@ -50,53 +50,18 @@ def _pyplot():
 def plot_breakdown(r: dict, path: str) -> None:
     """Stacked bars: the predicted breakdown beside XLA's compiled figures."""
     plt = _pyplot()
-    p, parts = r["predicted"], r["predicted"]["parts"]
+    p, c = r["predicted"], r.get("compiled")
     unit, uname = (units.GiB, "GiB") if p["peak"] > units.GiB else (2**20, "MiB")
-    phase = p["peak_phase"]
-    predicted = [
-        ("master weights", parts["master"]),
-        ("Adam moments", parts["optimizer"]),
-        ("batch + outputs", parts["batch"] + p["outputs"] + 8),
-    ]
-    if phase in memory.AFTER_BACKWARD:
-        predicted.append(("optimizer temporaries", p["phases"][phase]))
-    else:
-        # mesh.pipeline > 1: the gradients are reduced after the ticks, not during them
-        held = [
-            ("compute copy", parts["compute_copy"]),
-            ("gradients", 0 if p["pipelined"] else parts["gradients"]),
-            ("fp32 accumulators", parts["accumulators"]),
-            ("whole embedding gradient", 0 if p["pipelined"] else parts["embed_grad"]),
-        ]
-        saved = [(f"saved: {k}", v) for k, v in p["activations"].items()]
-        work = p["phases"][phase] - p["held"] - parts["saved"]
-        predicted += held + saved + [(f"working set ({phase})", work)]
     fig, ax = plt.subplots(figsize=(9, 6))
     colors = plt.get_cmap("tab20").colors
     bottom = 0.0
-    for i, (label, v) in enumerate(predicted):
+    for i, (label, v) in enumerate(_predicted_bars(p)):
         if v <= 0:
             continue
         ax.bar(0, v / unit, bottom=bottom, color=colors[i % 20], label=label, width=0.6)
         bottom += v / unit
-    c = r.get("compiled")
     if c:
-        parts = [
-            ("XLA: arguments", c["argument"], "#555555"),
-            ("XLA: outputs not aliased", c["output"] - c["alias"], "#999999"),
-            ("XLA: temporaries", c["temp"], "#cccccc"),
-        ]
-        bottom = 0.0
-        for label, v, col in parts:
-            ax.bar(1, v / unit, bottom=bottom, color=col, label=label, width=0.6, hatch="//")
-            bottom += v / unit
-        ax.text(
-            1,
-            bottom,
-            f"{c['peak'] / unit:.2f} {uname}\npredicted / compiled {p['peak'] / c['peak']:.3f}",
-            ha="center",
-            va="bottom",
-        )
+        _compiled_bar(ax, c, p["peak"], unit, uname)
     ax.text(0, p["peak"] / unit, f"{p['peak'] / unit:.2f} {uname}", ha="center", va="bottom")
     top = max(p["peak"], c["peak"] if c else 0) / unit
     ax.set_ylim(0, top * 1.15)
@@ -113,6 +78,49 @@ def plot_breakdown(r: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _predicted_bars(p: dict) -> list[tuple[str, float]]:
+    """(label, bytes) from the bottom of the predicted bar up: the state, then what the
+    peak phase holds (the optimizer's temporaries, or gradients, saved activations and
+    the working set at the backward)."""
+    parts, phase = p["parts"], p["peak_phase"]
+    bars = [
+        ("master weights", parts["master"]),
+        ("Adam moments", parts["optimizer"]),
+        ("batch + outputs", parts["batch"] + p["outputs"] + 8),
+    ]
+    if phase in memory.AFTER_BACKWARD:
+        return bars + [("optimizer temporaries", p["phases"][phase])]
+    # mesh.pipeline > 1: the gradients are reduced after the ticks, not during them
+    held = [
+        ("compute copy", parts["compute_copy"]),
+        ("gradients", 0 if p["pipelined"] else parts["gradients"]),
+        ("fp32 accumulators", parts["accumulators"]),
+        ("whole embedding gradient", 0 if p["pipelined"] else parts["embed_grad"]),
+    ]
+    saved = [(f"saved: {k}", v) for k, v in p["activations"].items()]
+    work = p["phases"][phase] - p["held"] - parts["saved"]
+    return bars + held + saved + [(f"working set ({phase})", work)]
+
+
+def _compiled_bar(ax, c: dict, predicted_peak: float, unit: float, uname: str) -> None:
+    """XLA's memory_analysis as the second bar, its peak and the ratio on top."""
+    bottom = 0.0
+    for label, v, col in (
+        ("XLA: arguments", c["argument"], "#555555"),
+        ("XLA: outputs not aliased", c["output"] - c["alias"], "#999999"),
+        ("XLA: temporaries", c["temp"], "#cccccc"),
+    ):
+        ax.bar(1, v / unit, bottom=bottom, color=col, label=label, width=0.6, hatch="//")
+        bottom += v / unit
+    ax.text(
+        1,
+        bottom,
+        f"{c['peak'] / unit:.2f} {uname}\npredicted / compiled {predicted_peak / c['peak']:.3f}",
+        ha="center",
+        va="bottom",
+    )
 
 
 def plot_sweep(cfg: Config, path: str, device_memory: int | None = None) -> dict:

@@ -25,8 +25,6 @@ def pipeline_report(cfg: Config, hlo_text: str | None = None, source: str = "") 
     plan = activations_lib.pipeline_plan(cfg)
     table, kind = plan.table, plan.kind
     message = comms.pipeline_message_bytes(cfg)
-    act_ticks, grad_ticks = (int(x) for x in plan.sends.sum(axis=0))
-    activations, gradients = schedule.p2p_messages(table)
     d = sizes.dims(cfg)
     out = {
         "schedule": kind,
@@ -46,47 +44,65 @@ def pipeline_report(cfg: Config, hlo_text: str | None = None, source: str = "") 
             "shape": [d.b, d.s_res, d.h],
             "dtype": cfg.model.dtype,
         },
-        "p2p": {
-            "executor": {
-                "activation_ticks": act_ticks,
-                "gradient_ticks": grad_ticks,
-                "bytes": (act_ticks + grad_ticks) * message,
-                "what": "every device sends one message down the ring at each tick where "
-                "any device sends an activation, and one up where any sends a gradient "
-                "(a collective: devices with nothing to send send a spare slot)",
-            },
-            "formula": {
-                "messages": [activations, gradients],
-                "per_device": (activations + gradients) / p,
-                "bytes": (activations + gradients) / p * message,
-                "what": "2·m·(v·p-1)/p messages per device: each micro-batch crosses each "
-                "of the v·p-1 stage boundaries once forward (its activation) and once "
-                "backward (its gradient)",
-            },
-        },
+        "p2p": _p2p_counts(plan, message, p),
     }
     if hlo_text is not None:
-        found, _ = hlo.collectives(hlo_text)
-        ops = [
-            c
-            for c in found
-            if c.kind == "collective-permute" and c.count and c.count % plan.ticks == 0
-        ]
-        compiled = {
-            "source": source or "compiled",
-            "ops": len(ops),
-            "bytes_per_op": [c.bytes for c in ops],
-            "runs": sum(c.count for c in ops),
-            "static_bytes": sum(c.bytes * c.count for c in ops),
-            "at_send_ticks_bytes": None,
-            "what": "collective-permutes inside the tick loop; each sits in a conditional "
-            "taken only at ticks with a send, so the static count (each one x the loop's "
-            f"{plan.ticks} ticks) is an upper bound",
-        }
-        if len(ops) == 2 and ops[0].bytes == ops[1].bytes:  # one each way
-            compiled["at_send_ticks_bytes"] = ops[0].bytes * (act_ticks + grad_ticks)
-        out["p2p"]["compiled"] = compiled
+        out["p2p"]["compiled"] = _compiled_sends(plan, hlo_text, source)
     return out
+
+
+def _send_ticks(plan) -> tuple[int, int]:
+    """(ticks where some device sends an activation, ticks where some sends a gradient)."""
+    act_ticks, grad_ticks = (int(x) for x in plan.sends.sum(axis=0))
+    return act_ticks, grad_ticks
+
+
+def _p2p_counts(plan, message: float, p: int) -> dict:
+    """Point-to-point messages per step per device: as the executor sends them (a
+    collective at every tick with a send), and as the textbook counts them."""
+    act_ticks, grad_ticks = _send_ticks(plan)
+    activations, gradients = schedule.p2p_messages(plan.table)
+    return {
+        "executor": {
+            "activation_ticks": act_ticks,
+            "gradient_ticks": grad_ticks,
+            "bytes": (act_ticks + grad_ticks) * message,
+            "what": "every device sends one message down the ring at each tick where "
+            "any device sends an activation, and one up where any sends a gradient "
+            "(a collective: devices with nothing to send send a spare slot)",
+        },
+        "formula": {
+            "messages": [activations, gradients],
+            "per_device": (activations + gradients) / p,
+            "bytes": (activations + gradients) / p * message,
+            "what": "2·m·(v·p-1)/p messages per device: each micro-batch crosses each "
+            "of the v·p-1 stage boundaries once forward (its activation) and once "
+            "backward (its gradient)",
+        },
+    }
+
+
+def _compiled_sends(plan, hlo_text: str, source: str) -> dict:
+    """The collective-permutes of the tick loop in the compiled (or partitioned) HLO: a
+    static count, and where there is one each way, the bytes at the ticks with a send."""
+    found, _ = hlo.collectives(hlo_text)
+    ops = [
+        c for c in found if c.kind == "collective-permute" and c.count and c.count % plan.ticks == 0
+    ]
+    compiled = {
+        "source": source or "compiled",
+        "ops": len(ops),
+        "bytes_per_op": [c.bytes for c in ops],
+        "runs": sum(c.count for c in ops),
+        "static_bytes": sum(c.bytes * c.count for c in ops),
+        "at_send_ticks_bytes": None,
+        "what": "collective-permutes inside the tick loop; each sits in a conditional "
+        "taken only at ticks with a send, so the static count (each one x the loop's "
+        f"{plan.ticks} ticks) is an upper bound",
+    }
+    if len(ops) == 2 and ops[0].bytes == ops[1].bytes:  # one each way
+        compiled["at_send_ticks_bytes"] = ops[0].bytes * sum(_send_ticks(plan))
+    return compiled
 
 
 def _p2p_row(label: str, nbytes: float, note: str = "") -> str:
@@ -156,7 +172,31 @@ def _row(label, predicted=None, compiled=None, indent=2, ratio=True) -> str:
 
 
 def format_report(r: dict) -> str:
-    cf, p = r["config"], r["predicted"]
+    """The analyzer's tables, top to bottom: the layout, memory per device predicted
+    beside compiled, the verdict, FLOPs, the pipeline, communication per mode."""
+    lines = _header_lines(r)
+    lines += _memory_lines(r["config"], r["predicted"], r.get("compiled"))
+    if "predicted_as_configured" in r:
+        lines.append(
+            f"  as configured (attention {r['config']['attention']}): predicted peak "
+            f"{fmt_bytes(r['predicted_as_configured']['peak'])}"
+        )
+    lines += _verdict_lines(r["verdict"])
+    lines += _flops_lines(r["flops"])
+    if r.get("pipeline"):
+        lines += _pipeline_lines(r["pipeline"])
+    modes = r.get("communication_modes") or (
+        {"": r["communication"]} if r.get("communication") else {}
+    )
+    for mode, comm in modes.items():
+        if comm["total"]["traffic"] or comm["total"]["expected"]:
+            lines += _communication_lines(comm, mode)
+    return "\n".join(lines)
+
+
+def _header_lines(r: dict) -> list[str]:
+    """The layout and batch in two lines, then the notes on what compiling changed."""
+    cf = r["config"]
     mesh = " x ".join(f"{k}={v}" for k, v in cf["mesh"].items() if v > 1) or "one device"
     lines = [
         f"layout: {mesh} ({cf['devices']} device(s), {cf['backend']}); ZeRO-{cf['zero']}"
@@ -166,23 +206,49 @@ def format_report(r: dict) -> str:
         f"{cf['seq_len']} tokens per micro-batch, {cf['grad_accum']} micro-batches; "
         f"{cf['tokens_per_step']:,} tokens per step",
     ]
-    lines += [f"note: {n}" for n in r["notes"]]
-    c = r.get("compiled")
-    lines.append("")
-    lines.append(f"{'memory per device':<46}{'predicted':>12}{'compiled':>12}  ratio")
+    return lines + [f"note: {n}" for n in r["notes"]]
+
+
+def _memory_lines(cf: dict, p: dict, c: dict | None) -> list[str]:
+    """Memory per device: the arguments, then the temporaries at the peak phase, each
+    predicted term beside XLA's figure where it has one."""
+    lines = ["", f"{'memory per device':<46}{'predicted':>12}{'compiled':>12}  ratio"]
     parts = p["parts"]
-    cf_dtype, cf_master = cf["dtype"], cf["param_dtype"]
     for key, label in (
-        ("master", f"parameters (master, {cf_master})"),
+        ("master", f"parameters (master, {cf['param_dtype']})"),
         ("optimizer", "optimizer state (Adam mu, nu)"),
         ("batch", "batch (int32, 5 fields)"),
     ):
         lines.append(_row(label, parts[key], indent=4))
     lines.append(_row("= arguments", p["arguments"], c and c["argument"]))
-    pipelined = p["pipelined"]
+    lines += _held_rows(cf, p)
+    for phase, v in p["phases"].items():
+        mark = "  <- peak" if phase == p["peak_phase"] else ""
+        lines.append(f"      phase: {phase:<36}{fmt_bytes(v):>12}{mark}")
+    lines.append(_row(f"= temporaries ({p['peak_phase']})", p["temp"], c and c["temp"]))
+    lines.append(
+        _row("outputs not aliased", p["outputs"], c and c["output"] - c["alias"], ratio=False)
+    )
+    lines.append(_row("= peak", p["peak"], c and c["peak"]))
+    if p["host"]:
+        lines.append(_row("pinned host memory (offloaded activations)", p["host"]))
+    if c:
+        lines.append(
+            f"  XLA memory_analysis: argument {fmt_bytes(c['argument'])}, output "
+            f"{fmt_bytes(c['output'])}, alias {fmt_bytes(c['alias'])}, temp {fmt_bytes(c['temp'])}"
+            "; compiled peak = argument + output - alias + temp"
+        )
+    return lines
+
+
+def _held_rows(cf: dict, p: dict) -> list[str]:
+    """The temporaries' terms: gradients and copies, saved activations by part, the
+    working sets (a pipeline holds its buffers and reduces gradients after its ticks)."""
+    parts, pipelined = p["parts"], p["pipelined"]
     reduced = "reduced after the ticks" if pipelined else "reduced"
+    lines = []
     for key, label in (
-        ("compute_copy", f"compute copy ({cf_dtype})"),
+        ("compute_copy", f"compute copy ({cf['dtype']})"),
         ("gradients", f"gradients (fp32, {reduced})"),
         ("accumulators", "gradient accumulators (fp32)"),
         ("embed_grad", "whole embedding gradient (fp32)"),
@@ -203,53 +269,39 @@ def format_report(r: dict) -> str:
             _row("one chunk's residuals (the tick's own)", parts["chunk_residuals"], indent=4)
         )
     lines.append(_row("one layer's backward (working set)", parts["work"], indent=4))
-    for phase, v in p["phases"].items():
-        mark = "  <- peak" if phase == p["peak_phase"] else ""
-        lines.append(f"      phase: {phase:<36}{fmt_bytes(v):>12}{mark}")
-    lines.append(_row(f"= temporaries ({p['peak_phase']})", p["temp"], c and c["temp"]))
-    lines.append(
-        _row("outputs not aliased", p["outputs"], c and c["output"] - c["alias"], ratio=False)
-    )
-    lines.append(_row("= peak", p["peak"], c and c["peak"]))
-    if p["host"]:
-        lines.append(_row("pinned host memory (offloaded activations)", p["host"]))
-    if c:
-        lines.append(
-            f"  XLA memory_analysis: argument {fmt_bytes(c['argument'])}, output "
-            f"{fmt_bytes(c['output'])}, alias {fmt_bytes(c['alias'])}, temp {fmt_bytes(c['temp'])}"
-            "; compiled peak = argument + output - alias + temp"
-        )
-    if "predicted_as_configured" in r:
-        lines.append(
-            f"  as configured (attention {cf['attention']}): predicted peak "
-            f"{fmt_bytes(r['predicted_as_configured']['peak'])}"
-        )
-    v = r["verdict"]
-    lines.append("")
+    return lines
+
+
+def _verdict_lines(v: dict) -> list[str]:
+    """Fits or not in the given device memory; with none given (a CPU host), against
+    each known accelerator's."""
     if v["fits"] is None:
         known = ", ".join(
             f"{name} {fmt_bytes(hardware.by_name(name).memory)}: {'fits' if ok else 'does not fit'}"
             for name, ok in v["known"].items()
         )
-        lines.append(
+        return [
+            "",
             f"verdict: {v['source']} (pass --device-memory); predicted peak per device against "
-            f"{known}"
-        )
-    else:
-        word = "fits" if v["fits"] else "does NOT fit"
-        lines.append(
-            f"verdict: {word} in {fmt_bytes(v['device_memory'])} per device ({v['source']}): "
-            f"predicted peak {v['fraction']:.0%} of it"
-        )
+            f"{known}",
+        ]
+    word = "fits" if v["fits"] else "does NOT fit"
+    return [
+        "",
+        f"verdict: {word} in {fmt_bytes(v['device_memory'])} per device ({v['source']}): "
+        f"predicted peak {v['fraction']:.0%} of it",
+    ]
 
-    f = r["flops"]
-    lines.append("")
-    lines.append("FLOPs per step per device")
-    lines.append(f"  model (6N + 12·L·h·s per token)        {f['model']:.4g}")
-    lines.append(
+
+def _flops_lines(f: dict) -> list[str]:
+    """FLOPs per step per device: the model's, the hardware's, and what compiled."""
+    lines = [
+        "",
+        "FLOPs per step per device",
+        f"  model (6N + 12·L·h·s per token)        {f['model']:.4g}",
         f"  hardware (+ recomputation)             {f['hardware']:.4g}"
-        f"  (recomputed {f['recompute']:.4g})"
-    )
+        f"  (recomputed {f['recompute']:.4g})",
+    ]
     if "hlo_dots" in f:
         ratio = f" (hardware / compiled {f['ratio']:.3f})" if f.get("ratio") else ""
         lines.append(f"  compiled dots x loop trip counts       {f['hlo_dots']:.4g}{ratio}")
@@ -266,17 +318,7 @@ def format_report(r: dict) -> str:
             f"  XLA cost_analysis                      {f['cost_analysis']:.4g}  (reads each loop "
             f"body once: compare {f['hlo_dots_once']:.4g} dots counted once)"
         )
-
-    if r.get("pipeline"):
-        lines += _pipeline_lines(r["pipeline"])
-
-    modes = r.get("communication_modes") or (
-        {"": r["communication"]} if r.get("communication") else {}
-    )
-    for mode, comm in modes.items():
-        if comm["total"]["traffic"] or comm["total"]["expected"]:
-            lines += _communication_lines(comm, mode)
-    return "\n".join(lines)
+    return lines
 
 
 def _dtypes(shares: dict) -> str:
