@@ -8,7 +8,7 @@ import pytest
 
 from ultrajax.config.schema import ConfigError, DataConfig
 from ultrajax.data import loader as data
-from ultrajax.data import sources, tokenizer
+from ultrajax.data import sources, streams, tokenizer
 
 TOK = tokenizer.ByteTokenizer()
 BOS, EOS = TOK.BOS, TOK.EOS
@@ -20,15 +20,14 @@ def _docs(n, length=lambda i: 3 + (i * 7) % 11):
 
 
 def _packed(docs, *, seq_len=15, batch_size=2, seed=0, cross_doc_mask=True, shuffle=True):
-    return sources.packed_dataset(
-        docs,
-        TOK,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        seed=seed,
-        cross_doc_mask=cross_doc_mask,
+    """Batches of {tokens, segment_ids, positions}, each (batch_size, seq_len + 1),
+    forever: one stream over `docs` (no row shuffle), batched."""
+    source = streams.Source(np.arange(len(docs)), sources.TextReader(docs, TOK))
+    ds = streams.stream(
+        [source], k=0, n=1, seed=seed, seq_len=seq_len, cross_doc_mask=cross_doc_mask,
         shuffle=shuffle,
-    )
+    )  # fmt: skip
+    return ds.batch(batch_size, drop_remainder=True)
 
 
 def _take(it, n):

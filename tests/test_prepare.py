@@ -15,6 +15,7 @@ import pytest
 
 from ultrajax.data import prepare, sources, tokenizer
 from ultrajax.data.shards import FORMAT, VERSION, PreparedCorpus
+from ultrajax.tools import data as command
 
 TOK = tokenizer.ByteTokenizer()
 REPO = Path(__file__).resolve().parents[1]
@@ -31,14 +32,14 @@ def _docs(out):
 
 def _run(capsys, *args):
     """main() in this process -> (stdout, stderr)."""
-    assert prepare.main([str(a) for a in args]) == 0
+    assert command.prepare_main([str(a) for a in args]) == 0
     return capsys.readouterr()
 
 
 def _fails(capsys, *args):
     """main() must exit with status 2 and one line on stderr; returns that line."""
     with pytest.raises(SystemExit) as e:
-        prepare.main([str(a) for a in args])
+        command.prepare_main([str(a) for a in args])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
@@ -231,7 +232,7 @@ def test_memory_does_not_grow_with_the_file(tmp_path):
     script = textwrap.dedent(
         """
         import sys
-        import ultrajax.cli, ultrajax.data.loader, ultrajax.data.prepare, tqdm
+        import ultrajax.cli, ultrajax.tools.data, tqdm
 
         def status_kib(key):
             for line in open("/proc/self/status"):
@@ -244,7 +245,7 @@ def test_memory_does_not_grow_with_the_file(tmp_path):
         except OSError:
             pass
         before = status_kib("VmRSS")
-        ultrajax.data.prepare.main(sys.argv[1:])
+        ultrajax.tools.data.prepare_main(sys.argv[1:])
         print("growth", (status_kib("VmHWM") - before) * 1024)
         """
     )

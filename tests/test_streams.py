@@ -24,7 +24,7 @@ def _source(n, prefix="d", length=lambda i: 5 + (i * 7) % 13, weight=1.0):
         sources_lib.Doc(key=f"{prefix}{i}", text=f"<{prefix}{i}>" + "x" * length(i))
         for i in range(n)
     ]
-    return streams.Source(np.arange(n), sources_lib._TextReader(docs, TOK), weight, prefix)
+    return streams.Source(np.arange(n), sources_lib.TextReader(docs, TOK), weight, prefix)
 
 
 def _streams(sources, rows=None, *, batch=16, n=4, window=0, seed=0, seq_len=15, accum=1):

@@ -1,6 +1,6 @@
-"""`python -m ultrajax.data prepare|bench`: ultrajax/data/command.py."""
+"""`python -m ultrajax.data prepare|bench`: ultrajax/tools/data.py."""
 
 from ultrajax import cli
-from ultrajax.data.command import main
+from ultrajax.tools.data import main
 
 cli.run(main)

@@ -21,7 +21,7 @@ from ultrajax.data import streams as streams_lib
 from ultrajax.data.prefetch import Prefetcher
 from ultrajax.data.shards import PreparedCorpus
 from ultrajax.data.sources import (
-    _TextReader,
+    TextReader,
     data_paths,
     load_docs,
     make_tokenizer,
@@ -119,7 +119,7 @@ def _sources(cfg: DataConfig, tokenizer) -> tuple[list, list, list[str]]:
         else:
             docs = load_docs(cfg, path)
             t, e = split_ids([d.key for d in docs], cfg.eval_fraction)
-            read, size = _TextReader(docs, tokenizer), "tokenized as read"
+            read, size = TextReader(docs, tokenizer), "tokenized as read"
         name = path or cfg.source
         train.append(streams_lib.Source(t, read, weight, name))
         evals.append(streams_lib.Source(e, read, weight, name))

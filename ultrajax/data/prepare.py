@@ -1,4 +1,4 @@
-"""Tokenize a corpus once into token shards (ultrajax.shards) that training reads by slicing.
+"""Tokenize a corpus once into token shards (data/shards.py) that training reads by slicing.
 
     python -m ultrajax.data prepare --input GLOB [--input GLOB ...] --tokenizer bytes|PATH \
         --out DIR [--workers N] [--strict] [--shard-mib M] [--overwrite]
@@ -19,7 +19,6 @@ This module imports no JAX at load time: its workers are spawned processes.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import math
@@ -27,7 +26,6 @@ import multiprocessing
 import os
 import shutil
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
@@ -35,13 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ultrajax import cli
 from ultrajax.config.schema import ConfigError
 from ultrajax.data import tokenizer
 from ultrajax.data.shards import FORMAT, MANIFEST, VERSION, ShardWriter, sha256, token_dtype
 from ultrajax.data.tokenizer import document
 
-PROG = "python -m ultrajax.data prepare"
 FIRST_PROBLEMS = 100  # kept in the manifest (and per piece: enough to know the first overall)
 PRINTED_PROBLEMS = 20
 
@@ -294,11 +290,13 @@ def prepare(
     """Tokenize `inputs` with `tokenizer` (`bytes` or a tokenizer.json) into the prepared
     directory `out`; returns its manifest. Raises ConfigError on bad input (with --strict,
     on the first problem), leaving nothing at `out`."""
-    return _prepare(inputs, tokenizer, out, workers, strict, shard_mib, overwrite, command)[0]
+    return tokenize_corpus(inputs, tokenizer, out, workers, strict, shard_mib, overwrite, command)[
+        0
+    ]
 
 
-def _prepare(inputs, tokenizer, out, workers, strict, shard_mib, overwrite, command):
-    """prepare(), also returning the number of worker processes used."""
+def tokenize_corpus(inputs, tokenizer, out, workers, strict, shard_mib, overwrite, command):
+    """(the manifest, the number of worker processes used): `prepare` and the command."""
     if not 0 < shard_mib < math.inf:
         raise ConfigError(f"--shard-mib must be > 0, got {shard_mib}")
     if workers is not None and workers < 1:
@@ -491,69 +489,3 @@ def summary(manifest: dict, out: str | Path, seconds: float, workers: int) -> st
         f"{_si(bytes_in, 'B')} in {seconds:.1f} s ({_si(rate)} tokens/s, {workers} "
         f"worker{'s' * (workers != 1)}) -> {out}"
     )
-
-
-def parser() -> argparse.ArgumentParser:
-
-    p = cli._Parser(  # argparse errors as one line, exit status 2, like every ultrajax tool
-        prog=PROG,
-        description="Tokenize a corpus once into token shards (a prepared directory).",
-    )
-    p.add_argument(
-        "--input",
-        action="append",
-        required=True,
-        metavar="GLOB",
-        help="a file, a directory or a glob (** recursive); repeat for more. *.jsonl: one "
-        'document a line, field "text"; any other file: one document',
-    )
-    p.add_argument(
-        "--tokenizer",
-        required=True,
-        metavar="bytes|PATH",
-        help="bytes (UTF-8 bytes, no file), or the path of a Hugging Face tokenizer.json",
-    )
-    p.add_argument("--out", required=True, metavar="DIR", help="the prepared directory")
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=None,
-        metavar="N",
-        help="processes (default: the CPU count, at most one a shard)",
-    )
-    p.add_argument("--strict", action="store_true", help="the first bad line is an error")
-    p.add_argument(
-        "--shard-mib",
-        type=float,
-        default=256,
-        metavar="M",
-        help="about this many MiB of input per shard (default 256)",
-    )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing DIR")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The command line: argv is what follows `prepare`. Errors: one line, exit status 2."""
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser().parse_args(argv)
-    start = time.perf_counter()
-    try:
-        manifest, workers = _prepare(
-            args.input,
-            args.tokenizer,
-            args.out,
-            args.workers,
-            args.strict,
-            args.shard_mib,
-            args.overwrite,
-            argv,
-        )
-    except ConfigError as e:
-        cli.fail(str(e))
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-    print(summary(manifest, args.out, time.perf_counter() - start, workers), flush=True)
-    return 0

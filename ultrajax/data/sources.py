@@ -11,11 +11,9 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-import grain
 import numpy as np
 
 from ultrajax.config.schema import ConfigError, DataConfig
-from ultrajax.data import streams as streams_lib
 from ultrajax.data.shards import PreparedCorpus
 from ultrajax.data.tokenizer import ByteTokenizer, HFTokenizer, document, padded_vocab  # noqa: F401
 
@@ -170,10 +168,10 @@ def load_docs(cfg: DataConfig, path: str | None = None) -> list[Doc]:
     return stdlib_docs() if cfg.source == "stdlib" else file_docs(path or cfg.path)
 
 
-# --------------------------------------------------------------------------- pipeline
+# --------------------------------------------------------------------------- reading
 
 
-class _TextReader:
+class TextReader:
     """Document i of a text source as [BOS] ids [EOS], tokenized when it is packed."""
 
     def __init__(self, docs: list[Doc], tokenizer):
@@ -181,23 +179,3 @@ class _TextReader:
 
     def __call__(self, i: int) -> np.ndarray:
         return document(self.tok, self.docs[i].read())
-
-
-def packed_dataset(
-    docs: list[Doc],
-    tokenizer,
-    *,
-    seq_len: int,
-    batch_size: int,
-    seed: int,
-    cross_doc_mask: bool,
-    shuffle: bool = True,
-) -> grain.IterDataset:
-    """Batches of {tokens, segment_ids, positions}, each (batch_size, seq_len + 1), forever:
-    one stream over `docs` (no row shuffle), batched."""
-    source = streams_lib.Source(np.arange(len(docs)), _TextReader(docs, tokenizer))
-    ds = streams_lib.stream(
-        [source], k=0, n=1, seed=seed, seq_len=seq_len, cross_doc_mask=cross_doc_mask,
-        shuffle=shuffle,
-    )  # fmt: skip
-    return ds.batch(batch_size, drop_remainder=True)

@@ -3,16 +3,18 @@ feed."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
+from collections.abc import Sequence
 
 from tqdm import tqdm
 
 from ultrajax import cli
+from ultrajax.config.schema import ConfigError
 from ultrajax.data import prepare
 from ultrajax.data import streams as streams_lib
 from ultrajax.data.loader import build
-from ultrajax.data.tokenizer import ByteTokenizer, HFTokenizer, document, padded_vocab  # noqa: F401
 
 # --------------------------------------------------------------------------- command line
 
@@ -68,8 +70,75 @@ def main(argv=None) -> int:
         print("  bench    time the data pipeline of a config alone, tokens/s per process")
         return 0
     if argv[0] == "prepare":
-        return prepare.main(argv[1:])
+        return prepare_main(argv[1:])
     if argv[0] == "bench":
         return bench(argv[1:])
     print(f"error: unknown command {argv[0]!r} ({usage})", file=sys.stderr)
     return 2
+
+
+def prepare_parser() -> argparse.ArgumentParser:
+    """`prepare`'s options."""
+    p = cli.ArgumentParser(  # argparse errors as one line, exit status 2, like every ultrajax tool
+        prog="python -m ultrajax.data prepare",
+        description="Tokenize a corpus once into token shards (a prepared directory).",
+    )
+    p.add_argument(
+        "--input",
+        action="append",
+        required=True,
+        metavar="GLOB",
+        help="a file, a directory or a glob (** recursive); repeat for more. *.jsonl: one "
+        'document a line, field "text"; any other file: one document',
+    )
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        metavar="bytes|PATH",
+        help="bytes (UTF-8 bytes, no file), or the path of a Hugging Face tokenizer.json",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="the prepared directory")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes (default: the CPU count, at most one a shard)",
+    )
+    p.add_argument("--strict", action="store_true", help="the first bad line is an error")
+    p.add_argument(
+        "--shard-mib",
+        type=float,
+        default=256,
+        metavar="M",
+        help="about this many MiB of input per shard (default 256)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DIR")
+    return p
+
+
+def prepare_main(argv: Sequence[str] | None = None) -> int:
+    """`prepare`'s command line: argv is what follows `prepare`. Errors: one line, exit
+    status 2. The work is data/prepare.py's, which imports no JAX (its workers are
+    spawned processes); this command module may."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = prepare_parser().parse_args(argv)
+    start = time.perf_counter()
+    try:
+        manifest, workers = prepare.tokenize_corpus(
+            args.input,
+            args.tokenizer,
+            args.out,
+            args.workers,
+            args.strict,
+            args.shard_mib,
+            args.overwrite,
+            argv,
+        )
+    except ConfigError as e:
+        cli.fail(str(e))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    print(prepare.summary(manifest, args.out, time.perf_counter() - start, workers), flush=True)
+    return 0

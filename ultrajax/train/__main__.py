@@ -1,6 +1,6 @@
-"""`python -m ultrajax.train`: ultrajax/train/command.py."""
+"""`python -m ultrajax.train`: ultrajax/tools/train.py."""
 
 from ultrajax import cli
-from ultrajax.train.command import main
+from ultrajax.tools.train import main
 
 cli.run(main)
