@@ -13,6 +13,8 @@ tags) lives in the layer that owns it; validation sits above those layers and re
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,8 +88,11 @@ GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 
 def _package(module: str) -> str:
     """ultrajax.model.attention.xla -> 'model'; ultrajax.config.schema -> 'config.schema'
-    (the schema is a layer of its own); ultrajax.cli -> ''."""
+    (the schema is a layer of its own); ultrajax.cli and every __main__ -> '' (the
+    commands, at the top)."""
     parts = module.split(".")[1:]
+    if parts and parts[-1] == "__main__":  # `python -m ultrajax.train`: an entry point
+        return ""
     if parts[:2] == ["config", "schema"]:
         return "config.schema"
     return parts[0] if len(parts) > 1 else ""
@@ -157,3 +162,41 @@ def test_the_checks_can_fail(tmp_path):
     assert edge == ("ultrajax.parallel.mesh", True, 4)
     assert _package("ultrajax.parallel.mesh") == "parallel"
     assert _package("ultrajax.config.schema") == "config.schema"
+    assert _package("ultrajax.train.__main__") == ""
+
+
+def test_data_preparation_imports_no_jax():
+    """`python -m ultrajax.data prepare` spawns worker processes that import
+    ultrajax.data.prepare: they must not pay for loading JAX."""
+    code = "import sys, ultrajax.data.prepare; print(sorted(m for m in sys.modules if m == 'jax'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+SCREEN = 80  # lines: a function reads top to bottom on one screen
+
+
+def test_no_function_longer_than_a_screen():
+    """Long functions become named steps (the pipeline executor, the train loop, the cost
+    formulas): a nested function counts inside the one that holds it."""
+    long = sorted(
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})"
+        for path in MODULES.values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > SCREEN
+    )
+    assert not long, long
+
+
+def test_modules_stay_small_and_the_package_has_few_top_level_modules():
+    """No module over 600 lines; no more than 8 modules directly in ultrajax/ (the config,
+    the shared command line and the commands that keep their names)."""
+    big = sorted(
+        f"{p.relative_to(ROOT)} ({n})"
+        for p in MODULES.values()
+        if (n := len(p.read_text().splitlines())) > 600
+    )
+    assert not big, big
+    top = sorted(p.name for p in (ROOT / "ultrajax").glob("*.py"))
+    assert len(top) <= 8, top
