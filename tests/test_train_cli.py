@@ -267,3 +267,29 @@ def test_bad_input_exits_2_with_one_line(bad_runs, name):
     assert lines[0].startswith("error: ") and len(lines[0]) > len("error: ")
     assert BAD[name][1] in lines[0]
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_a_loss_that_is_not_finite_ends_the_run_with_status_1(monkeypatch, capsys):
+    """The loop stops at the first logged step whose loss is not finite (Diverged); the
+    command turns that into one line and exit status 1, like a failed run."""
+    from types import SimpleNamespace
+
+    from ultrajax.tools import train as command
+    from ultrajax.train import loop
+
+    closed = []
+    fake = SimpleNamespace(lead=True, step=7, bar=SimpleNamespace(close=lambda: closed.append(1)))
+    with pytest.raises(loop.Diverged, match="loss is nan at step 7; lower optim.lr"):
+        loop.Training.log(fake, {"loss": float("nan")}, is_eval=False, ctrl_c=False)
+    assert closed == [1]
+
+    def diverge(cfg):
+        raise loop.Diverged("loss is inf at step 3; lower optim.lr")
+
+    monkeypatch.setattr(command, "train", diverge)
+    monkeypatch.setattr(command.overlap, "apply", lambda parallel: None)
+    monkeypatch.setattr(command.cli, "setup_devices", lambda args: None)
+    with pytest.raises(SystemExit) as e:
+        command.main(["--config", str(ROOT / TINY)])
+    assert e.value.code == 1
+    assert capsys.readouterr().err == "error: loss is inf at step 3; lower optim.lr\n"

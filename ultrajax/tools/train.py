@@ -11,7 +11,7 @@ from ultrajax.config.parse import dump
 from ultrajax.config.schema import Config, ConfigError
 from ultrajax.config.validate import resolve_mesh
 from ultrajax.train import overlap
-from ultrajax.train.loop import train
+from ultrajax.train.loop import Diverged, train
 
 
 def print_config(cfg: Config, devices: int | None, backend: str) -> None:
@@ -68,4 +68,7 @@ def main(argv=None) -> int:
     cli.setup_devices(args)  # simulated devices; joins a multi-process run if started as one
     cfg = cli.load_config(args)
     overlap.apply(cfg.parallel)  # before the backend starts
-    return train(cfg)
+    try:
+        return train(cfg)
+    except Diverged as e:
+        cli.fail(str(e), code=1)

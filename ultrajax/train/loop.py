@@ -19,7 +19,6 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from ultrajax import cli
 from ultrajax.config.parse import dump
 from ultrajax.config.schema import Config
 from ultrajax.cost import units
@@ -31,6 +30,10 @@ from ultrajax.train.noise_probe import NoiseProbe
 from ultrajax.train.ramp import Ramp
 from ultrajax.train.record import Throughput, log_line, step_record
 from ultrajax.train.setup import RunParts, build_run, compile_steps, rows_to_global, to_global
+
+
+class Diverged(RuntimeError):
+    """The loss is not finite: nothing after it counts (the command exits with status 1)."""
 
 
 def train(cfg: Config) -> int:
@@ -204,7 +207,7 @@ class Training:
             tqdm.write(f"Ctrl-C: saving step {self.step}, then stopping (Ctrl-C again: quit now)")
         if not math.isfinite(record["loss"]):
             self.bar.close()
-            cli.fail(f"loss is {record['loss']} at step {self.step}; lower optim.lr", code=1)
+            raise Diverged(f"loss is {record['loss']} at step {self.step}; lower optim.lr")
         if is_eval:
             self.eval_loss = self.evaluate()
             record["eval_loss"] = self.eval_loss
