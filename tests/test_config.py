@@ -293,8 +293,12 @@ def test_data_path_without_the_files_source_is_an_error():
         (["parallel.pipeline_schedule=zb-h1"], "parallel.pipeline_schedule"),
         (["parallel.context=allgather"], "parallel.context"),
         (["data.source=prepared", "data.path=d", "data.tokenizer=t.json"], "data.tokenizer"),
+        (["data.strict=true"], "data.strict=true"),
+        (["data.source=prepared", "data.path=d", "data.strict=true"], "data.strict=true"),
         (["train.noise_every=10"], "train.noise_every"),
         (["model.attention=tiled", "model.attention_blocks=[64,64,64,64]"], "model.attention_b"),
+        (["model.scan_unroll=4", "model.remat=full"], "model.scan_unroll=4"),
+        (["model.scan_unroll=2", "mesh.fsdp=2", "parallel.zero=3"], "model.scan_unroll=2"),
     ],
 )
 def test_settings_without_effect_are_named_once(overrides, key):

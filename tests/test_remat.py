@@ -75,6 +75,21 @@ def test_compiled_temp_memory_ordered_none_selective_full(compiled_policies):
         assert memory.estimate(cfg).peak == pytest.approx(peak, rel=0.10), remat
 
 
+def test_recomputation_holds_with_every_layer_unrolled():
+    """model.scan_unroll = the layers: unrolled, XLA merges each layer's recomputation with
+    its forward and keeps every layer's activations (model/remat.py), so wherever the
+    backward recomputes the layers run one per loop iteration. The compiled memory stays
+    ordered none > selective > full, and full remat holds what it holds rolled."""
+    temp = {}
+    for remat, unroll in (("none", 4), ("selective", 4), ("full", 4), ("full", 1)):
+        cfg = make(f"model.remat={remat}", "model.n_layers=4", f"model.scan_unroll={unroll}")
+        compiled = analyze.compile_step(cfg, jax.devices()[:1], FAST)
+        temp[remat, unroll] = analyze.compiled_memory(compiled)["temp"]
+    print({k: f"{v / 2**20:.2f} MiB" for k, v in temp.items()})
+    assert temp["none", 4] > temp["selective", 4] > temp["full", 4]
+    assert temp["full", 4] <= 1.02 * temp["full", 1]
+
+
 def test_hfu_exceeds_mfu_by_exactly_the_recomputed_flops(compiled_policies):
     """HFU - MFU counts the recomputed forward work: against the compiled step's dots
     (each counted with its loop's trip count), policy by policy."""

@@ -346,6 +346,15 @@ def no_effect(cfg: Config) -> list[str]:
             f"model.attention_blocks has no effect with model.attention={m.attention} (they "
             "are the Pallas kernel's tiles): use model.attention=pallas, or drop them"
         )
+    regather = par.zero >= 3 and mesh.fsdp != 1
+    if m.scan_unroll > 1 and (m.remat != "none" or regather):
+        why = f"model.remat={m.remat}" if m.remat != "none" else "parallel.zero=3"
+        out.append(
+            f"model.scan_unroll={m.scan_unroll} has no effect with {why}: unrolled, XLA merges "
+            "each layer's recomputation with its forward and keeps every layer's activations "
+            "(and ZeRO-3's gathered weights), so the layers run one per loop iteration "
+            "(model/remat.py): drop it, or set model.scan_unroll=1"
+        )
     default = ParallelConfig()
     axis_keys = {
         "pipeline": ("pipeline_schedule", "virtual_stages"),

@@ -57,3 +57,14 @@ def all_but_gathered_weights(axis: str):
         return not (prim.name == "name" and params.get("name") == GATHERED)
 
     return keep
+
+
+def layers_per_iteration(scan_unroll: int, n_layers: int, recomputes: bool) -> int:
+    """The layer loop's unroll: model.scan_unroll (at most the layers), but one layer per
+    iteration wherever the backward recomputes (a remat policy, or ZeRO-3's re-gather).
+
+    Unrolled, XLA merges each layer's recomputation with its forward and keeps every
+    unrolled layer's activations (8 layers, full remat: 31 MiB of temporaries rolled,
+    164 MiB unrolled, as much as no remat), and ZeRO-3 keeps every gathered layer; the
+    config's validation warns that the unroll has no effect there."""
+    return 1 if recomputes else max(1, min(scan_unroll, n_layers))

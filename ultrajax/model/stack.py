@@ -12,7 +12,7 @@ from ultrajax.model.boundaries import LOCAL, SINGLE, AttentionBoundary, TensorBo
 from ultrajax.model.llama import block
 from ultrajax.model.nn import rms_norm
 from ultrajax.model.ops import dense
-from ultrajax.model.remat import all_but_gathered_weights, remat_policy
+from ultrajax.model.remat import all_but_gathered_weights, layers_per_iteration, remat_policy
 
 
 def cast(p, dtype):
@@ -59,7 +59,7 @@ def layers(
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     n = jax.tree.leaves(stack)[0].shape[0]
-    unroll = max(1, min(cfg.scan_unroll, n))  # model.scan_unroll layers per loop iteration
+    unroll = layers_per_iteration(cfg.scan_unroll, n, recomputes=policy is not None)
     x, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), x, stack, unroll=unroll)
     return x
 

@@ -22,7 +22,7 @@ from ultrajax.kernels.varying import vma, zeros
 from ultrajax.model.llama import block
 from ultrajax.model.loss import head_nll
 from ultrajax.model.ops import Deferred, Reduce, Weight
-from ultrajax.model.remat import remat_policy
+from ultrajax.model.remat import layers_per_iteration, remat_policy
 from ultrajax.model.stack import embed, final_norm, head_params
 from ultrajax.parallel.axes import PIPELINE, TOKEN_AXES
 from ultrajax.parallel.pipeline import residuals, schedules
@@ -139,7 +139,7 @@ class Stage:
             jax.eval_shape(lambda: layer(given0, {k: None for k in per_layer}, x_probe))
         split = residuals.probe(fn, given0, layer.diff(), x_probe)
         n_per = jax.tree.leaves(dev.chunks)[0].shape[1]
-        unroll = max(1, min(m.scan_unroll, n_per))
+        unroll = layers_per_iteration(m.scan_unroll, n_per, recomputes=policy is not None)
         return cls(dev, sinks, layer, fn, split, _shares(deferred), red, scale, n_per, unroll)
 
     @property
