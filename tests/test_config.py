@@ -183,6 +183,19 @@ def test_missing_file_names_it(tmp_path):
     assert str(missing) in message
 
 
+def test_a_directory_is_not_a_config_file_and_its_yaml_files_are_named(tmp_path):
+    (tmp_path / "b.yaml").write_text("")
+    (tmp_path / "a.yml").write_text("")
+    (tmp_path / "notes.txt").write_text("")
+    message = _error(path=f"{tmp_path}/")
+    assert message == (
+        f"config file '{tmp_path}/' is a directory; give one of its YAML files: "
+        f"{tmp_path / 'a.yml'}, {tmp_path / 'b.yaml'}"
+    )
+    (tmp_path / "empty").mkdir()
+    assert "is a directory, and holds no .yaml files" in _error(path=tmp_path / "empty")
+
+
 def test_invalid_yaml_names_the_file_the_place_and_the_reason(tmp_path):
     path = _write(tmp_path, "model:\n  d_model: [1, 2\n")
     message = _error(path=path)
@@ -356,6 +369,17 @@ def test_run_directory_is_named_after_the_config_and_what_defines_the_run(tmp_pa
     assert len(others) == 5 and base not in others
     assert load(None).train.run_dir.startswith("runs/default-")
     assert load(path, ["train.run_dir=somewhere"]).train.run_dir == "somewhere"
+
+
+def test_data_strict_is_outside_the_run_identity():
+    """strict trains on the same documents as not strict, or refuses to start: the same run
+    (and adding the key left every existing run's directory where it was)."""
+    strict = load(None, ["data.source=files", "data.path=corpus.jsonl", "data.strict=true"])
+    assert strict.data.strict is True
+    loose = load(None, ["data.source=files", "data.path=corpus.jsonl"])
+    assert loose.data.strict is False
+    assert parse.run_identity(strict) == parse.run_identity(loose)
+    assert validate.no_effect(strict) == []
 
 
 def test_resume_modes():

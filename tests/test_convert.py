@@ -2,9 +2,14 @@
 fp32, from Hugging Face to ours and back."""
 
 import dataclasses
+import importlib.metadata
 import json
+import os
+import re
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -20,6 +25,7 @@ from ultrajax.tools import convert
 from ultrajax.train import checkpoint
 
 TOL = 1e-4
+REPO = Path(__file__).resolve().parents[1]
 
 
 def hf_model(path, seed=0, **overrides):
@@ -315,6 +321,61 @@ def test_orbax_to_hf_copies_a_tokenizer_json_or_warns(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"warning: data.tokenizer {str(source)!r} does not exist; no tokenizer written"]
     assert not (tmp_path / "hf2" / "tokenizer.json").exists()
+
+
+def test_hugging_face_files_get_the_mode_of_any_new_file(tmp_path):
+    """Shards readable as the user's umask allows (0644 typically), like config.json:
+    safetensors alone leaves them 0600."""
+    convert.orbax_to_hf(tiny_checkpoint(tmp_path / "ck"), tmp_path / "hf")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    written = sorted((tmp_path / "hf").iterdir())
+    assert any(p.suffix == ".safetensors" for p in written)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in written}
+    assert modes == {p.name: oct(0o666 & ~umask) for p in written}
+
+
+BASE_INSTALL = """
+import sys
+for name in {hidden!r}:
+    sys.modules[name] = None  # as if not installed: `import name` raises ImportError
+from ultrajax.tools import convert
+for argv in {commands!r}:
+    assert convert.main(argv) == 0
+"""
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_conversion_works_from_the_base_install(tmp_path):
+    """Both directions with every package that only the [test] extra installs hidden: the
+    README's first command installs the base alone, and conversion is a base feature."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    base = {_name(r) for r in project["dependencies"]}
+    test_only = {_name(r) for r in project["optional-dependencies"]["test"]} - base
+    hidden = sorted(
+        module
+        for module, dists in importlib.metadata.packages_distributions().items()
+        if all(_name(d) in test_only for d in dists)
+    )
+    assert {"torch", "transformers"} <= set(hidden)
+    ck = tiny_checkpoint(tmp_path / "ck")
+    hf, back = tmp_path / "hf", tmp_path / "back"
+    commands = [
+        ["orbax-to-hf", "--checkpoint", str(ck), "--out", str(hf)],
+        ["hf-to-orbax", "--hf", str(hf), "--out", str(back)],
+    ]
+    script = BASE_INSTALL.format(hidden=hidden, commands=commands)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=env,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (hf / "tokenizer.json").is_file() and (back / "config.yaml").is_file()
+    assert "warning" not in proc.stderr
 
 
 def test_rope_scaling_greedy_tokens_match_transformers(scaled):

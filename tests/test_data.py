@@ -178,6 +178,88 @@ def test_bad_sources_are_one_line_config_errors(tmp_path, setup, pattern):
     assert message.startswith("data.path") and "\n" not in message
 
 
+def _bad_corpus(root):
+    """A JSONL file with each kind of bad line `prepare` counts, and a text file with an
+    invalid byte on its second line."""
+    (root / "a.jsonl").write_bytes(
+        b'{"text": "good one"}\n'
+        b"{not json\n"  # line 2
+        b'{"body": "no text"}\n'
+        b"[1, 2]\n"
+        b'{"text": "caf\xe9"}\n'  # line 5: kept, U+FFFD
+        b"\n"
+        b'{"text": ""}\n'
+        b'{"text": "good two"}\n'
+    )
+    (root / "b.txt").write_bytes(b"fine\nbad \xff here\n")
+    return root
+
+
+def test_files_source_skips_bad_lines_and_reports_them_once_at_start(tmp_path):
+    """As `prepare`: lines without text are left out, invalid UTF-8 is replaced, and the
+    problems are counted by kind with file:line in the data summary the run prints."""
+    root = _bad_corpus(tmp_path)
+    cfg = DataConfig(source="files", path=str(root), eval_fraction=0.0)
+    d = data.build(cfg, seq_len=15, batch_size=2, seed=0, vocab_size=384)
+    docs = sources.file_docs(str(root))
+    assert [x.read() for x in docs] == [
+        "good one",
+        "caf\ufffd",
+        "good two",
+        "fine\nbad \ufffd here\n",
+    ]
+    assert len(d.train_sources[0].ids) == 4
+    head, *listed = d.summary.splitlines()[1:]
+    kinds = "(1 invalid JSON, 2 invalid UTF-8, 1 no text, 1 not an object)"
+    assert head.startswith(f"data: 5 problems {kinds}, JSONL lines without text skipped")
+    assert "data.strict=true refuses them" in head and head.endswith(":")
+    a, b = root / "a.jsonl", root / "b.txt"
+    want = [f"{a}:2: invalid JSON (", f'{a}:3: "text" is missing', f"{a}:4: a JSON array",
+            f"{a}:5: invalid UTF-8 (byte 0xe9", f"{b}:2: invalid UTF-8 (byte 0xff"]  # fmt: skip
+    assert len(listed) == len(want)
+    for got, start in zip(listed, want, strict=True):
+        assert got.startswith(f"  {start}"), (got, start)
+
+
+def test_files_source_lists_the_first_few_problems(tmp_path):
+    (tmp_path / "a.jsonl").write_text("nope\n" * 7 + '{"text": "ok"}\n')
+    d = data.build(DataConfig(source="files", path=str(tmp_path)), seq_len=15, batch_size=2,
+                   seed=0, vocab_size=384)  # fmt: skip
+    head, *listed = d.summary.splitlines()[1:]
+    assert head.startswith("data: 7 problems (7 invalid JSON)") and head.endswith("; the first 5:")
+    assert listed == [f"  {tmp_path / 'a.jsonl'}:{i}: invalid JSON (Expecting value, column 1)"
+                      for i in range(1, 6)]  # fmt: skip
+
+
+def test_files_source_without_problems_reports_none(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "ok"}\n')
+    d = data.build(DataConfig(source="files", path=str(tmp_path)), seq_len=15, batch_size=2,
+                   seed=0, vocab_size=384)  # fmt: skip
+    assert "\n" not in d.summary
+
+
+@pytest.mark.parametrize("bad", ["a.jsonl", "b.txt"])
+def test_strict_refuses_the_first_bad_line_in_one_line(tmp_path, bad):
+    root = _bad_corpus(tmp_path)
+    if bad == "b.txt":
+        (root / "a.jsonl").write_text('{"text": "good"}\n')
+    cfg = DataConfig(source="files", path=str(root), strict=True)
+    with pytest.raises(ConfigError) as info:
+        data.build(cfg, seq_len=15, batch_size=2, seed=0, vocab_size=384)
+    message = str(info.value)
+    assert message.startswith(f"data.strict: {root / bad}:2: invalid ") and "\n" not in message
+    assert "set data.strict=false to skip bad lines" in message
+
+
+def test_a_corpus_of_bad_lines_only_names_one(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": 3}\n[]\n')
+    with pytest.raises(ConfigError) as info:
+        sources.file_docs(str(tmp_path))
+    message = str(info.value)
+    assert message.startswith("data.path") and "2 bad JSONL lines" in message
+    assert f"{tmp_path / 'a.jsonl'}:2: a JSON array, not an object" in message
+
+
 # --------------------------------------------------------------------------- packing
 
 

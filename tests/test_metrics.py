@@ -15,6 +15,7 @@ from ultrajax.config import parse
 from ultrajax.config import schema as config
 from ultrajax.cost import flops, units
 from ultrajax.model.llama import matmul_param_count
+from ultrajax.parallel import mesh as mesh_lib
 from ultrajax.train import metrics, peaks
 
 
@@ -46,6 +47,22 @@ def test_flops_per_token_is_6n_plus_12lhs():
 
 def test_human():
     assert units.human(885888) == "885.9K" and units.human(1.278e11) == "127.8B"
+
+
+def test_rates_in_si_prefixes_with_a_space():
+    """The train log's peak: '486 GFLOP/s', not human()'s count-style '486BFLOP/s'."""
+    assert units.si(4.86e11, "FLOP/s") == "486 GFLOP/s"
+    assert units.si(989e12, "FLOP/s") == "989 TFLOP/s"
+    assert units.si(2.5e15, "FLOP/s") == "2.5 PFLOP/s"
+    assert units.si(3e18, "FLOP/s") == "3000 PFLOP/s"
+    assert units.si(750, "FLOP/s") == "750 FLOP/s"
+
+
+def test_the_mesh_line_counts_one_device_in_the_singular():
+    cfg = config.Config()
+    mesh = mesh_lib.make_mesh(cfg)
+    assert "(1 device, " in mesh_lib.describe(mesh, mesh_lib.rules(cfg)).splitlines()[0]
+    assert mesh_lib.describe_hosts(mesh).startswith("hosts: 1 process(es) x 1 device;")
 
 
 # --------------------------------------------------------------------------- CPU peak

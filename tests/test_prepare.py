@@ -343,6 +343,29 @@ def test_strict_fails_on_the_first_problem_and_writes_nothing(tmp_path, capsys):
     _no_leftovers(tmp_path)
 
 
+def test_the_files_source_keeps_and_reports_what_prepare_does(tmp_path, capsys):
+    """One set of line checks (ultrajax/data/records.py): a corpus trained from its files
+    and the same corpus prepared hold the same documents and name the same lines."""
+    _bad_corpus(tmp_path)
+    out = tmp_path / "out"
+    _run(capsys, "--input", tmp_path / "*", "--tokenizer", "bytes", "--out", out)
+    problems = sources.Problems()
+    docs = sources.file_docs(str(tmp_path / "*"), problems)
+    assert [_byte_doc(d.read()) for d in docs] == _docs(out)
+    m = PreparedCorpus(out).manifest
+    assert dict(problems.kinds) == m["problems"]["kinds"]
+    assert problems.first == m["problems"]["first"][: sources.Problems.SHOWN]
+
+
+def test_one_problem_is_said_in_the_singular(tmp_path, capsys):
+    path = _jsonl(tmp_path / "a.jsonl", [{"text": "good"}, "{bad\n"])
+    _, err = _run(capsys, "--input", path, "--tokenizer", "bytes", "--out", tmp_path / "out")
+    assert err.splitlines()[-2:] == [
+        "1 problem (1 invalid JSON):",
+        f"  {path}:2: invalid JSON (Expecting property name enclosed in double quotes, column 2)",
+    ]
+
+
 # --------------------------------------------------------------------------- errors
 
 

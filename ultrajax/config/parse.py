@@ -124,7 +124,15 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """Read YAML (or start from defaults), apply `section.key=value` overrides, validate."""
     cfg = Config()
     if path is not None:
-        path = Path(path)
+        given, path = str(path), Path(path)
+        if path.is_dir():
+            found = sorted(str(p) for p in path.iterdir() if p.suffix in (".yaml", ".yml"))
+            shown = ", ".join(found[:8]) + (", ..." if len(found) > 8 else "")
+            raise ConfigError(
+                f"config file {given!r} is a directory; give one of its YAML files: {shown}"
+                if found
+                else f"config file {given!r} is a directory, and holds no .yaml files"
+            )
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
@@ -177,6 +185,7 @@ def run_identity(cfg: Config) -> str:
     tree["seed"] = cfg.train.seed
     tree["optim"].pop("schedule_steps")  # checked on resume, like train.steps
     tree["data"].pop("prefetch")  # how far ahead batches are made, not which
+    tree["data"].pop("strict")  # the same documents, or no run at all
     text = json.dumps(tree, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:6]
 

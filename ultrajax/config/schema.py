@@ -78,6 +78,7 @@ class DataConfig:
     streams: int | None = None  # logical streams; null: gcd(micro-batch rows, 64)
     shuffle_window: int = 16  # rows shuffled together after packing, per stream
     prefetch: int = 2  # batches made ahead on a background thread (0: on the step's thread)
+    strict: bool = False  # files: a bad JSONL line is an error (false: skipped, reported)
 
 
 @dataclass

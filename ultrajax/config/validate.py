@@ -332,6 +332,15 @@ def no_effect(cfg: Config) -> list[str]:
             f"data.tokenizer={cfg.data.tokenizer} has no effect with data.source=prepared (the "
             "directory's manifest names its tokenizer): drop it"
         )
+    if cfg.data.strict and cfg.data.source != "files":
+        how = (
+            "its lines were checked by prepare, whose --strict refuses bad ones"
+            if cfg.data.source == "prepared"
+            else "it reads no JSONL"
+        )
+        out.append(
+            f"data.strict=true has no effect with data.source={cfg.data.source} ({how}): drop it"
+        )
     t = cfg.train
     if t.noise_every and t.grad_accum == 1 and not t.batch_schedule:
         out.append(

@@ -16,6 +16,16 @@ def human(n: float, digits: int = 4) -> str:
     return f"{n:.{digits}g}P"
 
 
+def si(n: float, unit: str, digits: int = 4) -> str:
+    """4.86e11, 'FLOP/s' -> '486 GFLOP/s': a rate in SI prefixes (G, not human's B, which
+    reads as billions only in counts), spaced from its number."""
+    for prefix in ("", "k", "M", "G", "T"):
+        if abs(n) < 1000:
+            return f"{n:.{digits}g} {prefix}{unit}"
+        n /= 1000
+    return f"{n:.{digits}g} P{unit}"
+
+
 GiB = 2**30
 
 

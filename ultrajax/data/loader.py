@@ -21,6 +21,7 @@ from ultrajax.data import streams as streams_lib
 from ultrajax.data.prefetch import Prefetcher
 from ultrajax.data.shards import PreparedCorpus
 from ultrajax.data.sources import (
+    Problems,
     TextReader,
     data_paths,
     load_docs,
@@ -99,8 +100,9 @@ class Data:
             self._feed = None
 
 
-def _sources(cfg: DataConfig, tokenizer) -> tuple[list, list, list[str]]:
-    """(train sources, eval sources, one description per corpus)."""
+def _sources(cfg: DataConfig, tokenizer, problems: Problems) -> tuple[list, list, list[str]]:
+    """(train sources, eval sources, one description per corpus); the bad lines of the
+    text sources go to `problems`."""
     weights = [m.weight for m in cfg.mixture] if cfg.mixture else [1.0]
     train, evals, names = [], [], []
     first = None
@@ -117,7 +119,7 @@ def _sources(cfg: DataConfig, tokenizer) -> tuple[list, list, list[str]]:
             t, e = split_indices(len(corpus), cfg.eval_fraction)
             read, size = corpus.__getitem__, f"{corpus.tokens:,} tokens"
         else:
-            docs = load_docs(cfg, path)
+            docs = load_docs(cfg, path, problems)
             t, e = split_ids([d.key for d in docs], cfg.eval_fraction)
             read, size = TextReader(docs, tokenizer), "tokenized as read"
         name = path or cfg.source
@@ -152,7 +154,8 @@ def build(
             f"model.vocab_size ({vocab_size}) is smaller than the tokenizer's "
             f"{tokenizer.size} tokens; set model.vocab_size={padded_vocab(tokenizer.size)}"
         )
-    train, evals, names = _sources(cfg, tokenizer)
+    problems = Problems(cfg.strict)
+    train, evals, names = _sources(cfg, tokenizer, problems)
     n = streams_lib.stream_count(batch_size // grad_accum, cfg.streams)
     streams = streams_lib.Streams(
         train, batch_size=batch_size, grad_accum=grad_accum, streams=n, seed=seed,
@@ -162,6 +165,9 @@ def build(
     per = batch_size // n
     mine = "" if len(streams.owned) == n else f"; this process packs {len(streams.owned)} of them"
     summary = f"data: {'; '.join(names)}; {n} streams of {per} row{'s' * (per > 1)} a step{mine}"
+    report = problems.report()
+    if report is not None:  # printed once, with the summary, before the first step
+        summary += "\n" + report
     return Data(
         tokenizer, streams, train, evals, batch_size, seq_len, seed, cfg.cross_doc_mask, summary
     )

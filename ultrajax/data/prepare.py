@@ -34,17 +34,12 @@ from pathlib import Path
 import numpy as np
 
 from ultrajax.config.schema import ConfigError
-from ultrajax.data import tokenizer
+from ultrajax.data import records, tokenizer
 from ultrajax.data.shards import FORMAT, MANIFEST, VERSION, ShardWriter, sha256, token_dtype
 from ultrajax.data.tokenizer import document
 
 FIRST_PROBLEMS = 100  # kept in the manifest (and per piece: enough to know the first overall)
 PRINTED_PROBLEMS = 20
-
-
-def _json_type(value) -> str:
-    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
-    return names.get(type(value), "number")
 
 
 # --------------------------------------------------------------------------- inputs
@@ -160,7 +155,9 @@ class _Piece:
         if not raw:  # emptied since it was planned
             self.skipped["empty file"] += 1
             return
-        text = _decode(raw, self, segment, 0)
+        text, bad = records.decode(raw)
+        if bad is not None:
+            self.problem(segment, bad.line, bad.kind, bad.reason)
         self.add(text.replace("\r\n", "\n").replace("\r", "\n"))
 
     def jsonl_range(
@@ -183,64 +180,20 @@ class _Piece:
                 if progress is not None and pos - reported >= 1 << 23:
                     progress(min(pos, end) - reported)
                     reported = min(pos, end)
-                if raw.isspace():
-                    self.skipped["blank line"] += 1
-                    continue
                 self._record(segment, lines, raw)
         if progress is not None:
             progress(end - reported)
         return lines
 
     def _record(self, segment: int, line: int, raw: bytes) -> None:
-        text = _decode(raw, self, segment, line)
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as e:
-            self.problem(segment, line, "invalid JSON", f"invalid JSON ({e.msg}, column {e.colno})")
-            return
-        if not isinstance(record, dict):
-            self.problem(
-                segment, line, "not an object", f"a JSON {_json_type(record)}, not an object"
-            )
-            return
-        value = record.get("text")
-        if not isinstance(value, str):
-            what = "missing" if "text" not in record else f"a JSON {_json_type(value)}"
-            self.problem(segment, line, "no text", f'"text" is {what}, not a string')
-            return
-        if "\\u" in text:  # an escaped lone surrogate cannot be encoded: replace it
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as e:
-                self.problem(
-                    segment,
-                    line,
-                    "lone surrogate",
-                    f"a lone surrogate \\u{ord(value[e.start]):04x} in the text, replaced by '?'",
-                )
-                value = value.encode("utf-8", errors="replace").decode("utf-8")
-        if not value:
-            self.skipped["empty text"] += 1
-            return
-        self.add(value)
-
-
-def _decode(raw: bytes, piece: _Piece, segment: int, line: int) -> str:
-    """UTF-8 with replacement; invalid bytes are a problem at their line (line 0: `raw`
-    is a whole file, the line is found here)."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        at = line or raw.count(b"\n", 0, e.start) + 1
-        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        piece.problem(
-            segment,
-            at,
-            "invalid UTF-8",
-            f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at byte column {column}), "
-            "replaced by U+FFFD",
-        )
-        return raw.decode("utf-8", errors="replace")
+        """One JSONL line, checked as the files source checks it (data/records.py)."""
+        record = records.read_line(raw)
+        for p in record.problems:
+            self.problem(segment, line, p.kind, p.reason)
+        if record.text is not None:
+            self.add(record.text)
+        elif record.skipped is not None:
+            self.skipped[record.skipped] += 1
 
 
 def _run_piece(task: tuple, progress: Callable | None = None) -> dict:
@@ -452,16 +405,9 @@ def _collect(results: Iterable[dict], pieces: list[list[tuple]], tmp: Path, stri
 
 
 def _print_problems(problems: dict) -> None:
-    if not problems["count"]:
-        return
-    kinds = ", ".join(f"{n:,} {kind}" for kind, n in problems["kinds"].items())
-    shown = problems["first"][:PRINTED_PROBLEMS]
-    print(
-        f"{problems['count']:,} problems ({kinds}); the first {len(shown)}:",
-        *(f"  {p}" for p in shown),
-        sep="\n",
-        file=sys.stderr,
-    )
+    if problems["count"]:
+        text = records.describe(problems["kinds"], problems["first"], PRINTED_PROBLEMS)
+        print(text, file=sys.stderr)
 
 
 # --------------------------------------------------------------------------- command line

@@ -4,16 +4,17 @@ shards; the tokenizer each needs; the train/eval split by document."""
 from __future__ import annotations
 
 import glob
-import json
 import os
 import sysconfig
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ultrajax.config.schema import ConfigError, DataConfig
+from ultrajax.data import records
 from ultrajax.data.shards import PreparedCorpus
 from ultrajax.data.tokenizer import ByteTokenizer, HFTokenizer, document, padded_vocab  # noqa: F401
 
@@ -52,8 +53,10 @@ class Doc:
         if self.offset is not None:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
-                line = f.readline()
-            return json.loads(line.decode("utf-8", errors="replace"))["text"]
+                text = records.read_line(f.readline()).text  # as checked when listed
+            if text is None:
+                raise ConfigError(f"data.path: {self.key} changed since the run started")
+            return text
         return Path(self.path).read_text(encoding="utf-8", errors="replace")
 
 
@@ -72,29 +75,59 @@ def stdlib_docs() -> list[Doc]:
     return docs
 
 
-def _jsonl_docs(path: str) -> list[Doc]:
-    """One Doc per non-empty record, checked line by line and kept as an offset: the file is
+class Problems:
+    """The bad lines of a text source (data/records.py: what `prepare` counts), counted by
+    kind with the first few as file:line; data.strict makes the first one an error."""
+
+    SHOWN = 5
+
+    def __init__(self, strict: bool = False):
+        self.strict, self.kinds, self.first, self.last = strict, Counter(), [], None
+
+    def add(self, path: str, line: int, problem: records.Problem) -> None:
+        where = f"{path}:{line}: {problem.reason}"
+        if self.strict:
+            raise ConfigError(
+                f"data.strict: {where}; set data.strict=false to skip bad lines (bad "
+                "characters: replaced) and report them"
+            )
+        self.kinds[problem.kind] += 1
+        self.last = where
+        if len(self.first) < self.SHOWN:
+            self.first.append(where)
+
+    def report(self) -> str | None:
+        """What the run prints once at start, or None: no problems."""
+        if not self.kinds:
+            return None
+        note = (
+            ", JSONL lines without text skipped and bad characters replaced (data.strict=true "
+            "refuses them)"
+        )
+        return "data: " + records.describe(self.kinds, self.first, self.SHOWN, note)
+
+
+def _jsonl_docs(path: str, problems: Problems) -> list[Doc]:
+    """One Doc per line with text, checked line by line and kept as an offset: the file is
     streamed, never held (`python -m ultrajax.data prepare` is the way for large corpora)."""
     docs, offset = [], 0
     with open(path, "rb") as f:
         for i, raw in enumerate(f):
             start, offset = offset, offset + len(raw)
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw.decode("utf-8", errors="replace"))
-            except json.JSONDecodeError:
-                raise ConfigError(f"data.path: {path} line {i + 1} is not valid JSON") from None
-            text = record.get("text") if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise ConfigError(f"data.path: {path} line {i + 1} has no string field 'text'")
-            if text:
+            record = records.read_line(raw)
+            for p in record.problems:
+                problems.add(path, i + 1, p)
+            if record.text is not None:
                 docs.append(Doc(key=f"{path}:{i}", path=path, offset=start))
     return docs
 
 
-def file_docs(pattern: str) -> list[Doc]:
-    """A file, a directory (every file below it) or a glob; .jsonl files hold one doc a line."""
+def file_docs(pattern: str, problems: Problems | None = None) -> list[Doc]:
+    """A file, a directory (every file below it) or a glob; .jsonl files hold one doc a line.
+    Bad lines go to `problems` (None: left out or repaired, unreported), as `prepare`
+    counts them: every file is read once here."""
+    problems = Problems() if problems is None else problems
+    before = sum(problems.kinds.values())
     if any(ch in pattern for ch in "*?["):
         paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
         if not paths:
@@ -110,9 +143,18 @@ def file_docs(pattern: str) -> list[Doc]:
     docs = []
     for p in paths:
         if p.endswith(".jsonl"):
-            docs.extend(_jsonl_docs(p))
+            docs.extend(_jsonl_docs(p, problems))
         elif os.path.getsize(p) > 0:
+            _, problem = records.decode(Path(p).read_bytes())  # kept, with U+FFFD
+            if problem is not None:
+                problems.add(p, problem.line, problem)
             docs.append(Doc(key=p, path=p))
+    bad = sum(problems.kinds.values()) - before
+    if not docs and bad:
+        raise ConfigError(
+            f"data.path: {pattern!r} holds no usable text ({bad:,} bad JSONL "
+            f"line{'s' * (bad > 1)}; the last: {problems.last})"
+        )
     if not docs:
         raise ConfigError(f"data.path: {pattern!r} holds no text (every document is empty)")
     return docs
@@ -164,8 +206,13 @@ def data_paths(cfg: DataConfig) -> list[str]:
     return [m.path for m in cfg.mixture] if cfg.mixture else [cfg.path]
 
 
-def load_docs(cfg: DataConfig, path: str | None = None) -> list[Doc]:
-    return stdlib_docs() if cfg.source == "stdlib" else file_docs(path or cfg.path)
+def load_docs(
+    cfg: DataConfig, path: str | None = None, problems: Problems | None = None
+) -> list[Doc]:
+    """The documents of data.source (stdlib or files), bad JSONL lines into `problems`."""
+    if cfg.source == "stdlib":
+        return stdlib_docs()
+    return file_docs(path or cfg.path, Problems(cfg.strict) if problems is None else problems)
 
 
 # --------------------------------------------------------------------------- reading

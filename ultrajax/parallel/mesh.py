@@ -100,8 +100,9 @@ def describe_hosts(mesh) -> str:
     inside = [
         f"{a}={mesh.shape[a] // span[a]}" for a in mesh.axis_names if mesh.shape[a] // span[a] > 1
     ]
+    per = mesh.size // n_proc
     return (
-        f"hosts: {n_proc} process(es) x {mesh.size // n_proc} devices; across hosts (DCN): "
+        f"hosts: {n_proc} process(es) x {per} device{'s' * (per != 1)}; across hosts (DCN): "
         f"{' x '.join(across) or 'none'}; inside a host: {' x '.join(inside) or 'none'}"
     )
 
@@ -193,7 +194,8 @@ def tree_shardings(mesh, logical_tree, rules_: Rules, kind: str):
 
 def describe(mesh, rules_: Rules) -> str:
     sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in AXES)
-    lines = [f"mesh: {sizes} ({mesh.size} devices, {jax.default_backend()})"]
+    n = mesh.size
+    lines = [f"mesh: {sizes} ({n} device{'s' * (n != 1)}, {jax.default_backend()})"]
     lines.append(f"  {'logical':<12} {'stored':<14} {'compute':<14} {'activation'}")
     for row in rules_.table():
         lines.append(f"  {row[0]:<12} {row[1]:<14} {row[2]:<14} {row[3]}")

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -374,13 +375,14 @@ def orbax_to_hf(checkpoint: str | Path, out: str | Path, dtype: str = "auto") ->
     np_dtype = np.dtype(DTYPES[dtype])
     n_files = m.n_layers + 1
     out.mkdir(parents=True, exist_ok=True)
-    weight_map, total = {}, 0
+    weight_map, total, mode = {}, 0, new_file_mode()
 
     def write(i: int, tensors: dict) -> None:
         nonlocal total
         name = f"model-{i + 1:05d}-of-{n_files:05d}.safetensors"
         tensors = {k: np.ascontiguousarray(v, dtype=np_dtype) for k, v in tensors.items()}
         save_file(tensors, str(out / name), metadata={"format": "pt"})
+        os.chmod(out / name, mode)
         for k, v in tensors.items():
             weight_map[k] = name
             total += v.nbytes
@@ -403,6 +405,14 @@ def orbax_to_hf(checkpoint: str | Path, out: str | Path, dtype: str = "auto") ->
     (out / "config.json").write_text(json.dumps(hf_config(m, dtype, tokenizer), indent=2) + "\n")
     write_hf_tokenizer(cfg.data.tokenizer, out, m.seq_len)
     return out
+
+
+def new_file_mode() -> int:
+    """The mode open() gives a new file (0o666 less the umask). safetensors writes a
+    private temporary (0600) and renames it into place: shards nobody else could read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 BYTE_SPECIALS = ("<s>", "</s>", "<pad>")  # ByteTokenizer's BOS, EOS, PAD, in id order
