@@ -249,6 +249,21 @@ def test_cli_json_llama_8b_shape_without_allocating():
     assert set(report["verdict"]["known"]) == set(analyze.KNOWN_ACCELERATORS)
 
 
+def test_cli_into_a_closed_pipe_exits_quietly():
+    """`analyze ... | head -1`: the reader may close the pipe before the report is written.
+    The command stops as a program killed by SIGPIPE does (status 141), without a
+    BrokenPipeError traceback or a failed last flush."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ultrajax.analyze", "--config", TINY, "--cpu-devices", "1",
+         "--no-compile"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    proc.stdout.close()  # gone before the first line (head -1 once it has its line)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception" not in err, err
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

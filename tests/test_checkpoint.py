@@ -8,6 +8,7 @@ cache (tests/conftest.py) compiles each once.
 
 import fnmatch
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -123,10 +124,11 @@ def test_ctrl_c_saves_then_resume_gives_identical_losses(reference, tmp_path, mo
     except KeyboardInterrupt:  # not pytest's: a Ctrl-C the run did not handle fails here
         pytest.fail("Ctrl-C during the run was not handled: KeyboardInterrupt")
     assert code == 130
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert f"starting fresh at step 0: no checkpoint found in {ck_dir}" in out
-    assert "Ctrl-C: saving step 7, then stopping (Ctrl-C again: quit now)" in out
-    stopped = [line for line in out.splitlines() if line.startswith("stopped by")]
+    # what Ctrl-C says goes to stderr: seen also when stdout is a file or a pipe
+    assert "Ctrl-C: saving step 7, then stopping (Ctrl-C again: quit now)" in err
+    stopped = [line for line in err.splitlines() if line.startswith("stopped by")]
     assert stopped == [
         f"stopped by Ctrl-C after step 7: saved in {ck_dir / '7'}; "
         "run the same command again to resume"
@@ -152,6 +154,40 @@ def test_ctrl_c_saves_then_resume_gives_identical_losses(reference, tmp_path, mo
     times = [r["time"] for r in records]
     assert times == sorted(times)  # wall clock: the resumed run's records come after
     assert sorted(p.name for p in ck_dir.iterdir()) == ["20", "7"]
+
+
+def test_ctrl_c_under_a_pipe_its_reader_closed_still_saves_the_step(tmp_path):
+    """`train ... | tee log` and Ctrl-C: the terminal sends SIGINT to the whole process
+    group, so tee is gone by the time the run writes its next line. The step is saved
+    all the same, its record is written, and the run exits 130 with the messages on
+    stderr (no BrokenPipeError, no failed last flush)."""
+    cmd = [sys.executable, "-m", "ultrajax.train", "--config", str(TINY), *SMALL, *ONE_DEVICE,
+           "train.steps=1000", f"train.run_dir={tmp_path}"]  # fmt: skip
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True
+        )
+        try:
+            for line in proc.stdout:  # the run is in the loop once a step is logged
+                if line.startswith("step "):
+                    break
+            proc.stdout.close()  # the reader (tee) goes first...
+            os.killpg(proc.pid, signal.SIGINT)  # ...then the Ctrl-C reaches the trainer
+            code = proc.wait(timeout=300)
+        finally:
+            proc.kill()
+    err = (tmp_path / "stderr").read_text()
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    (stopped,) = [line for line in err.splitlines() if line.startswith("stopped by Ctrl-C")]
+    n = int(stopped.split("after step ")[1].split(":")[0])
+    assert stopped == (
+        f"stopped by Ctrl-C after step {n}: saved in {tmp_path / 'checkpoints' / str(n)}; "
+        "run the same command again to resume"
+    )
+    assert f"Ctrl-C: saving step {n}, then stopping" in err
+    assert 1 < n < 1000 and steps(tmp_path) == [n]
+    assert sorted(losses(tmp_path)) == list(range(1, n + 1))
 
 
 def test_a_second_ctrl_c_exits_at_once_while_the_save_is_written(tmp_path):

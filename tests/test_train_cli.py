@@ -4,6 +4,7 @@ bad input."""
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -160,6 +161,43 @@ def test_the_readme_command_reruns_with_a_changed_shape(tmp_path):
     assert "train.steps=2 is reached, nothing to train" in out
     assert "train.reschedule=true" in out and "train.run_dir=..." in out
     # a longer run of the same is refused, not silent: test_checkpoint.py, in-process
+
+
+# --------------------------------------------------------------------------- Ctrl-C
+
+
+def test_ctrl_c_while_compiling_exits_130_and_saves_nothing(tmp_path):
+    """Ctrl-C before the first step (here while XLA compiles the step): one line on stderr,
+    status 130, no checkpoint. A KeyboardInterrupt there left the compile running on XLA's
+    own thread under the interpreter's exit: a segmentation fault in most tries."""
+    env = _env()
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a real compile, not the session's cache
+    env["PYTHONUNBUFFERED"] = "1"  # each line as it is printed
+    quick = ["train.steps=3", "optim.warmup_steps=1", "train.eval_batches=0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ultrajax.train", "--config", TINY, *quick,
+         f"train.run_dir={tmp_path}"],
+        cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True,
+    )  # fmt: skip
+    out = ""
+    for line in proc.stdout:  # the step is compiled right after the start point is found
+        out += line
+        if line.startswith("starting fresh at step 0"):
+            os.killpg(proc.pid, signal.SIGINT)  # as a terminal sends Ctrl-C
+            break
+    rest, err = proc.communicate(timeout=300)
+    out += rest
+    assert proc.returncode == 130, err[-3000:]
+    assert "compiled the step" not in out  # it came during the compile
+    assert "Traceback" not in err and "Fatal Python error" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1:] == [
+        "interrupted before the first step: nothing was trained yet, nothing saved"
+    ]
+    ck_dir = tmp_path / "checkpoints"
+    assert not ck_dir.exists() or not any(ck_dir.iterdir())
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 # --------------------------------------------------------------------------- --print-config

@@ -10,12 +10,13 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 import jax
 
 from ultrajax.config import parse
 from ultrajax.config import schema as config_lib
-from ultrajax.train import distributed
+from ultrajax.train import distributed, preemption
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -106,14 +107,32 @@ def load_config(args) -> config_lib.Config:
 
 
 def run(main: Callable[[], int | None]) -> None:
-    """Call main; ConfigError anywhere below becomes a one-line error with status 2."""
+    """Call main; ConfigError anywhere below becomes a one-line error with status 2, a
+    reader that left (`| head`) ends the command quietly, Ctrl-C with status 130."""
     try:
         code = main()
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
     except config_lib.ConfigError as e:
         fail(str(e))
+    except BrokenPipeError:
+        reader_gone()
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        # os._exit inside: XLA may still be compiling on a thread of its own, and the
+        # interpreter's teardown under it is a segmentation fault (train/preemption.py)
+        preemption.exit_now("interrupted")
     if not code:
         distributed.shutdown()  # with the other processes; a failure exits at once instead
     sys.exit(code or 0)
+
+
+def reader_gone() -> NoReturn:
+    """The output's reader closed the pipe (`| head` has its lines): stop without a
+    traceback, with status 141 as if killed by SIGPIPE. Python ignores SIGPIPE, so the
+    write raised BrokenPipeError instead; stdout now points at /dev/null, so the
+    interpreter's last flush has nothing to fail on (the Python docs' advice)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no descriptor to point: nothing buffered there either
+        pass
+    sys.exit(141)

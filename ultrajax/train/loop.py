@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 from pathlib import Path
 
 import jax
@@ -40,8 +41,42 @@ def train(cfg: Config) -> int:
     """Train to train.steps, or until SIGTERM / Ctrl-C stops the run at a saved step.
 
     Returns the exit status: 0, or 143 (SIGTERM) / 130 (Ctrl-C) when the run was stopped
-    before it finished (the same command resumes it)."""
-    say = print if jax.process_index() == 0 else _quiet
+    before it finished (the same command resumes it). A Ctrl-C before the first step ends
+    the process at once, with status 130: nothing is trained, nothing is saved. What the
+    run prints never fails it: a pipe closed by the same Ctrl-C (`| tee`) costs the log
+    lines, never the save (report.Unbroken)."""
+    lead = jax.process_index() == 0
+    say = print if lead else _quiet
+    with report.unbroken_output():
+        with preemption.until_first_step():
+            run = begin(cfg, say)
+        if run is None:
+            return 0
+        # Preemption: SIGTERM or Ctrl-C -> save this step and stop; on the way out, wait for
+        # pending saves (a second Ctrl-C exits at once) and put the previous handlers back
+        with jax.set_mesh(run.mesh), preemption.Preemption(run.ckpt) as preempted:
+            while not run.ramp.done:
+                if run.one_step(preempted):
+                    break
+        run.close()
+
+        for line in run.summary():
+            say(line)
+        run.ckpt.close()
+        if not preempted.requested:
+            return 0
+        if lead:  # on stderr, with the other messages: stdout may be gone (`| tee`)
+            print(
+                f"stopped by {preempted.reason} after step {run.step}: saved in "
+                f"{run.ckpt.dir / str(run.step)}; run the same command again to resume",
+                file=sys.stderr,
+            )
+        return preempted.code  # 143 (SIGTERM) or 130 (Ctrl-C): the run did not finish
+
+
+def begin(cfg: Config, say) -> Training | None:
+    """Build, announce and find the start point: the run in progress, or None when a
+    resumed run has already reached train.steps (said in one line)."""
     resume = resume_lib.resume_source(cfg)  # checked first: a refused resume fails fast
     parts = build_run(cfg, fresh=resume is None)
     run_dir = open_run_dir(cfg)
@@ -53,27 +88,8 @@ def train(cfg: Config) -> int:
     if ramp.done:
         ckpt.close()
         say(report.nothing_to_train(cfg, ckpt.dir, start, run_dir))
-        return 0
-
-    run = Training(cfg, parts, ckpt, state, start, ramp, run_dir, say)
-    # Preemption: SIGTERM or Ctrl-C -> save this step and stop; on the way out, wait for
-    # pending saves (a second Ctrl-C exits at once) and put the previous handlers back
-    with jax.set_mesh(parts.mesh), preemption.Preemption(ckpt) as preempted:
-        while not ramp.done:
-            if run.one_step(preempted):
-                break
-    run.close()
-
-    for line in run.summary():
-        say(line)
-    ckpt.close()
-    if preempted.requested:
-        say(
-            f"stopped by {preempted.reason} after step {run.step}: saved in "
-            f"{ckpt.dir / str(run.step)}; run the same command again to resume"
-        )
-        return preempted.code  # 143 (SIGTERM) or 130 (Ctrl-C): the run did not finish
-    return 0
+        return None
+    return Training(cfg, parts, ckpt, state, start, ramp, run_dir, say)
 
 
 def _quiet(*args, **kwargs) -> None:
@@ -109,7 +125,7 @@ class Training:
         say,
     ):
         t = cfg.train
-        self.cfg, self.say, self.run_dir = cfg, say, run_dir
+        self.cfg, self.say, self.run_dir, self.mesh = cfg, say, run_dir, parts.mesh
         self.lead = jax.process_index() == 0
         self.ckpt, self.ramp, self.data, self.eval_fn = ckpt, ramp, parts.data, parts.eval_fn
         self.state, self.step = state, start  # step: the steps done so far
@@ -127,7 +143,7 @@ class Training:
             self.noise = NoiseProbe(cfg, parts, state, self.data.progress)
             self.batch = next(self.feed)
         self.speed = Throughput(cfg)
-        say(f"peak: {units.human(self.speed.peak)}FLOP/s ({self.speed.peak_source})")
+        say(f"peak: {units.si(self.speed.peak, 'FLOP/s')} ({self.speed.peak_source})")
         self.writer = metrics_lib.MetricsWriter(run_dir, fresh=start == 0) if self.lead else None
         self.history: list[dict] = []  # the records logged by this process, for the summary
         self.eval_loss = None  # the latest
@@ -152,8 +168,6 @@ class Training:
         switched = ramp.step_done()
         self.step += 1
         stop = preempted(self.step)
-        base = ramp.base  # the bar counts config batches: a ramp's steps count more
-        self.bar.update(step_tokens // base if step_tokens % base == 0 else step_tokens / base)
         is_log, is_eval = self.due(stop, switched)
         record = None
         if is_log or is_eval:
@@ -164,7 +178,9 @@ class Training:
             b_simple = self.noise.b_simple
             record = step_record(self.step, out, ramp, step_tokens, rate, self.speed, b_simple)
         if stop or self.ckpt.due(self.step) or ramp.done:
-            self.save()
+            self.save()  # before anything is printed: a Ctrl-C's save never waits on a print
+        base = ramp.base  # the bar counts config batches: a ramp's steps count more
+        self.bar.update(step_tokens // base if step_tokens % base == 0 else step_tokens / base)
         if switched and not ramp.done:
             self.switch_batch_size()
         if not ramp.done and not stop:
@@ -203,8 +219,11 @@ class Training:
     def log(self, record: dict, is_eval: bool, ctrl_c: bool) -> None:
         """A logged step: evaluation if due, then metrics.jsonl, the bar and the log line.
         A loss that is not finite ends the run here, with a hint: nothing after it counts."""
-        if ctrl_c and self.lead:
-            tqdm.write(f"Ctrl-C: saving step {self.step}, then stopping (Ctrl-C again: quit now)")
+        if ctrl_c and self.lead:  # stderr: seen also when stdout goes to a file or a pipe
+            tqdm.write(
+                f"Ctrl-C: saving step {self.step}, then stopping (Ctrl-C again: quit now)",
+                file=sys.stderr,
+            )
         if not math.isfinite(record["loss"]):
             self.bar.close()
             raise Diverged(f"loss is {record['loss']} at step {self.step}; lower optim.lr")

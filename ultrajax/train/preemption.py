@@ -1,4 +1,5 @@
-"""Pre-emption: SIGTERM or Ctrl-C saves the step in hand, then the run stops."""
+"""Pre-emption: SIGTERM or Ctrl-C saves the step in hand, then the run stops; a Ctrl-C
+before the first step ends the run at once, with nothing to save."""
 
 from __future__ import annotations
 
@@ -6,11 +7,15 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 import jax
 
-from ultrajax.train.checkpoint import Checkpoints
+if TYPE_CHECKING:  # only named here: every command imports exit_now, and not Orbax with it
+    from ultrajax.train.checkpoint import Checkpoints
 
 
 class Preemption:
@@ -74,17 +79,51 @@ class Preemption:
         return self.requested
 
 
-def _exit_now(where: Path) -> None:
+@contextmanager
+def until_first_step() -> Iterator[None]:
+    """Ctrl-C while the run is being built and compiled: nothing is trained, so nothing is
+    saved; the run ends at once with status 130 and one line on stderr.
+
+    Not Python's KeyboardInterrupt: XLA compiles on threads of its own, and the exception
+    only stops the main thread's wait for them. The interpreter's exit then frees the
+    backend under the compile still running: a segmentation fault (exit 139; 4 of 5
+    tries on the tiny config). One that lands in a garbage-collection callback is dropped
+    instead, and the run trains on as if no key was pressed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, _nothing_trained)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _nothing_trained(signum, frame) -> NoReturn:
+    exit_now("interrupted before the first step: nothing was trained yet, nothing saved")
+
+
+def _exit_now(where: Path) -> NoReturn:
     """The second Ctrl-C: leave without waiting for the save thread (which an ordinary
-    exit would join). os.write, not print: the main thread may be inside a print."""
+    exit would join)."""
+    exit_now(
+        f"Ctrl-C again: exiting without waiting for the save in progress; the last "
+        f"complete checkpoint in {where} is kept"
+    )
+
+
+def exit_now(message: str) -> NoReturn:
+    """Leave at once with status 130 and `message` on stderr, skipping the interpreter's
+    teardown (threads still compiling or saving would crash under it, or be joined). Safe
+    in a signal handler: os.write, not print (the main thread may be inside a print), and
+    neither a closed pipe nor a flush cut in half stops the exit."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # a flush interrupted in the middle: what is lost is lost
             pass
-    message = (
-        f"\nCtrl-C again: exiting without waiting for the save in progress; the last "
-        f"complete checkpoint in {where} is kept\n"
-    )
-    os.write(2, message.encode())
+    try:
+        os.write(2, f"\n{message}\n".encode())
+    except OSError:  # stderr is a pipe whose reader is gone (Ctrl-C reaches `| tee` too)
+        pass
     os._exit(130)

@@ -4,7 +4,10 @@ MFU, memory and losses reached, beside what the cost models predicted)."""
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import jax
@@ -20,6 +23,59 @@ from ultrajax.train import checkpoint as checkpoint_lib
 from ultrajax.train import optim, peaks
 from ultrajax.train.record import Throughput
 from ultrajax.train.setup import RunParts
+
+
+class Unbroken:
+    """A text stream (stdout, stderr) whose writes never raise on a closed pipe.
+
+    Under `... | tee log` a Ctrl-C reaches tee too, and the run's next line would raise
+    BrokenPipeError in the middle of saving the step. Once the reader is gone, the stream's
+    descriptor points at /dev/null (Python's advice for SIGPIPE) and the run goes on,
+    saves included. Lines are flushed as written, so that a closed pipe shows at the
+    write, not in the interpreter's last flush (exit status 120), and `| tee` shows the
+    log as it is written."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            n = self.stream.write(text)
+            if "\n" in text:
+                self.stream.flush()
+            return n
+        except BrokenPipeError:
+            self._reader_gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())  # what is still buffered goes there too
+            os.close(devnull)
+        except (OSError, ValueError):  # no descriptor (a test's capture): nothing to point
+            pass
+
+    def __getattr__(self, name):  # isatty, fileno, encoding, ...: the stream's own
+        return getattr(self.stream, name)
+
+
+@contextmanager
+def unbroken_output() -> Iterator[None]:
+    """sys.stdout and sys.stderr as Unbroken streams while the run lasts: every writer
+    (print, the progress bar, tqdm.write) is covered, the previous streams come back."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = Unbroken(sys.stdout), Unbroken(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
 
 
 def announce(cfg: Config, parts: RunParts, run_dir: Path, say) -> None:
