@@ -28,6 +28,7 @@ from ultrajax.data import loader as data_lib
 from ultrajax.parallel import mesh as mesh_lib
 from ultrajax.train import checkpoint, metrics, optim, resume
 from ultrajax.train import loop as train
+from ultrajax.train.ramp import Ramp
 from ultrajax.train.step import init_state, state_shardings
 
 pytestmark = pytest.mark.slow
@@ -441,3 +442,39 @@ def test_init_from_loads_parameters_only(reference, tmp_path):
     only = checkpoint.write_params(tmp_path / "params-only", saved, cfg)
     with pytest.raises(ConfigError, match="holds parameters only"):
         resume.restore_train(only, cfg, target, _data(cfg))
+
+
+def test_a_batch_check_keeps_the_run_s_learning_rate_position_and_budget(tmp_path):
+    """resume.check_batch, from a ramp state alone (nothing compiled). The run: 4 sequences
+    of 32 tokens a step on 1 device under mesh.data=-1, 512 tokens a step from 1024 tokens
+    on. Resumed on 2 devices, the ramp's stage sets the batch, so it continues, with the
+    learning rate read where the run left it (it used to be read in the new, twice larger,
+    batch: half-way back up the schedule); at the config's batch the doubled batch is
+    refused; a finished run stays finished."""
+    ramp = "train.batch_schedule=[{tokens_per_step: 512, from_tokens: 1024}]"
+
+    def on(devices, *extra):
+        cfg = load(tmp_path, "mesh.data=-1", "train.micro_batch_size=2", *extra)
+        validate.resolve_mesh(cfg, devices)
+        return cfg
+
+    def ran(cfg, n):
+        r = Ramp(cfg)
+        for _ in range(n):
+            r.step_done()
+        return json.loads(json.dumps(r.state()))  # as a checkpoint holds it
+
+    saved = on(1, ramp)
+    later = resume.check_batch(saved, on(2, ramp), ran(saved, 8), 8, "ck/8")
+    assert (later.stage, later.tokens_per_step, later.grad_accum) == (1, 512, 4)
+    assert (later.position, later.total, later.done) == (8.0, 20 * 128, False)
+    with pytest.raises(ConfigError) as e:
+        resume.check_batch(saved, on(2, ramp), ran(saved, 4), 4, "ck/4")
+    assert str(e.value).startswith("ck/4 trained with a global batch of 4 sequences; ")
+    assert "Keep 4 with train.grad_accum=1 or train.micro_batch_size=1;" in str(e.value)
+    # an older checkpoint without the ramp's state: its config's batch all along
+    older = resume.check_batch(on(1), on(1, "train.grad_accum=1", "train.micro_batch_size=4"),
+                               None, 5, "ck/5")  # fmt: skip
+    assert (older.tokens, older.position) == (5 * 128, 5.0)
+    assert resume.check_batch(saved, on(2, ramp), ran(saved, 14), 14, "ck/14").done
+    assert resume.check_batch(on(1), on(2), None, 20, "ck/20").done

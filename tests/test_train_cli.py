@@ -4,6 +4,7 @@ bad input."""
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,6 +162,81 @@ def test_the_readme_command_reruns_with_a_changed_shape(tmp_path):
     assert "train.steps=2 is reached, nothing to train" in out
     assert "train.reschedule=true" in out and "train.run_dir=..." in out
     # a longer run of the same is refused, not silent: test_checkpoint.py, in-process
+
+
+# a run stopped half-way through its 4-step schedule, on one device under mesh.data=-1 (as
+# the 8B recipe), so that the same command on more devices makes a larger global batch;
+# data.streams fixed, so that only the batch differs, whichever default the data takes
+HALF = ["train.eval_batches=0", "model.n_layers=1", "model.seq_len=32", "train.log_every=1",
+        "optim.warmup_steps=1", "optim.schedule_steps=4", "train.micro_batch_size=2",
+        "train.grad_accum=2", "mesh.data=-1", "data.streams=2"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def half_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("half")
+    proc = _train("--config", TINY, "--cpu-devices", "1", *HALF, "train.steps=2",
+                  f"train.run_dir={run_dir}")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def _snapshot(run_dir: Path) -> dict:
+    """Every file of a run directory with its modification time and contents."""
+    return {
+        str(p.relative_to(run_dir)): (p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_a_finished_run_on_more_devices_trains_nothing_writes_nothing(half_run, tmp_path):
+    """train.steps reached: on 2 devices the global batch doubles, and the run used to go on
+    (its token budget and learning-rate position counted in the new batch). It stays
+    finished: one line, exit 0, the run directory exactly as it was."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(half_run, run_dir)
+    before = _snapshot(run_dir)
+    proc = _train("--config", TINY, "--cpu-devices", "2", *HALF, "train.steps=2",
+                  f"train.run_dir={run_dir}")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        f"{run_dir / 'checkpoints'} is at step 2: train.steps=2 is reached, nothing to train. "
+        "To train longer, raise train.steps (with train.reschedule=true, or "
+        "optim.schedule_steps=4 to keep the schedule); to start over, give "
+        f"train.run_dir=... or delete {run_dir}"
+    ]
+    assert "compiled" not in proc.stdout and "Traceback" not in proc.stderr
+    assert _snapshot(run_dir) == before
+
+
+def test_a_changed_global_batch_mid_run_is_refused_the_same_continues(half_run, tmp_path):
+    """Steps 3-4 on 2 devices: 8 sequences a step instead of 4 is refused in one line naming
+    the settings that keep 4 (not the run's identity), with nothing written; one of them
+    continues, and the learning rate is the schedule's at the step (it used to restart the
+    warm-up: the position was counted in the new batch)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(half_run, run_dir)
+    before = _snapshot(run_dir)
+    cmd = ["--config", TINY, "--cpu-devices", "2", *HALF, "train.steps=4",
+           f"train.run_dir={run_dir}"]  # fmt: skip
+    proc = _train(*cmd)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert f"{run_dir / 'checkpoints' / '2'} trained with a global batch of 4 sequences" in lines[0]
+    assert "would use 8 (2 micro-batch x 2 accum x 2 dp" in lines[0]
+    assert "Keep 4 with train.grad_accum=1 or train.micro_batch_size=1" in lines[0]
+    assert _snapshot(run_dir) == before
+
+    proc = _train(*cmd, "train.micro_batch_size=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["tokens"] for r in records] == [128, 256, 384, 512]
+    schedule = optim.lr_schedule(parse.load(ROOT / TINY, [*HALF, "train.steps=4"]))
+    for r in records:  # the lr logged at step s is the schedule's at s - 1
+        assert r["lr"] == pytest.approx(float(schedule(r["step"] - 1)), rel=1e-5)
 
 
 # --------------------------------------------------------------------------- Ctrl-C

@@ -75,20 +75,25 @@ def train(cfg: Config) -> int:
 
 
 def begin(cfg: Config, say) -> Training | None:
-    """Build, announce and find the start point: the run in progress, or None when a
-    resumed run has already reached train.steps (said in one line)."""
+    """Check the resume, build, announce and find the start point: the run in progress, or
+    None when the run has already trained its budget. That is said in one line, before
+    anything is built or written (config.yaml, metrics, checkpoints stay as they were)."""
     resume = resume_lib.resume_source(cfg)  # checked first: a refused resume fails fast
-    parts = build_run(cfg, fresh=resume is None)
+    ramp = None
+    if resume is not None:  # refused here (one line) when the batch changed mid-run
+        ramp = resume_lib.check_resume(cfg, resume, say)
+        if ramp.done:
+            say(report.nothing_to_train(cfg, resume[0], resume[1], Path(cfg.train.run_dir)))
+            return None
+    parts = build_run(cfg, fresh=resume is None)  # resolves a -1 mesh size
+    if ramp is None:
+        ramp = Ramp(cfg)
     run_dir = open_run_dir(cfg)
     report.announce(cfg, parts, run_dir, say)
     # resume (state, data position) or init_from (parameters) before the first batch is read
-    ckpt, state, start = resume_lib.start(cfg, parts.state, parts.data, say, resume)
-    ramp = Ramp(cfg)
-    ramp.load((parts.data.progress or {}).get("ramp"), start)
-    if ramp.done:
-        ckpt.close()
-        say(report.nothing_to_train(cfg, ckpt.dir, start, run_dir))
-        return None
+    ckpt, state, start = resume_lib.start(
+        cfg, parts.state, parts.data, say, resume, checked=resume is not None
+    )
     return Training(cfg, parts, ckpt, state, start, ramp, run_dir, say)
 
 

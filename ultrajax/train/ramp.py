@@ -9,11 +9,13 @@ Everything that used to count steps counts tokens here, so that a change of batc
 nothing else:
 
 - the learning-rate schedule is read at `position` = tokens trained / the config's
-  batch in tokens, which is the step count when the batch never changes;
-- the run ends after `train.steps` x the config's batch in tokens, the same budget as
-  without a ramp;
-- the tokens trained, the stage and the smoothed loss are saved with each checkpoint,
-  so a resume continues the ramp exactly.
+  batch in tokens (`base`: the run's first, kept by its checkpoints), which is the step
+  count when the batch never changes;
+- the run ends after `train.steps` x that batch in tokens, the same budget as without a
+  ramp;
+- the tokens trained, the stage, the smoothed loss and the batch the run started with
+  are saved with each checkpoint, so a resume continues the ramp exactly, and the
+  learning-rate position and the token budget stay those of the run's start on any layout.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Ramp:
         t = cfg.train
         self.unit = t.micro_batch_size * cfg.dp * cfg.model.seq_len  # one micro-batch, tokens
         self.base = cfg.tokens_per_step  # the config's batch: the schedule's unit
+        self.steps = t.steps
         self.total = t.steps * self.base
         self.stages = [(t.grad_accum, 0, None)] + [
             (s.tokens_per_step // self.unit, s.from_tokens, s.from_loss)
@@ -99,13 +102,21 @@ class Ramp:
             "stage": self.stage,
             "started": list(self.started),
             "loss_ema": [self._ema, self._count],
+            "base": self.base,
         }
 
-    def load(self, state: dict | None, step: int) -> None:
+    def load(self, state: dict | None, step: int, base: int | None = None) -> None:
         """A checkpoint's ramp state; without one (an older checkpoint), the config's batch
-        for every step so far."""
+        for every step so far.
+
+        The schedule's unit and the budget stay the run's own (saved, else `base`: the
+        checkpoint config's batch in tokens). A config whose batch differs now (another
+        device count under mesh.data=-1) would otherwise move the learning rate's position
+        and the end of the run."""
+        self.base = int((state or {}).get("base") or base or self.base)
+        self.total = self.steps * self.base
         if not state:
-            self.tokens = step * self.tokens_per_step
+            self.tokens = step * self.base
             return
         self.tokens, self.stage = int(state["tokens"]), int(state["stage"])
         self.started = [int(x) for x in state["started"]]

@@ -9,7 +9,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from ultrajax.config.schema import Config, ConfigError
-from ultrajax.train import optim
+from ultrajax.config.validate import resolve_mesh
+from ultrajax.train import distributed, optim
 from ultrajax.train.checkpoint import (
     Checkpoints,
     _check_tree,
@@ -26,16 +27,12 @@ from ultrajax.train.checkpoint import (
     locate,
     remove_tmp,
 )
+from ultrajax.train.ramp import Ramp
 
 
-def restore_train(
-    path: str | Path, cfg: Config, target: dict, data, warn=print
-) -> tuple[dict, int]:
-    """Restore a training checkpoint onto `target`'s shardings (any layout).
-
-    `target` is a tree of ShapeDtypeStructs carrying shardings, shaped like the
-    train state. Returns (state, step) and sets `data` to the saved position."""
-    root, step = locate(path)
+def check_config(root: Path, step: int, cfg: Config, warn=print) -> Config:
+    """The checkpoint's kind, model and schedule against `cfg` (its small JSON items only):
+    its config, or a one-line refusal naming the way out."""
     where = _where(root, step)
     meta = _read_json_item(root, step, "meta")
     if meta.get("kind") != "train":
@@ -53,11 +50,21 @@ def restore_train(
             f"own), or delete {root} to start over; to continue that run, use its config"
         ) from None
     check_schedule(saved, cfg, where, step, warn)
-    if saved.global_batch != cfg.global_batch:
-        warn(
-            f"note: the global batch was {saved.global_batch} samples in {where} and is "
-            f"{cfg.global_batch} now: the data continues, but batches differ from the old run's"
-        )
+    return saved
+
+
+def restore_train(
+    path: str | Path, cfg: Config, target: dict, data, warn=print, checked: bool = False
+) -> tuple[dict, int]:
+    """Restore a training checkpoint onto `target`'s shardings (any layout).
+
+    `target` is a tree of ShapeDtypeStructs carrying shardings, shaped like the
+    train state. Returns (state, step) and sets `data` to the saved position.
+    checked: `check_resume` already checked the config (its notes are not said twice)."""
+    root, step = locate(path)
+    where = _where(root, step)
+    if not checked:
+        check_config(root, step, cfg, warn)
     opt_target = {"step": target["step"], "opt_state": target["opt_state"]}
     mngr = _reader(root)
     try:
@@ -93,6 +100,67 @@ def restore_train(
         "opt_state": out["optimizer"]["opt_state"],
     }
     return state, step
+
+
+def check_resume(cfg: Config, source: tuple[Path, int], warn=print) -> Ramp:
+    """Before anything is built: may the run continue from `source`, and where.
+
+    Reads only the checkpoint's small JSON items, the same on every process (so every host
+    decides alike). Returns the batch ramp at the checkpoint: `done` when the run already
+    trained its token budget, whatever the batch now (the caller then writes nothing).
+    Resolves a -1 mesh size from the devices, as build_run would."""
+    root, step = source
+    saved = check_config(root, step, cfg, warn)
+    distributed.check_local_devices()
+    resolve_mesh(cfg, jax.device_count())
+    progress = _read_json_item(root, step, "data").get("progress") or {}
+    return check_batch(saved, cfg, progress.get("ramp"), step, _where(root, step))
+
+
+def check_batch(saved: Config, cfg: Config, ramp_state, step: int, where: str) -> Ramp:
+    """The batch of the next step must be the one the run would have used.
+
+    A batch changed mid-run changes the training (and, were the schedule counted in the
+    new batch, the learning rate), so it is refused unless a stage of train.batch_schedule
+    sets it. The learning-rate position and the token budget stay the run's own either way
+    (Ramp.load). A finished run is returned as it is: nothing is trained."""
+    now, then = Ramp(cfg), Ramp(saved)
+    now.load(ramp_state, step, saved.tokens_per_step)
+    then.load(ramp_state, step, saved.tokens_per_step)
+    if now.done or now.tokens_per_step == then.tokens_per_step:
+        return now
+    seq, t, m = cfg.model.seq_len, cfg.train, cfg.mesh
+    was, new = then.tokens_per_step // seq, now.tokens_per_step // seq
+    keep = "the run's train.batch_schedule"
+    if now.stage == 0:
+        keep = _same_batch(was, cfg, saved.dp)
+    raise ConfigError(
+        f"{where} trained with a global batch of {was} sequences; resuming it at step {step} "
+        f"would use {new} ({t.micro_batch_size} micro-batch x {now.grad_accum} accum x "
+        f"{cfg.dp} dp, dp = mesh.data {m.data} x mesh.fsdp {m.fsdp} on "
+        f"{jax.device_count()} devices): refused, a batch changed mid-run changes the "
+        f"training. Keep {was} with {keep}; or train the new batch as a run of its own "
+        "(train.run_dir=...)"
+    )
+
+
+def _same_batch(batch: int, cfg: Config, old_dp: int) -> str:
+    """Settings outside the run's identity (the run directory stays) that give `batch`
+    sequences per step on this mesh: accumulation first (it costs no memory)."""
+    t, dp = cfg.train, cfg.dp
+    ways = []
+    accum, rest = divmod(batch, t.micro_batch_size * dp)
+    if not rest:
+        ways.append(f"train.grad_accum={accum}")
+    mbs, rest = divmod(batch, t.grad_accum * dp)
+    if not rest:
+        ways.append(f"train.micro_batch_size={mbs}")
+    if ways:
+        return " or ".join(ways)
+    return (
+        f"the run's data-parallel size, mesh.data x mesh.fsdp = {old_dp} (mesh.data=-1 "
+        "takes it from the device count)"
+    )
 
 
 def _free(tree) -> None:
@@ -173,10 +241,11 @@ def check_schedule(saved: Config, cfg: Config, where: str, step: int, warn=print
 _PICK = object()
 
 
-def start(cfg: Config, state: dict, data, say=print, source=_PICK):
+def start(cfg: Config, state: dict, data, say=print, source=_PICK, checked: bool = False):
     """Open the run's checkpoints and pick where training starts: (Checkpoints, state, step).
 
-    `source` is `resume_source(cfg)` (computed here if not given). `state` gives the
+    `source` is `resume_source(cfg)` (computed here if not given; checked: `check_resume`
+    has checked it). `state` gives the
     target layout: ShapeDtypeStructs with shardings, or a freshly initialised state
     whose buffers are freed once a checkpoint replaces them. Without a checkpoint to
     resume, checkpoint.init_from loads parameters only (the optimizer starts fresh).
@@ -191,7 +260,8 @@ def start(cfg: Config, state: dict, data, say=print, source=_PICK):
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state
         )
         _free(state)
-        state, step = restore_train(source[0] / str(source[1]), cfg, target, data, warn=say)
+        path = source[0] / str(source[1])
+        state, step = restore_train(path, cfg, target, data, warn=say, checked=checked)
         say(f"resumed from {source[0] / str(source[1])} at step {step}")
         return ck, state, step
     if cfg.checkpoint.init_from:
