@@ -7,7 +7,7 @@ them. `python -m ultrajax.analyze` prints them beside XLA's compiled figures.
 A step's peak is what lives for the whole step (the arguments: master weights,
 Adam moments, the batch) plus the largest of its phases' temporaries:
   - layer backward: the activations saved for backward (all layers), the gradient
-    buffers, fp32 accumulators (grad_accum > 1), the compute-dtype copy of the
+    buffers, the fp32 running sum (grad_accum > 1), the compute-dtype copy of the
     weights where it is a separate array, and the working set of one layer's
     backward pass (its slice of the saved activations, recomputed ones, their
     gradients, the layer's weights and weight gradients);
@@ -93,7 +93,7 @@ class Breakdown:
     batch: float = 0.0  # the batch, five int32 fields (an argument)
     compute_copy: float = 0.0  # the model.dtype copy of the weights, where a separate array
     gradients: float = 0.0  # fp32 gradients, reduced (pipeline: after the ticks)
-    accumulators: float = 0.0  # fp32 running sums over micro-batches
+    accumulators: float = 0.0  # the one fp32 running sum over micro-batches (grad_accum > 1)
     embed_grad: float = 0.0  # the whole fp32 embedding gradient beyond its shard (ZeRO >= 1)
     head_copy: float = 0.0  # ZeRO-3: the LM head's gathered copy beyond its shard
     saved: float = 0.0  # activations saved for backward (pipeline: the executor's buffers)
@@ -226,8 +226,10 @@ def _gradients(cfg: Config) -> dict[str, float]:
     """Gradient memory held through the backward pass, by Breakdown field.
 
     Gradients leave each weight's backward rule in fp32, reduced (ultrajax/model/ops.py):
-    ZeRO >= 1 scatters them per layer, so only shards are kept; before the last
-    micro-batch ZeRO-0/1 accumulate whole, unreduced gradients (parallel/grads.py). The
+    ZeRO >= 1 scatters them per layer, so only shards are kept. Accumulation adds one
+    fp32 running sum, whole and unreduced below ZeRO-2 (its reduction waits for the last
+    micro-batch), and nothing else: every micro-batch's backward rules add into it in
+    place (parallel/grads.py); the last one's reduce it into `gradients`. The
     embedding's gradient is a whole fp32 table through the backward pass (read twice when
     tied, it is reduced after it): beyond the shard kept under ZeRO >= 1; ZeRO-3 also
     holds the LM head's whole copy until the head's backward is done."""

@@ -12,6 +12,11 @@ The playbook's three lessons, in this file's terms:
   micro-batches run with sinks typed as varying over the deferred axes, so no
   reduction is owed; the last one adds their running sum before reducing.
 
+One fp32 running sum, accumulated in place: each weight's backward rule adds its
+gradient into the sum (a Ref the backward pass accumulates into, `backward`), so no
+fresh fp32 gradient of a whole micro-batch ever sits beside it. Only the last
+micro-batch's reduced gradients are a buffer of their own (ZeRO >= 1: shards).
+
 Used per device inside `shard_map` (explicit collectives, or manual only over the
 data axes under `parallel.collectives: gspmd`) or globally under the partitioner:
 the same code, with `manual` naming the axes this code sees one shard of.
@@ -65,9 +70,9 @@ class Gradients:
         return self.grad_accum > 1 and bool(self.deferred)
 
     def adds_inside(self, last: bool) -> bool:
-        """Whether the running sum joins the backward rules: only where a deferred
-        reduction is finally due (else it is added after the backward pass, so it is
-        never kept as a residual of the layer scan)."""
+        """Whether the backward rules read the running sum and add it before a deferred
+        reduction finally due (the last micro-batch); elsewhere they accumulate into it
+        (`backward`)."""
         return last and self.splits_last
 
     def reduce(self, path: str, names, last: bool) -> Reduce:
@@ -121,9 +126,12 @@ class Gradients:
         layer_names = {k: n[1:] for k, n in self.names["layers"].items()}
 
         def prepare(p):
+            # no stop_gradient on the weights: they are not differentiated (the sinks
+            # are), and its staged identity would hide from the layer scan that the
+            # backward rules' saved weights are its own inputs, so every forward pass
+            # would stack a copy of all the layers' weights
             out = {}
             for k, value in p["w"].items():
-                value = jax.lax.stop_gradient(value)
                 if gather is not None:
                     value = gather(value, k)
                 red = self.reduce(f"layers/{k}", layer_names[k], last)
@@ -143,8 +151,34 @@ class Gradients:
                 out[k] = finish(g[k], held, dataclasses.replace(red, varying=vma(sinks[k])))
         return out
 
+    def backward(self, loss_fn, sinks, cparams, acc, last: bool):
+        """(acc plus this micro-batch's gradient, `loss_fn`'s aux); acc None: the gradient.
+
+        `loss_fn(wrt, inside) -> (loss, aux)`: `inside` is the running sum the backward
+        rules add before their reduction (`adds_inside`), or None. Otherwise the sum is a
+        Ref the backward pass accumulates into (`jax.vjp(...).with_refs`, JAX's autodiff
+        with refs): each weight's rule adds its gradient to its slice of the sum in place
+        (the layer scan's backward carries the sum), so no whole fresh fp32 gradient is
+        built beside it; the sum is the same, acc + g in fp32. The weights of `after` are
+        completed after the backward pass, so theirs is added then."""
+        wrt = self.wrt(sinks, cparams)
+        if acc is None or self.adds_inside(last):
+            g, aux = jax.grad(lambda w: loss_fn(w, acc), has_aux=True)(wrt)
+            return self.finish(g, acc, sinks, last), aux
+        out, vjp, aux = jax.vjp(lambda w: loss_fn(w, None), wrt, has_aux=True)
+        value = jax.ad.GradValue()  # returned as a value, not accumulated into a Ref
+        refs = {k: value if k in self.after else jax.tree.map(jax.new_ref, acc[k]) for k in wrt}
+        (g,) = vjp.with_refs(refs)(jnp.ones_like(out))
+        g = self.finish(g, None, sinks, last)
+        return {
+            k: acc[k] + g[k] if k in self.after else jax.tree.map(jax.freeze, refs[k]) for k in wrt
+        }, aux
+
     def accumulate(self, micro, acc, batch):
-        """Run `micro(acc, mb, last) -> (acc, loss)` over the micro-batches (axis 0)."""
+        """Run `micro(acc, mb, last) -> (acc, loss)` over the micro-batches (axis 0) from
+        the zero running sum `acc`; one micro-batch: `micro(None, ...)`, no sum at all."""
+        if jax.tree.leaves(batch)[0].shape[0] == 1:
+            return micro(None, jax.tree.map(lambda a: a[0], batch), True)
 
         def body(last: bool):
             def one(carry, mb):

@@ -70,20 +70,14 @@ def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
         scale = 1.0 / jnp.maximum(n_targets, 1).astype(jnp.float32)
 
         def micro(acc, mb, last):
-            sinks = grad_plan.sinks(params, cparams, last)
-            inside = acc if grad_plan.adds_inside(last) else None
-
-            def loss_fn(wrt):
+            def loss_fn(wrt, inside):
                 w, prepare = grad_plan.attach(cparams, wrt, inside, last, gather)
                 total, _ = loss_sum(cfg, w, mb, tp=layout.tp, cp=layout.cp, prepare=prepare,
                                     gathered_over=layout.gathered_over)  # fmt: skip
                 return total * scale, total * scale
 
-            g, part = jax.grad(loss_fn, has_aux=True)(grad_plan.wrt(sinks, cparams))
-            g = grad_plan.finish(g, inside, sinks, last)
-            if inside is None:
-                g = jax.tree.map(jnp.add, acc, g)
-            return g, part
+            sinks = grad_plan.sinks(params, cparams, last)
+            return grad_plan.backward(loss_fn, sinks, cparams, acc, last)
 
         acc0 = grad_plan.sinks(params, cparams, last=not grad_plan.splits_last)
         grads, loss = grad_plan.accumulate(micro, acc0, batch)
