@@ -13,7 +13,7 @@ import pytest
 from harness import BASE, FAST, ROOT, TINY, make
 
 from ultrajax.config import parse
-from ultrajax.cost import flops
+from ultrajax.cost import flops, memory
 from ultrajax.tools import analyze, hlo
 from ultrajax.tools import report as report_lib
 
@@ -221,6 +221,18 @@ def test_cli_analytic_only_is_fast_and_has_a_verdict():
     assert "verdict: fits in 1.00 GiB" in r.stdout
     r = run_cli("--config", TINY, "--cpu-devices", "1", "--no-compile", "--device-memory", "1MB")
     assert "does NOT fit" in r.stdout
+
+
+def test_analyze_and_the_train_summary_name_the_attention_they_predict_for():
+    """tiny's `auto` attention is the Pallas kernel on a GPU and `tiled` on a CPU: analyze
+    predicts for the GPU (146 MiB) and a CPU run's summary for what it ran (156 MiB), so
+    each says which, and the two figures are told apart."""
+    r = run_cli("--config", TINY, "--cpu-devices", "1", "--no-compile")
+    assert r.returncode == 0, r.stderr
+    assert "attention auto (memory predicted for pallas, as a gpu runs it)" in r.stdout
+    lines = memory.summary_lines(parse.load(TINY))
+    assert ", attention tiled: weights + Adam" in lines[0], lines
+    assert "analyze predicts for a GPU's attention" in lines[0], lines
 
 
 def test_cli_warns_once_per_setting_without_effect():

@@ -345,10 +345,12 @@ def summary_lines(cfg: Config, measured_peak: int | None = None) -> list[str]:
     p = e.parts
     after = e.peak_phase in AFTER_BACKWARD
     work = e.temp if after else e.temp - p.saved - e.held
+    name = concrete(cfg).model.attention  # as this backend runs it (analyze: as a GPU does)
     lines = [
-        f"  predicted    {fmt_bytes(e.peak)} per device at the {e.peak_phase}: weights + Adam "
-        f"{fmt_bytes(e.weights)}, gradients and copies {fmt_bytes(e.held)}, saved activations "
-        f"{fmt_bytes(p.saved)}, working set {fmt_bytes(work)} (python -m ultrajax.analyze)"
+        f"  predicted    {fmt_bytes(e.peak)} per device at the {e.peak_phase}, attention "
+        f"{name}: weights + Adam {fmt_bytes(e.weights)}, gradients and copies "
+        f"{fmt_bytes(e.held)}, saved activations {fmt_bytes(p.saved)}, working set "
+        f"{fmt_bytes(work)} (python -m ultrajax.analyze predicts for a GPU's attention)"
     ]
     if measured_peak:
         lines.append(f"  predicted / measured peak  {e.peak / measured_peak:.2f}")

@@ -44,6 +44,7 @@ from ultrajax.config.parse import dump
 from ultrajax.config.schema import Config, ConfigError
 from ultrajax.config.validate import no_effect, resolve_mesh
 from ultrajax.cost import flops, hardware, memory, units
+from ultrajax.cost.activations import concrete
 from ultrajax.cost.flops import attention_flops
 from ultrajax.model.attention import backends as attention
 from ultrajax.model.llama import param_count
@@ -288,11 +289,16 @@ def _predicted(cfg: Config, analysed: Config, notes: list, devices: list, device
     """(the report's analytic part, the estimate of what is compiled). Memory is
     predicted for `analysed`; the verdict is for `cfg` as configured, on a GPU (where
     its attention `auto` means the kernel), when compiling here had to change it."""
-    est = memory.estimate(analysed, platform="gpu" if analysed is cfg else None)
+    platform = "gpu" if analysed is cfg else None
+    est = memory.estimate(analysed, platform=platform)
     report = {
         "config": _config_summary(cfg, devices),
         "notes": notes,
         "predicted": est.to_dict(),
+        # the attention the memory is predicted for: as a GPU runs it, unless compiling
+        # here changed it (a CPU run of the same config may use another: its summary says)
+        "predicted_attention": concrete(analysed, platform).model.attention,
+        "predicted_platform": platform or jax.default_backend(),
     }
     peak = est.peak
     if analysed is not cfg:

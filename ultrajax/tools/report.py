@@ -194,6 +194,15 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _predicted_attention(r: dict) -> str:
+    """Which attention the memory is predicted for, where `model.attention` leaves it open:
+    a GPU's kernel, so a CPU run of the same config (another attention) predicts otherwise."""
+    name, platform = r.get("predicted_attention"), r.get("predicted_platform")
+    if name is None or name == r["config"]["attention"]:
+        return ""
+    return f" (memory predicted for {name}, as a {platform} runs it)"
+
+
 def _header_lines(r: dict) -> list[str]:
     """The layout and batch in two lines, then the notes on what compiling changed."""
     cf = r["config"]
@@ -201,7 +210,8 @@ def _header_lines(r: dict) -> list[str]:
     lines = [
         f"layout: {mesh} ({cf['devices']} device(s), {cf['backend']}); ZeRO-{cf['zero']}"
         f"{', SP' if cf['sequence_parallel'] else ''}; remat {cf['remat']}; "
-        f"{cf['dtype']} compute, {cf['param_dtype']} master; attention {cf['attention']}",
+        f"{cf['dtype']} compute, {cf['param_dtype']} master; attention {cf['attention']}"
+        + _predicted_attention(r),
         f"model: {cf['parameters']:,} parameters; per device {cf['micro_batch_size']} x "
         f"{cf['seq_len']} tokens per micro-batch, {cf['grad_accum']} micro-batches; "
         f"{cf['tokens_per_step']:,} tokens per step",
