@@ -3,18 +3,27 @@ process count, shuffle after packing, mixtures by weight, rows placed on devices
 background feed."""
 
 import json
+import os
+import re
+import subprocess
+import sys
 import threading
 
+import harness
 import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 
+from ultrajax.config import parse
 from ultrajax.config.schema import ConfigError
+from ultrajax.data import loader as data_lib
 from ultrajax.data import sources as sources_lib
 from ultrajax.data import streams, tokenizer
 from ultrajax.data.prefetch import Prefetcher
+from ultrajax.parallel import mesh as mesh_lib
 from ultrajax.train import batch as batch_lib
+from ultrajax.train import setup
 
 TOK = tokenizer.ByteTokenizer()
 
@@ -27,10 +36,12 @@ def _source(n, prefix="d", length=lambda i: 5 + (i * 7) % 13, weight=1.0):
     return streams.Source(np.arange(n), sources_lib.TextReader(docs, TOK), weight, prefix)
 
 
-def _streams(sources, rows=None, *, batch=16, n=4, window=0, seed=0, seq_len=15, accum=1):
+def _streams(
+    sources, rows=None, *, batch=16, n=4, window=0, seed=0, seq_len=15, accum=1, default=False
+):
     return streams.Streams(
         sources, batch_size=batch, grad_accum=accum, streams=n, seed=seed, seq_len=seq_len,
-        cross_doc_mask=True, window=window, rows=rows,
+        cross_doc_mask=True, window=window, rows=rows, default=default,
     )  # fmt: skip
 
 
@@ -100,19 +111,130 @@ def test_a_state_saved_by_2_processes_resumes_on_1_and_4_mid_epoch():
                 np.testing.assert_array_equal(a[k], b[k])
 
 
-def test_a_state_for_another_stream_count_is_refused_with_the_fix():
+def _identity_keys_advised(message: str) -> list[str]:
+    """The settings of the run's identity (config/parse.py) that an error's advice, what
+    follows its first ': ', names: following such advice moves the run to a new directory."""
+    advice = message.split(": ", 1)[1]
+    keys = re.findall(r"\b([a-z]+)\.([a-z_]+)\b", advice)
+    return [f"{a}.{b}" for a, b in keys if a in parse.IDENTITY or (a, b) == ("train", "seed")]
+
+
+def test_a_state_from_another_pipeline_or_count_is_refused_naming_no_identity_setting():
     state = _streams([_source(10)], n=4).get_state()
-    with pytest.raises(ConfigError, match="set data.streams=4"):
-        _streams([_source(10)], n=8).set_state(state)
+    with pytest.raises(ConfigError) as e:
+        _streams([_source(10)], n=8).set_state(state)  # pinned: the config asks for 8
+    assert not _identity_keys_advised(str(e.value)), e.value
+    assert "checkpoint.init_from" in str(e.value)
+    with pytest.raises(ConfigError, match="do not split a global batch of 12 rows") as e:
+        _streams([_source(10)], batch=12, n=4, default=True).set_state(dict(state, streams=8))
+    assert not _identity_keys_advised(str(e.value)), e.value
+    assert "a multiple of 8" in str(e.value)
     with pytest.raises(ConfigError, match="older data pipeline"):
         _streams([_source(10)], n=4).set_state({"next_index": 3})
 
 
-def test_stream_count_divides_a_micro_batch():
-    assert streams.stream_count(16, None) == 16 and streams.stream_count(96, None) == 32
-    assert streams.stream_count(512, None) == 64 and streams.stream_count(6, None) == 2
-    with pytest.raises(ConfigError, match="data.streams=5 must divide the rows of a micro"):
-        streams.stream_count(16, 5)
+def test_a_resume_under_another_default_count_continues_the_saved_streams():
+    """A checkpoint read as 4 streams (the default before: gcd(micro-batch rows, 64)),
+    resumed where the default is now 16: the run goes on with the saved 4 streams."""
+    sources = [_source(40)]
+    old = _streams(sources, n=4, accum=4, window=8)
+    next(old)
+    state = json.loads(json.dumps(old.get_state()))
+    expected = [next(old)["tokens"] for _ in range(3)]
+    count = streams.stream_count([16], None)
+    assert count == 16
+    new = _streams(sources, n=count, accum=4, window=8, default=True)
+    new.set_state(state)
+    assert new.count == 4 and new.describe() == "4 streams of 4 rows a step"
+    for want in expected:
+        np.testing.assert_array_equal(next(new)["tokens"], want)
+
+
+def test_the_default_stream_count_is_a_function_of_the_global_batch_only():
+    assert streams.stream_count([16], None) == 16 and streams.stream_count([96], None) == 32
+    assert streams.stream_count([512], None) == 64 and streams.stream_count([6], None) == 2
+    assert streams.stream_count([16, 48, 96], None) == 16  # a ramp: it splits every batch
+    assert streams.stream_count([16], 8) == 8
+    with pytest.raises(ConfigError, match="data.streams=5 does not split a global batch") as e:
+        streams.stream_count([16], 5)
+    assert not _identity_keys_advised(str(e.value)), e.value
+
+
+def test_a_batch_ramp_grows_each_stream_s_rows_and_keeps_who_packs_them():
+    """Micro-batches of 2 rows, 4 then 6 of them a step (a ramp from 8 to 12 rows): the
+    default count, gcd(64, 8, 12) = 4, splits both; each stream gives 2 then 3 rows a step
+    and a data-parallel process (one row of each micro-batch) keeps packing whole streams."""
+    count = streams.stream_count([8, 12], None)
+    assert count == 4
+    rows = streams.data_parallel_rows(0, 2, 8, 4)
+    s = streams.Streams([_source(30)], batch_size=8, grad_accum=4, streams=count, seed=0,
+                        seq_len=15, cross_doc_mask=True, rows=rows, batch_sizes=[12])  # fmt: skip
+    assert s.owned == [0, 2] and sorted(s.rows) == rows
+    s.grad_accum = 6
+    assert len(next(s)["tokens"]) == 6 and sorted(s.rows) == [0, 2, 4, 6, 8, 10]
+    with pytest.raises(ConfigError, match="4 streams do not split a global batch of 10 rows"):
+        s.grad_accum = 5
+
+
+# the same global batch of 8 rows, split four ways on 8 simulated devices
+SPLITS = {
+    "8x1": ["train.micro_batch_size=8", "train.grad_accum=1"],
+    "2x4": ["train.micro_batch_size=2", "train.grad_accum=4"],
+    "data=2": ["mesh.data=2", "train.micro_batch_size=4", "train.grad_accum=1"],
+    "data=2, 2x2": ["mesh.data=2", "train.micro_batch_size=2", "train.grad_accum=2"],
+}
+DEFAULTS = ["model.seq_len=32", "train.seed=3"]  # tiny.yaml's data settings, data.streams unset
+
+
+def _split_data(split, processes=1, p=0):
+    """A split's data as setup.build_run makes it: the rows its devices hold (all of them
+    with one process; process p's share of the data-parallel rows with several)."""
+    cfg, devices = harness.make(*SPLITS[split], base=DEFAULTS)
+    assert cfg.data.streams is None and cfg.global_batch == 8
+    sh = batch_lib.sharding(mesh_lib.make_mesh(cfg, devices))
+    rows = batch_lib.rows_needed(sh, cfg.train.grad_accum, 8, cfg.model.seq_len)
+    if processes > 1:
+        rows = streams.data_parallel_rows(p, processes, 8, cfg.train.grad_accum)
+    d = data_lib.build(
+        cfg.data, seq_len=cfg.model.seq_len, batch_size=8, seed=cfg.train.seed,
+        vocab_size=cfg.model.vocab_size, grad_accum=cfg.train.grad_accum, rows=rows,
+    )  # fmt: skip
+    return d, sh, cfg
+
+
+def _step_rows(d, sh, cfg) -> list[bytes]:
+    """One step's rows as the step reads them (placed on the devices), as a sorted list."""
+    t = d.train
+    batch = setup.rows_to_global(next(t), t.rows, t.grad_accum, sh, cfg)
+    tokens = np.asarray(batch.inputs).reshape(8, -1)
+    return sorted(row.tobytes() for row in tokens)
+
+
+def test_8x1_2x4_and_data_2_read_the_same_rows_each_step_with_default_settings():
+    """The rows of a step depend on the seed, the data config, the global batch and the
+    position only: every split of the same global batch trains on the same 8 rows (the
+    loss is their summed NLL over their target count: the same up to float rounding)."""
+    ref = None
+    for split in SPLITS:
+        d, sh, cfg = _split_data(split)
+        got = [_step_rows(d, sh, cfg) for _ in range(3)]
+        ref = ref or got
+        assert got == ref, split
+    assert ref[0] != ref[1]
+    for split in ("8x1", "2x4"):  # as 2 processes: each packs whole streams, 4 of the 8
+        owned = [set(_split_data(split, 2, p)[0].train.owned) for p in (0, 1)]
+        assert sorted(map(len, owned)) == [4, 4] and owned[0] | owned[1] == set(range(8))
+
+
+def test_a_resume_onto_another_split_continues_the_same_data():
+    d, sh, cfg = _split_data("8x1")
+    _step_rows(d, sh, cfg)
+    state = json.loads(json.dumps(d.state()))  # as a checkpoint stores it
+    expected = [_step_rows(d, sh, cfg) for _ in range(2)]
+    for split in ("2x4", "data=2, 2x2"):
+        d, sh, cfg = _split_data(split)
+        d.restore(state)
+        assert [_step_rows(d, sh, cfg) for _ in range(2)] == expected, split
 
 
 def test_grad_accum_changes_where_rows_go_not_which_rows():
@@ -203,3 +325,49 @@ def test_prefetcher_hands_out_the_state_of_what_it_returned():
     bad = Prefetcher(broken, lambda: None, depth=2)
     with pytest.raises(OSError, match="disk gone"):
         next(bad)
+
+
+SMALL = [
+    "model.d_model=32", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2",
+    "model.d_ff=64", "model.seq_len=32", "model.dtype=float32", "model.scan_unroll=1",
+    "model.attention=xla", "train.steps=4", "train.log_every=1", "train.eval_batches=0",
+    "optim.warmup_steps=0",
+]  # fmt: skip
+
+
+def _losses(run_dir) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def _train(run_dir, split, *extra) -> subprocess.Popen:
+    devices = "2" if split.startswith("data=2") else "1"
+    args = ["--config", harness.TINY, "--cpu-devices", devices, *SMALL, *SPLITS[split]]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # conftest's 8 devices: --cpu-devices decides here
+    return subprocess.Popen(
+        [sys.executable, "-m", "ultrajax.train", *args, f"train.run_dir={run_dir}", *extra],
+        cwd=harness.ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+def _done(proc: subprocess.Popen) -> None:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+
+
+@pytest.mark.slow
+def test_8x1_2x4_and_data_2_train_to_the_same_losses_and_resume_across_them(tmp_path):
+    """End to end with default settings (fp32): 8 x 1 and 2 x 4 give the same losses, and
+    a run saved at step 2 under 8 x 1 resumes under data=2 (2 x 2 each) to the same steps
+    3 and 4: the same data continues."""
+    a, b = _train(tmp_path / "a", "8x1", "checkpoint.every=2"), _train(tmp_path / "b", "2x4")
+    _done(a), _done(b)
+    ref, split = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert list(ref) == list(split) == [1, 2, 3, 4]
+    np.testing.assert_allclose(list(split.values()), list(ref.values()), rtol=1e-5)
+    saved = tmp_path / "a" / "checkpoints" / "2"
+    _done(_train(tmp_path / "c", "data=2, 2x2", f"checkpoint.resume={saved}"))
+    resumed = _losses(tmp_path / "c")
+    assert list(resumed) == [3, 4]
+    np.testing.assert_allclose([resumed[3], resumed[4]], [ref[3], ref[4]], rtol=1e-5)

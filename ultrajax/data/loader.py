@@ -90,8 +90,12 @@ class Data:
         return dict(streams_lib.gather_state(local), progress=self.progress)
 
     def restore(self, state: dict) -> None:
+        """Continue a saved position, in the checkpoint's stream count where the default
+        count has changed since (ultrajax/data/streams.py)."""
         self.close()
+        before = self.train.describe()
         self.train.set_state(state)
+        self.summary = self.summary.replace(before, self.train.describe())
         self.progress = state.get("progress")
 
     def close(self) -> None:
@@ -143,11 +147,13 @@ def build(
     vocab_size: int,
     grad_accum: int = 1,
     rows=None,
+    batch_sizes=(),
 ) -> Data:
     """Everything the train loop reads, with bad input reported as ConfigError.
 
     `rows`: the global batch rows this process's devices hold (None: all of them); only
-    the streams holding them are read and packed here."""
+    the streams holding them are read and packed here. `batch_sizes`: the run's other
+    global batches, in rows (a batch ramp's stages): the stream count must split them all."""
     tokenizer = make_tokenizer(cfg)
     if tokenizer.size > vocab_size:
         raise ConfigError(
@@ -156,15 +162,13 @@ def build(
         )
     problems = Problems(cfg.strict)
     train, evals, names = _sources(cfg, tokenizer, problems)
-    n = streams_lib.stream_count(batch_size // grad_accum, cfg.streams)
+    n = streams_lib.stream_count([batch_size, *batch_sizes], cfg.streams)
     streams = streams_lib.Streams(
         train, batch_size=batch_size, grad_accum=grad_accum, streams=n, seed=seed,
         seq_len=seq_len, cross_doc_mask=cfg.cross_doc_mask, window=cfg.shuffle_window,
-        rows=rows,
+        rows=rows, default=cfg.streams is None, batch_sizes=batch_sizes,
     )  # fmt: skip
-    per = batch_size // n
-    mine = "" if len(streams.owned) == n else f"; this process packs {len(streams.owned)} of them"
-    summary = f"data: {'; '.join(names)}; {n} streams of {per} row{'s' * (per > 1)} a step{mine}"
+    summary = f"data: {'; '.join(names)}; {streams.describe()}"
     report = problems.report()
     if report is not None:  # printed once, with the summary, before the first step
         summary += "\n" + report

@@ -1,18 +1,21 @@
 """Logical streams: the global batch read as S independent packed streams, so that each
-process packs only the rows its own devices hold.
+process packs only the rows its own devices hold, and so that the rows of a step depend
+only on the seed, the data config, the global batch and the position.
 
-A global batch is grad_accum micro-batches of n rows (n = micro_batch_size x dp). Row j
-of every micro-batch belongs to stream k = j // (n / S): stream k gives n / S consecutive
-rows of each micro-batch, grad_accum x n / S rows a step. Data parallelism splits the n
-rows of a micro-batch over processes, so with S a multiple of the process count each
-process holds whole streams, whatever grad_accum is. Stream k reads documents k, k + S,
-k + 2S, ... of the corpus's shuffled order (one permutation per epoch, by index: no
-document is loaded to shuffle), packs them into rows of seq_len + 1 tokens, and shuffles
-its rows within a window, so a long document's rows land in different batches. A stream
-depends only on (seed, k, S, sources): the global batch is the same whatever the number
-of processes, a process runs only the streams holding its devices' rows, and a
-checkpoint's stream positions resume on any process count. S is `data.streams`, by
-default gcd(n, 64).
+A step's global batch of B rows is read as S streams (S divides B), each giving B / S
+rows a step. S is `data.streams`, by default gcd(64, B): a function of the global batch
+alone (of every global batch of a batch ramp), never of how it is split into grad_accum
+micro-batches of n rows (n = micro_batch_size x dp) or over devices and processes. So
+`8 x 1`, `2 x 4` and `mesh.data=2` read the same rows each step; the split only decides
+which micro-batch each row goes to (`Tiling`), and the loss, summed over the step and
+divided by its target count, is the same.
+
+Stream k reads documents k, k + S, k + 2S, ... of the corpus's shuffled order (one
+permutation per epoch, by index: no document is loaded to shuffle), packs them into rows
+of seq_len + 1 tokens, and shuffles its rows within a window, so a long document's rows
+land in different batches. A stream depends only on (seed, k, S, sources): the global
+batch is the same whatever the number of processes, a process runs only the streams
+holding its devices' rows, and a checkpoint's stream positions resume on any split.
 """
 
 from __future__ import annotations
@@ -32,18 +35,21 @@ from ultrajax.config.schema import ConfigError
 
 MAX_STREAMS = 64
 STATE_FORMAT = "streams"
+# the global batch's size in config keys, none of them part of the run's identity
+BATCH_KEYS = "train.micro_batch_size x data-parallel degree x train.grad_accum"
 
 
-def stream_count(micro_rows: int, streams: int | None) -> int:
-    """data.streams, or gcd(n, 64) for micro-batches of n rows: as many streams as split
-    a micro-batch evenly."""
+def stream_count(batches: Sequence[int], streams: int | None) -> int:
+    """data.streams, or gcd(64, every global batch of the run in rows): the default reads
+    the same rows whatever the micro-batch split, and is a multiple of every power-of-two
+    process count that splits the batch, so each process packs whole streams."""
     if streams is None:
-        return math.gcd(micro_rows, MAX_STREAMS)
-    if streams < 1 or micro_rows % streams:
+        return math.gcd(MAX_STREAMS, *batches)
+    bad = [b for b in batches if streams < 1 or b % streams]
+    if bad:
         raise ConfigError(
-            f"data.streams={streams} must divide the rows of a micro-batch "
-            f"({micro_rows} = train.micro_batch_size x data-parallel degree); leave it null "
-            f"for gcd(rows, {MAX_STREAMS})"
+            f"data.streams={streams} does not split a global batch of {bad[0]} rows: make "
+            f"every global batch ({BATCH_KEYS}) a multiple of {streams}"
         )
     return streams
 
@@ -56,6 +62,54 @@ def data_parallel_rows(p: int, processes: int, batch_size: int, grad_accum: int)
         raise ConfigError(f"{processes} processes do not split micro-batches of {per} rows evenly")
     share = per // processes
     return [a * per + j for a in range(grad_accum) for j in range(p * share, (p + 1) * share)]
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Where each stream's rows sit in a step of `grad_accum` micro-batches of n rows.
+
+    A micro-batch's n rows are cut into gcd(S, n) blocks of consecutive rows (what a
+    data-parallel split keeps together); the S / blocks streams sharing a block take
+    equal runs of micro-batches in it. Stream k holds block k % blocks in micro-batches
+    (k // blocks) x span onwards, row by row: with S = B every split puts stream k at
+    row k, with grad_accum 1 stream k holds rows k x B / S onwards, and with S dividing
+    n this is the layout older checkpoints were read with. A process holding whole
+    blocks holds whole streams: every process does when S is a multiple of their number."""
+
+    streams: int
+    n: int  # rows of a micro-batch
+
+    @property
+    def blocks(self) -> int:
+        return math.gcd(self.streams, self.n)
+
+    @property
+    def width(self) -> int:
+        return self.n // self.blocks
+
+    def span(self, grad_accum: int) -> int:
+        """Micro-batches each stream fills in its block."""
+        share = self.streams // self.blocks
+        if grad_accum % share:
+            raise ConfigError(
+                f"{self.streams} streams do not split a global batch of {grad_accum * self.n} "
+                f"rows: make it ({BATCH_KEYS}) a multiple of {self.streams}"
+            )
+        return grad_accum // share
+
+    def stream_of(self, row: int, grad_accum: int) -> int:
+        a, j = divmod(int(row), self.n)
+        return a // self.span(grad_accum) * self.blocks + j // self.width
+
+    def rows_of(self, k: int, grad_accum: int) -> list[int]:
+        """Stream k's rows of a step, in the order it gives them."""
+        span, (m, b) = self.span(grad_accum), divmod(k, self.blocks)
+        start = b * self.width
+        return [
+            a * self.n + start + i
+            for a in range(m * span, (m + 1) * span)
+            for i in range(self.width)
+        ]
 
 
 @dataclass(frozen=True)
@@ -186,7 +240,10 @@ class Streams:
     """This process's streams, stepped together. `next()` gives the rows of each global
     batch that it holds: a dict of (len(rows), seq_len + 1) arrays, where `rows` lists
     their global row numbers (a * n + j for micro-batch a, row j: whole streams, a
-    superset of the rows asked for)."""
+    superset of the rows asked for).
+
+    `default`: the count is the default, not data.streams, so a resume may continue a
+    checkpoint's other count. `batch_sizes`: the run's other global batches (a ramp)."""
 
     def __init__(
         self,
@@ -200,36 +257,61 @@ class Streams:
         cross_doc_mask: bool,
         window: int = 0,
         rows: Sequence[int] | None = None,
+        default: bool = False,
+        batch_sizes: Sequence[int] = (),
     ):
-        n = batch_size // grad_accum
-        if batch_size % grad_accum or n % streams:
-            raise ConfigError(f"{streams} streams do not split micro-batches of {n} rows")
-        self.grad_accum, self.count, self.n = grad_accum, streams, n
-        self.per = n // streams  # rows of each micro-batch a stream gives
-        wanted = range(batch_size) if rows is None else rows
-        self.owned = sorted({int(r) % n // self.per for r in wanted})
-        common = dict(n=streams, seed=seed, seq_len=seq_len, cross_doc_mask=cross_doc_mask)
-        self._its = {k: iter(stream(sources, k=k, window=window, **common)) for k in self.owned}
+        if batch_size % grad_accum:
+            raise ConfigError(f"{grad_accum} micro-batches do not split {batch_size} rows")
+        self.n, self.default = batch_size // grad_accum, default
+        self.batches = sorted({batch_size, *batch_sizes})
+        self._asked = (grad_accum, range(batch_size) if rows is None else [int(r) for r in rows])
+        self._grad_accum = grad_accum
+        self._stream = dict(
+            sources=sources, window=window, seed=seed, seq_len=seq_len,
+            cross_doc_mask=cross_doc_mask,
+        )  # fmt: skip
+        self._configure(streams)
+
+    def _configure(self, count: int) -> None:
+        """Read the data as `count` streams: the tiling, the streams owned, their iterators."""
+        self.tiling = Tiling(count, self.n)
+        for b in self.batches:
+            self.tiling.span(b // self.n)  # refuses a count that does not split a batch
+        ga, wanted = self._asked
+        self.owned = sorted({self.tiling.stream_of(r, ga) for r in wanted})
+        self._its = {k: iter(stream(k=k, n=count, **self._stream)) for k in self.owned}
+
+    @property
+    def count(self) -> int:
+        return self.tiling.streams
+
+    @property
+    def grad_accum(self) -> int:
+        return self._grad_accum
+
+    @grad_accum.setter
+    def grad_accum(self, value: int) -> None:
+        """A batch ramp's new size: more micro-batches of the same n rows, the same streams."""
+        self.tiling.span(value)
+        self._grad_accum = value
 
     @property
     def rows(self) -> np.ndarray:
-        """The global row numbers of what `next()` gives, at the current grad_accum (which a
-        batch ramp changes between steps: more micro-batches of the same rows)."""
-        n, per = self.n, self.per
-        return np.array(
-            [
-                a * n + k * per + i
-                for k in self.owned
-                for a in range(self.grad_accum)
-                for i in range(per)
-            ]
-        )
+        """The global row numbers of what `next()` gives, at the current grad_accum."""
+        return np.array([r for k in self.owned for r in self.tiling.rows_of(k, self.grad_accum)])
+
+    def describe(self) -> str:
+        """The start line's account: how many streams, their rows a step, this process's share."""
+        per = self.grad_accum * self.n // self.count
+        mine = len(self.owned)
+        some = "" if mine == self.count else f"; this process packs {mine} of them"
+        return f"{self.count} streams of {per} row{'s' * (per > 1)} a step{some}"
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
-        step = self.grad_accum * self.per
+        step = self.grad_accum * self.n // self.count
         out = [next(self._its[k]) for k in self.owned for _ in range(step)]
         return {key: np.stack([row[key] for row in out]) for key in out[0]}
 
@@ -249,16 +331,33 @@ class Streams:
                 "checkpoint, or start the data over with checkpoint.init_from (parameters only)"
             )
         if state["streams"] != self.count:
-            raise ConfigError(
-                f"the checkpoint's data was read as {state['streams']} streams, this config "
-                f"makes {self.count}: set data.streams={state['streams']} to continue the "
-                "same data (it must divide the global batch)"
-            )
+            self._adopt(int(state["streams"]))
         missing = [k for k in self.owned if str(k) not in state["positions"]]
         if missing:
             raise ConfigError(f"the checkpoint's data state lacks streams {missing}")
         for k, it in self._its.items():
             it.set_state(_from_json(state["positions"][str(k)]))
+
+    def _adopt(self, saved: int) -> None:
+        """Continue a checkpoint read as `saved` streams (another default: an older one, or
+        another global batch). Its advice names no setting of the run's identity
+        (config/parse.py), which would move the run to a directory of its own."""
+        if not self.default:
+            raise ConfigError(
+                f"the checkpoint's data was read as {saved} streams and data.streams asks for "
+                f"{self.count}: a resume continues the streams it saved, so resume it with the "
+                "config that wrote it, or start the data over from its parameters with "
+                "checkpoint.init_from"
+            )
+        bad = [b for b in self.batches if b % saved]
+        if bad:
+            raise ConfigError(
+                f"the checkpoint's data was read as {saved} streams, which do not split a "
+                f"global batch of {bad[0]} rows: to continue the same data, make every global "
+                f"batch ({BATCH_KEYS}) a multiple of {saved}; or start the data over from its "
+                "parameters with checkpoint.init_from"
+            )
+        self._configure(saved)
 
 
 def _from_json(state):
