@@ -11,8 +11,15 @@ What it supports, and how:
   blocks that cannot share a document are skipped: the loops start and end where the
   segment ids' block minima and maxima allow (`_visible`), so with several documents in a
   row the work falls with the documents' lengths, not the row's;
+- masks only where one can hide something: blocks that the causal diagonal does not
+  cross skip the causal mask, and without segment ids (padding that causal masking hides)
+  no block builds a segment mask, so the interior of a causal attention is bare dots and
+  softmax;
 - grouped-query attention without repeating K/V: query head h reads K/V head
-  h // (heads / kv_heads) through the BlockSpec's index map;
+  h // (heads / kv_heads) through the BlockSpec's index map; the dK/dV kernel runs per
+  K/V head and sums the group's query heads in fp32 inside, one write in the inputs' dtype;
+- warps and pipelining stages per head_dim and tile from a sweep on an H200
+  (`TUNED_FWD`, `TUNED_BWD`); scores in base 2 (exp2, the GPU's instruction);
 - fp32 accumulation in every dot; returns the output and the log-sum-exp (natural log,
   per query and head), which ring attention needs to merge blocks;
 - lengths that are not a multiple of the block: inputs are padded to whole blocks with
@@ -33,6 +40,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,28 +49,64 @@ from jax.experimental import pallas as pl
 
 from ultrajax.kernels.varying import struct
 
-NEG_INF = -1e30  # finite: a masked score, so exp() is exactly 0 and max() stays finite
+NEG_INF = -1e30  # finite: a masked score, so exp2() is exactly 0 and max() stays finite
+LOG2E = math.log2(math.e)  # scores in base 2: exp2 is the GPU's instruction, exp one more
 PAD_Q, PAD_K = -2, -1  # segment ids of padding rows and columns: never equal to a real id
+
+
+# Measured on one H200 (benchmarks/RESULTS.md, `scripts/bench_attention.py --sweep fwd|bwd`,
+# seq 4096, bf16, 2048 query features): the fastest (warps, stages) per head_dim and tile,
+# forward and backward apart. Tiles not listed get `_rule`.
+TUNED_FWD = {  # (head_dim, q, k): (warps, stages)
+    (64, 128, 128): (8, 3), (64, 128, 64): (4, 3), (64, 64, 64): (4, 3), (64, 64, 128): (4, 2),
+    (128, 128, 128): (8, 3), (128, 128, 64): (8, 3), (128, 64, 64): (4, 3), (128, 64, 128): (4, 3),
+}  # fmt: skip
+TUNED_BWD = {  # (head_dim, q_bwd, k_bwd): (warps, stages)
+    (64, 64, 64): (4, 3), (64, 64, 128): (4, 3), (64, 128, 64): (4, 2), (64, 128, 128): (8, 3),
+    (128, 64, 64): (4, 2), (128, 64, 128): (4, 3), (128, 128, 64): (8, 2), (128, 128, 128): (8, 2),
+}  # fmt: skip
+TILES = {64: (128, 64, 64, 64), 128: (128, 128, 64, 64)}  # head_dim: the fastest tiles
+
+
+def _rule(head_dim: int, q: int, k: int) -> tuple[int, int]:
+    """(warps, stages) off the table: 8 warps once a tile's fp32 scores and accumulator
+    outgrow 4 warps' registers (JAX's own Pallas attention does the same for head_dim > 64)."""
+    return (8 if head_dim > 64 and q * k >= 128 * 64 else 4), 2
 
 
 @dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes (queries x keys) of the forward and the two backward kernels, and the
-    Triton lowering's warps per program and software-pipelining stages on a GPU.
-    `model.attention_blocks` sets the four tile sizes; `scripts/bench_attention.py
-    --sweep` times other choices on a GPU."""
+    """Tile sizes (queries x keys) of the forward and the backward kernels, and the Triton
+    lowering's warps per program and software-pipelining stages on a GPU (None: from the
+    measured table for the head_dim and tile, `TUNED_FWD` / `TUNED_BWD`).
+    `model.attention_blocks` sets the four tile sizes (None: `TILES` for the head_dim);
+    `scripts/bench_attention.py --sweep` times other choices on a GPU."""
 
     q: int = 128
     k: int = 128
     q_bwd: int = 64
     k_bwd: int = 64
-    warps: int = 4
-    stages: int = 2
+    warps: int | None = None
+    stages: int | None = None
+    warps_bwd: int | None = None  # the two backward kernels' (None: tuned)
+    stages_bwd: int | None = None
 
     @classmethod
-    def of(cls, sizes) -> BlockSizes:
-        """From `model.attention_blocks` ([q, k, q_bwd, k_bwd], or None: the defaults)."""
-        return cls() if sizes is None else cls(*sizes)
+    def of(cls, sizes, head_dim: int) -> BlockSizes:
+        """From `model.attention_blocks` ([q, k, q_bwd, k_bwd]), or None: the head_dim's
+        tiles."""
+        return cls(*(TILES.get(head_dim, (64, 64, 64, 64)) if sizes is None else sizes))
+
+    def launch(self, head_dim: int, backward: bool) -> tuple[int, int]:
+        """(warps, stages) of the forward or the backward kernels."""
+        if backward:
+            q, k, warps, stages = self.q_bwd, self.k_bwd, self.warps_bwd, self.stages_bwd
+            tuned = TUNED_BWD.get((head_dim, q, k))
+        else:
+            q, k, warps, stages = self.q, self.k, self.warps, self.stages
+            tuned = TUNED_FWD.get((head_dim, q, k))
+        w, st = tuned or _rule(head_dim, q, k)
+        return (w if warps is None else warps), (st if stages is None else stages)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -76,94 +120,142 @@ def _dot_t(a, b):  # a @ b.T without materialising the transpose
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _mask(q_seg, k_seg, q_start, k_start, causal):
-    visible = q_seg[:, None] == k_seg[None, :]
+def _mask(q_seg, k_seg, q_start, k_start, causal: bool, segmented: bool):
+    """Which of a block's scores are visible, or None where all are (no work spent)."""
+    visible = None
+    if segmented:
+        visible = q_seg[:, None] == k_seg[None, :]
     if causal:
-        rows = q_start + lax.broadcasted_iota(jnp.int32, visible.shape, 0)
-        cols = k_start + lax.broadcasted_iota(jnp.int32, visible.shape, 1)
-        visible &= rows >= cols
+        shape = (q_seg.shape[0], k_seg.shape[0])
+        rows = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
+        cols = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+        visible = rows >= cols if visible is None else visible & (rows >= cols)
     return visible
 
 
 def _fwd_kernel(
-    q_ref, k_ref, v_ref, qs_ref, ks_ref, first_ref, o_ref, lse_ref, *, scale, bq, bk, causal
-):
+    q_ref, k_ref, v_ref, qs_ref, ks_ref, first_ref, o_ref, lse_ref, *, scale, bq, bk, causal,
+    segmented,
+):  # fmt: skip
     i = pl.program_id(2)
     n_k = k_ref.shape[0] // bk
     q = q_ref[...]
     q_seg = qs_ref[...]
 
-    def body(j, carry):
-        acc, m, denom = carry
-        ks = pl.ds(j * bk, bk)
-        s = _dot_t(q, k_ref[ks, :]) * scale
-        s = jnp.where(_mask(q_seg, ks_ref[ks], i * bq, j * bk, causal), s, NEG_INF)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        p = jnp.exp(s - m_new[:, None])
-        p = jnp.where(s > NEG_INF / 2, p, 0.0)  # a fully masked block adds nothing
-        corr = jnp.exp(m - m_new)
-        acc = acc * corr[:, None] + _dot(p.astype(v_ref.dtype), v_ref[ks, :])
-        return acc, m_new, denom * corr + p.sum(axis=1)
+    def body(diagonal: bool):
+        def step(j, carry):
+            acc, m, denom = carry
+            ks = pl.ds(j * bk, bk)
+            s = _dot_t(q, k_ref[ks, :]) * (scale * LOG2E)
+            visible = _mask(q_seg, ks_ref[ks], i * bq, j * bk, diagonal, segmented)
+            if visible is not None:
+                s = jnp.where(visible, s, NEG_INF)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            p = jnp.exp2(s - m_new[:, None])
+            if segmented:  # a row that has seen nothing yet (m = NEG_INF) adds nothing
+                p = jnp.where(s > NEG_INF / 2, p, 0.0)
+            corr = jnp.exp2(m - m_new)
+            acc = acc * corr[:, None] + _dot(p.astype(v_ref.dtype), v_ref[ks, :])
+            return acc, m_new, denom * corr + p.sum(axis=1)
 
-    last = jnp.minimum(n_k, pl.cdiv((i + 1) * bq, bk)) if causal else n_k
-    acc = jnp.zeros(q.shape, jnp.float32)
-    m = jnp.full((bq,), NEG_INF, jnp.float32)
-    first = first_ref[...].min()  # key blocks before it hold other documents only
-    acc, m, denom = lax.fori_loop(first, last, body, (acc, m, jnp.zeros((bq,), jnp.float32)))
+        return step
+
+    # key blocks before `first` hold other documents only (unsegmented: none is skipped;
+    # under causal masking every row then sees key 0 first, so m is finite from block 0)
+    first = first_ref[...].min() if segmented else 0
+    carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32),
+             jnp.zeros((bq,), jnp.float32))  # fmt: skip
+    if causal:  # key blocks wholly at or below the first query's index need no causal mask
+        last = jnp.minimum(n_k, pl.cdiv((i + 1) * bq, bk))
+        edge = jnp.clip((i * bq + 1) // bk, first, last)
+        carry = lax.fori_loop(first, edge, body(False), carry)
+        carry = lax.fori_loop(edge, last, body(True), carry)
+    else:
+        carry = lax.fori_loop(first, n_k, body(False), carry)
+    acc, m, denom = carry
     seen = denom > 0
     safe = jnp.where(seen, denom, 1.0)
     o_ref[...] = jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+    lse_ref[...] = jnp.where(seen, (m + jnp.log2(safe)) / LOG2E, -jnp.inf)  # natural log
 
 
-def _probs(q, k, lse, q_seg, k_seg, q_start, k_start, scale, causal):
-    """One block's probabilities, recomputed from the saved log-sum-exp."""
-    s = _dot_t(q, k) * scale
-    visible = _mask(q_seg, k_seg, q_start, k_start, causal) & jnp.isfinite(lse)[:, None]
-    return jnp.where(visible, jnp.exp(s - jnp.where(visible, lse[:, None], 0.0)), 0.0)
+def _probs(q, k, lse, q_seg, k_seg, q_start, k_start, scale, diagonal, segmented):
+    """One block's probabilities, recomputed from the saved log-sum-exp (in base 2)."""
+    s = _dot_t(q, k) * (scale * LOG2E)
+    lse = lse * LOG2E
+    visible = _mask(q_seg, k_seg, q_start, k_start, diagonal, segmented)
+    if not segmented:  # every row sees itself: its lse is finite
+        p = jnp.exp2(s - lse[:, None])
+        return p if visible is None else jnp.where(visible, p, 0.0)
+    visible = visible & jnp.isfinite(lse)[:, None]
+    return jnp.where(visible, jnp.exp2(s - jnp.where(visible, lse[:, None], 0.0)), 0.0)
 
 
 def _dq_kernel(
     q_ref, k_ref, v_ref, qs_ref, ks_ref, first_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
-    scale, bq, bk, causal,
+    scale, bq, bk, causal, segmented,
 ):  # fmt: skip
     i = pl.program_id(2)
     n_k = k_ref.shape[0] // bk
     q, do, lse, delta, q_seg = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], qs_ref[...]
 
-    def body(j, dq):
-        ks = pl.ds(j * bk, bk)
-        k, v = k_ref[ks, :], v_ref[ks, :]
-        p = _probs(q, k, lse, q_seg, ks_ref[ks], i * bq, j * bk, scale, causal)
-        ds = p * (_dot_t(do, v) - delta[:, None])
-        return dq + _dot(ds.astype(k.dtype), k)
+    def body(diagonal: bool):
+        def step(j, dq):
+            ks = pl.ds(j * bk, bk)
+            k, v = k_ref[ks, :], v_ref[ks, :]
+            p = _probs(q, k, lse, q_seg, ks_ref[ks], i * bq, j * bk, scale, diagonal, segmented)
+            ds = p * (_dot_t(do, v) - delta[:, None])
+            return dq + _dot(ds.astype(k.dtype), k)
 
-    last = jnp.minimum(n_k, pl.cdiv((i + 1) * bq, bk)) if causal else n_k
-    dq = lax.fori_loop(first_ref[...].min(), last, body, jnp.zeros(q.shape, jnp.float32))
+        return step
+
+    first = first_ref[...].min() if segmented else 0
+    dq = jnp.zeros(q.shape, jnp.float32)
+    if causal:
+        last = jnp.minimum(n_k, pl.cdiv((i + 1) * bq, bk))
+        edge = jnp.clip((i * bq + 1) // bk, first, last)
+        dq = lax.fori_loop(edge, last, body(True), lax.fori_loop(first, edge, body(False), dq))
+    else:
+        dq = lax.fori_loop(first, n_k, body(False), dq)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(
     q_ref, k_ref, v_ref, qs_ref, ks_ref, end_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
-    scale, bq, bk, causal,
+    scale, bq, bk, causal, segmented, group,
 ):  # fmt: skip
+    """dK and dV of one key block, summed in fp32 over the `group` query heads that share
+    its K/V head (GQA) before one write in the inputs' dtype."""
     j = pl.program_id(2)
     n_q = q_ref.shape[0] // bq
     k, v, k_seg = k_ref[...], v_ref[...], ks_ref[...]
 
-    def body(i, carry):
-        dk, dv = carry
-        qs = pl.ds(i * bq, bq)
-        q, do = q_ref[qs, :], do_ref[qs, :]
-        p = _probs(q, k, lse_ref[qs], qs_ref[qs], k_seg, i * bq, j * bk, scale, causal)
-        dv = dv + _dot(p.T.astype(do.dtype), do)
-        ds = p * (_dot_t(do, v) - delta_ref[qs][:, None])
-        return dk + _dot(ds.T.astype(q.dtype), q), dv
+    def body(h, diagonal: bool):
+        def step(i, carry):
+            dk, dv = carry
+            qs = pl.ds(i * bq, bq)
+            q, do = q_ref[qs, h, :], do_ref[qs, h, :]
+            p = _probs(q, k, lse_ref[h, qs], qs_ref[qs], k_seg, i * bq, j * bk, scale, diagonal,
+                       segmented)  # fmt: skip
+            dv = dv + _dot(p.T.astype(do.dtype), do)
+            ds = p * (_dot_t(do, v) - delta_ref[h, qs][:, None])
+            return dk + _dot(ds.T.astype(q.dtype), q), dv
 
-    first = (j * bk) // bq if causal else 0
+        return step
+
+    end = jnp.minimum(n_q, end_ref[...].max()) if segmented else n_q  # later: other documents
+    if causal:  # query blocks from `edge` on lie wholly at or after the block's last key
+        first = (j * bk) // bq
+        edge = jnp.clip(pl.cdiv(j * bk + bk - 1, bq), first, end)
+
+    def head(h, carry):
+        if causal:
+            carry = lax.fori_loop(first, edge, body(h, True), carry)
+            return lax.fori_loop(edge, end, body(h, False), carry)
+        return lax.fori_loop(0, end, body(h, False), carry)
+
     zeros = jnp.zeros(k.shape, jnp.float32)
-    end = jnp.minimum(n_q, end_ref[...].max())  # query blocks after it: later documents only
-    dk, dv = lax.fori_loop(first, end, body, (zeros, zeros))
+    dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -171,17 +263,15 @@ def _dkv_kernel(
 # --------------------------------------------------------------------------- calls
 
 
-def _compiler_params(interpret: bool, blocks: BlockSizes):
-    if interpret:
-        return None
-    from jax.experimental.pallas import triton as pltriton  # GPU only
+def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, launch):
+    """pallas_call with the Triton lowering's (warps, stages) `launch` on a GPU."""
+    extra = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton  # GPU only
 
-    return pltriton.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages)
-
-
-def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, blocks):
-    params = _compiler_params(interpret, blocks)
-    extra = {} if params is None else {"compiler_params": params}
+        extra["compiler_params"] = pltriton.CompilerParams(
+            num_warps=launch[0], num_stages=launch[1]
+        )
     return pl.pallas_call(
         kernel,
         grid=grid,
@@ -196,7 +286,8 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, blocks)
 
 def _specs(b, t, s, h, kv, d, bq, bk, q_blocked: bool):
     """BlockSpecs over the grid (batch, head, block): the blocked side (queries, or keys
-    for the dK/dV kernel) one block per program, the other side whole."""
+    for the dK/dV kernel) one block per program, the other side whole. The dK/dV grid runs
+    over K/V heads: its programs see the whole group of query heads sharing one."""
     g = h // kv
     if q_blocked:
         q = pl.BlockSpec((None, bq, None, d), lambda bi, hi, i: (bi, i, hi, 0))
@@ -205,20 +296,22 @@ def _specs(b, t, s, h, kv, d, bq, bk, q_blocked: bool):
         ks = pl.BlockSpec((None, s), lambda bi, hi, i: (bi, 0))
         row = pl.BlockSpec((None, None, bq), lambda bi, hi, i: (bi, hi, i))
     else:
-        q = pl.BlockSpec((None, t, None, d), lambda bi, hi, j: (bi, 0, hi, 0))
-        kvs = pl.BlockSpec((None, bk, None, d), lambda bi, hi, j: (bi, j, hi // g, 0))
+        q = pl.BlockSpec((None, t, g, d), lambda bi, hi, j: (bi, 0, hi, 0))
+        kvs = pl.BlockSpec((None, bk, None, d), lambda bi, hi, j: (bi, j, hi, 0))
         qs = pl.BlockSpec((None, t), lambda bi, hi, j: (bi, 0))
         ks = pl.BlockSpec((None, bk), lambda bi, hi, j: (bi, j))
-        row = pl.BlockSpec((None, None, t), lambda bi, hi, j: (bi, hi, 0))
+        row = pl.BlockSpec((None, g, t), lambda bi, hi, j: (bi, hi, 0))
     return q, kvs, qs, ks, row
 
 
-def _forward(q, k, v, qs, ks, *, blocks: BlockSizes, causal: bool, interpret: bool):
+def _forward(q, k, v, qs, ks, *, blocks: BlockSizes, causal: bool, segmented: bool,
+             interpret: bool):  # fmt: skip
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
     bq, bk = blocks.q, blocks.k
     qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, True)
-    kernel = functools.partial(_fwd_kernel, scale=d**-0.5, bq=bq, bk=bk, causal=causal)
+    kernel = functools.partial(_fwd_kernel, scale=d**-0.5, bq=bq, bk=bk, causal=causal,
+                               segmented=segmented)  # fmt: skip
     first, _ = _visible(qs, ks, bq, bk)
     return _call(
         kernel,
@@ -228,7 +321,7 @@ def _forward(q, k, v, qs, ks, *, blocks: BlockSizes, causal: bool, interpret: bo
         [struct(q.shape, q.dtype, q, k), struct((b, h, t), jnp.float32, q, k)],
         interpret,
         "flash_attention_forward",
-        blocks,
+        blocks.launch(d, backward=False),
     )(q, k, v, qs, ks, first)
 
 
@@ -258,12 +351,12 @@ def _delta(o, do):
 
 
 def _backward(q, k, v, qs, ks, delta, lse, do, *, blocks: BlockSizes, causal: bool,
-              interpret: bool):  # fmt: skip
+              segmented: bool, interpret: bool):  # fmt: skip
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
     bq, bk = blocks.q_bwd, blocks.k_bwd
-    scale = d**-0.5
-    common = dict(scale=scale, bq=bq, bk=bk, causal=causal)
+    common = dict(scale=d**-0.5, bq=bq, bk=bk, causal=causal, segmented=segmented)
+    launch = blocks.launch(d, backward=True)
     first, end = _visible(qs, ks, bq, bk)
     qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, True)
     dq = _call(
@@ -274,49 +367,51 @@ def _backward(q, k, v, qs, ks, delta, lse, do, *, blocks: BlockSizes, causal: bo
         struct(q.shape, q.dtype, q, k),
         interpret,
         "flash_attention_dq",
-        blocks,
+        launch,
     )(q, k, v, qs, ks, first, do, lse, delta)
     qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, False)
-    # dK, dV per query head (kv_heads x group), summed over each group afterwards
-    per_head = pl.BlockSpec((None, bk, None, d), lambda bi, hi, j: (bi, j, hi, 0))
-    shape = struct((b, s, h, d), jnp.float32, q, k)
     dk, dv = _call(
-        functools.partial(_dkv_kernel, **common),
-        (b, h, s // bk),
+        functools.partial(_dkv_kernel, group=h // kv, **common),
+        (b, kv, s // bk),
         [qspec, kvspec, kvspec, qsspec, ksspec, ksspec, qspec, row, row],
-        [per_head, per_head],
-        [shape, shape],
+        [kvspec, kvspec],
+        [struct(k.shape, k.dtype, q, k), struct(v.shape, v.dtype, q, k)],
         interpret,
         "flash_attention_dkv",
-        blocks,
+        launch,
     )(q, k, v, qs, ks, end, do, lse, delta)
-    group = h // kv
-    dk = dk.reshape(b, s, kv, group, d).sum(axis=3).astype(k.dtype)
-    dv = dv.reshape(b, s, kv, group, d).sum(axis=3).astype(v.dtype)
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _flash(q, k, v, qs, ks, blocks, causal, interpret):
-    o, lse = _forward(q, k, v, qs, ks, blocks=blocks, causal=causal, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _flash(q, k, v, qs, ks, blocks, flags):
+    o, lse = _forward(q, k, v, qs, ks, blocks=blocks, **flags._asdict())
     return o, lse
 
 
-def _flash_fwd(q, k, v, qs, ks, blocks, causal, interpret):
-    o, lse = _forward(q, k, v, qs, ks, blocks=blocks, causal=causal, interpret=interpret)
+def _flash_fwd(q, k, v, qs, ks, blocks, flags):
+    o, lse = _forward(q, k, v, qs, ks, blocks=blocks, **flags._asdict())
     return (o, lse), (q, k, v, qs, ks, o, lse)
 
 
-def _flash_bwd(blocks, causal, interpret, res, cts):
+def _flash_bwd(blocks, flags, res, cts):
     q, k, v, qs, ks, o, lse = res
     do, _ = cts  # the log-sum-exp output is for merging blocks; its gradient is not used
-    dq, dk, dv = _backward(
-        q, k, v, qs, ks, _delta(o, do), lse, do, blocks=blocks, causal=causal, interpret=interpret
-    )
+    dq, dk, dv = _backward(q, k, v, qs, ks, _delta(o, do), lse, do, blocks=blocks,
+                           **flags._asdict())  # fmt: skip
     return dq, dk, dv, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+class Flags(NamedTuple):
+    """The kernels' static switches: causal masking by index, and whether segment ids
+    mask anything (packed documents, or padding that a query could otherwise see)."""
+
+    causal: bool
+    segmented: bool
+    interpret: bool
 
 
 def _pad(x, axis, multiple, value=0):
@@ -336,43 +431,50 @@ def flash_attention(
     kv_segment_ids=None,
     *,
     causal: bool = True,
-    blocks: BlockSizes = BlockSizes(),
+    blocks: BlockSizes | None = None,
     interpret: bool = False,
 ):
     """(out (batch, length, heads, head_dim), lse (batch, length, heads), natural log).
 
     Differentiable in q, k, v (the lse's own gradient is not propagated: callers that
-    merge blocks use it for weights only)."""
+    merge blocks use it for weights only). `blocks` None: `BlockSizes.of(None, head_dim)`."""
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
     if h % kv:
         raise ValueError(f"heads ({h}) must be a multiple of kv_heads ({kv})")
+    blocks = BlockSizes.of(None, d) if blocks is None else blocks
+    step = math.lcm(blocks.q, blocks.q_bwd, blocks.k, blocks.k_bwd)
+    # without segment ids, padding needs no mask where causal masking already hides the
+    # padded keys from every real query (they come after all of them)
+    padded = (s % step) > 0
+    segmented = q_segment_ids is not None or (padded and (not causal or t > s))
     if q_segment_ids is None:
         q_segment_ids = jnp.ones((b, t), jnp.int32)
         kv_segment_ids = jnp.ones((b, s), jnp.int32)
-    step = math.lcm(blocks.q, blocks.q_bwd, blocks.k, blocks.k_bwd)
     qp = _pad(q, 1, step)
     kp, vp = _pad(k, 1, step), _pad(v, 1, step)
     qs = _pad(q_segment_ids.astype(jnp.int32), 1, step, PAD_Q)
     ks = _pad(kv_segment_ids.astype(jnp.int32), 1, step, PAD_K)
-    o, lse = _flash(qp, kp, vp, qs, ks, blocks, causal, interpret)
+    o, lse = _flash(qp, kp, vp, qs, ks, blocks, Flags(causal, segmented, interpret))
     return o[:, :t], lse[:, :, :t].transpose(0, 2, 1)
 
 
 def pair_forward(q, k, v, q_segment_ids, kv_segment_ids, *, causal: bool,
-                 blocks: BlockSizes = BlockSizes(), interpret: bool = False):  # fmt: skip
+                 blocks: BlockSizes | None = None, interpret: bool = False):  # fmt: skip
     """(out, lse (batch, heads, length)) of queries against one block of keys, lengths
     already multiples of the block sizes: the per-pair kernel of ring attention
     (ultrajax/parallel/context.py), which merges pairs with their log-sum-exp. Not
     differentiable by itself: the ring's backward calls `pair_backward`."""
+    blocks = BlockSizes.of(None, q.shape[-1]) if blocks is None else blocks
     return _forward(q, k, v, q_segment_ids, kv_segment_ids, blocks=blocks, causal=causal,
-                    interpret=interpret)  # fmt: skip
+                    segmented=True, interpret=interpret)  # fmt: skip
 
 
 def pair_backward(q, k, v, q_segment_ids, kv_segment_ids, lse, delta, do, *, causal: bool,
-                  blocks: BlockSizes = BlockSizes(), interpret: bool = False):  # fmt: skip
+                  blocks: BlockSizes | None = None, interpret: bool = False):  # fmt: skip
     """This pair's (dq, dk, dv), from the log-sum-exp over every pair and delta =
     rowsum(dout * out), both (b, h, t) and computed once by the caller (the flash
     backward recomputes the pair's probabilities from them)."""
+    blocks = BlockSizes.of(None, q.shape[-1]) if blocks is None else blocks
     return _backward(q, k, v, q_segment_ids, kv_segment_ids, delta, lse, do, blocks=blocks,
-                     causal=causal, interpret=interpret)  # fmt: skip
+                     causal=causal, segmented=True, interpret=interpret)  # fmt: skip

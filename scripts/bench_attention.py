@@ -33,6 +33,17 @@ SWEEP = (
     (128, 128, 128, 128, 8, 2),
     (128, 64, 64, 64, 8, 3),
 )
+# `--sweep fwd`: (q, k, warps, stages) of the forward kernel, timed alone;
+# `--sweep bwd`: (q_bwd, k_bwd, warps, stages) of the two backward kernels, timed as
+# forward + backward with the default forward (the forward's time is printed beside)
+FWD_SWEEP = tuple(
+    (q, k, w, st) for q, k in ((128, 128), (128, 64), (64, 64), (64, 128))
+    for w in (4, 8) for st in (2, 3)
+)  # fmt: skip
+BWD_SWEEP = tuple(
+    (q, k, w, st) for q, k in ((64, 64), (64, 128), (128, 64), (128, 128), (32, 64))
+    for w in (4, 8) for st in (2, 3)
+)  # fmt: skip
 
 
 def row(seq: int, args, blocks) -> str:
@@ -87,6 +98,54 @@ def row(seq: int, args, blocks) -> str:
     )
 
 
+def sweep(seq: int, args, kind: str) -> None:
+    """Print one row per choice of `kind` ("fwd" or "bwd"): the kernel's time beside
+    cuDNN's for the same work (forward alone, or forward + backward), at one length."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ultrajax.kernels.flash_attention import BlockSizes, flash_attention
+
+    b = max(1, args.tokens // seq)
+    h, kv, d = args.heads, args.kv_heads, args.head_dim
+    rng = np.random.default_rng(seq)
+    q, k, v, do = (
+        jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+        for shape in ((b, seq, h, d), (b, seq, kv, d), (b, seq, kv, d), (b, seq, h, d))
+    )
+
+    def timed(fn):
+        if kind == "fwd":
+            f = jax.jit(fn)
+        else:
+            loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * do)  # noqa: E731
+            f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        jax.block_until_ready(f(q, k, v))
+        return median_ms(lambda: jax.block_until_ready(f(q, k, v)), args.iters)
+
+    def cudnn(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+    base = timed(cudnn)
+    fwd_default = timed(lambda q, k, v: flash_attention(q, k, v)[0]) if kind == "bwd" else 0
+    for c in FWD_SWEEP if kind == "fwd" else BWD_SWEEP:
+        if kind == "fwd":
+            blocks = BlockSizes(q=c[0], k=c[1], warps=c[2], stages=c[3])
+        else:
+            blocks = BlockSizes(q_bwd=c[0], k_bwd=c[1], warps_bwd=c[2], stages_bwd=c[3])
+        name = ",".join(map(str, c))
+        try:
+            ms = timed(lambda q, k, v, blocks=blocks: flash_attention(q, k, v, blocks=blocks)[0])
+        except Exception as e:  # a choice the GPU cannot hold (shared memory): say so
+            print(f"| {kind} | {d} | {seq} | {name} | failed: {type(e).__name__} "
+                  f"{str(e)[:100]} |", flush=True)  # fmt: skip
+            continue
+        extra = f"{ms - fwd_default:.2f}" if kind == "bwd" else "-"
+        print(f"| {kind} | {d} | {seq} | {name} | {ms:.2f} | {extra} | {base:.2f} | "
+              f"{ms / base:.2f} |", flush=True)  # fmt: skip
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seqs", default="2048,4096,8192")
@@ -103,7 +162,8 @@ def main(argv=None) -> int:
         nargs="?",
         const="",
         default=None,
-        help="time SWEEP, or 'q,k,q_bwd,k_bwd,warps,stages;...' (then --block-* are unused)",
+        help="time SWEEP, or 'q,k,q_bwd,k_bwd,warps,stages;...' (then --block-* are unused), "
+        "or 'fwd' / 'bwd': the forward's or the backward's tiles, warps and stages alone",
     )
     args = p.parse_args(argv)
 
@@ -114,6 +174,15 @@ def main(argv=None) -> int:
     if jax.default_backend() != "gpu":
         print("bench_attention needs a GPU (cuDNN and the Triton lowering)", file=sys.stderr)
         return 2
+    if args.sweep in ("fwd", "bwd"):
+        print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+        print(f"heads {args.heads}/{args.kv_heads}, {args.tokens} tokens per call, causal, bf16")
+        print("| sweep | head_dim | seq | q,k,warps,stages | pallas ms | backward ms | "
+              "cudnn ms | pallas/cudnn |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|")
+        for seq in (int(s) for s in args.seqs.split(",")):
+            sweep(seq, args, args.sweep)
+        return 0
     if args.sweep is None:
         choices = [BlockSizes(q=args.block_q, k=args.block_k, q_bwd=64, k_bwd=64)]
     else:

@@ -140,7 +140,9 @@ def test_blocks_of_other_documents_are_skipped_and_nothing_else():
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4, err_msg=f"d{name}")
 
 
-@pytest.mark.parametrize("blocks", [BlockSizes(), BlockSizes(64, 64, 32, 64, warps=8, stages=3)])
+@pytest.mark.parametrize(
+    "blocks", [BlockSizes.of(None, 64), BlockSizes(64, 64, 32, 64, warps=8, stages=3)]
+)
 def test_kernels_lower_to_triton_for_a_gpu(blocks):
     """What the interpreter cannot show: forward, dQ and dK/dV go through Pallas's Triton
     lowering for a GPU (lowered here for the cuda platform, not compiled): bf16, GQA 4:1,
@@ -159,4 +161,24 @@ def test_kernels_lower_to_triton_for_a_gpu(blocks):
     text = jax.jit(grads).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()
     for name in ("forward", "dq", "dkv"):
         assert f'name = "flash_attention_{name}"' in text
-        assert f"num_warps = {blocks.warps}" in text and f"num_stages = {blocks.stages}" in text
+    for backward in (False, True):
+        warps, stages = blocks.launch(64, backward)
+        assert f"num_warps = {warps}" in text and f"num_stages = {stages}" in text
+
+
+def test_not_causal_without_segment_ids_masks_the_padding_only():
+    """No segment ids and a length that is not a multiple of the tiles, not causal: the
+    padded keys are the only ones hidden (causal masking cannot hide them here)."""
+    q, k, v, _ = inputs(2, 20, 4, 2, 8, jnp.float32, seed=11, packed=False)
+
+    def kernel(q, k, v):
+        return flash_attention(q, k, v, causal=False, blocks=BLOCKS, interpret=True)
+
+    o, lse = kernel(q, k, v)
+    ro, rlse = reference(q, k, v, causal=False)
+    np.testing.assert_allclose(o, ro, atol=2e-6, rtol=2e-5)
+    np.testing.assert_allclose(lse, rlse, atol=2e-6, rtol=2e-6)
+    do = jnp.asarray(np.random.default_rng(2).standard_normal(o.shape), jnp.float32)
+    want = grads(lambda q, k, v: reference(q, k, v, causal=False), q, k, v, None, do)
+    for g, w, name in zip(grads(kernel, q, k, v, None, do), want, "qkv", strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4, err_msg=f"d{name}")

@@ -80,7 +80,7 @@ def pair_kernel(cfg, platform: str) -> str:
     if not BACKENDS[name].gpu_kernel:  # a flash kernel on a GPU: ours runs the pairs
         return "xla"
 
-    b = fa.BlockSizes.of(cfg.model.attention_blocks)
+    b = fa.BlockSizes.of(cfg.model.attention_blocks, cfg.model.hd)
     chunk = cfg.model.seq_len // (2 * cfg.mesh.sequence)
     return "pallas" if chunk % math.lcm(b.q, b.k, b.q_bwd, b.k_bwd) == 0 else "xla"
 
@@ -220,7 +220,7 @@ class Context:
         if self.kernel == "xla":
             return reference(q, k, v, qs, ks, causal=causal)
 
-        opts = dict(blocks=fa.BlockSizes.of(self.blocks), interpret=_interpret())
+        opts = dict(blocks=fa.BlockSizes.of(self.blocks, q.shape[-1]), interpret=_interpret())
 
         def run(c):
             return lambda: fa.pair_forward(q, k, v, qs, ks, causal=c, **opts)
@@ -232,7 +232,7 @@ class Context:
         if self.kernel == "xla":
             return pair_backward(q, k, v, qs, ks, lse, delta, do, causal)
 
-        opts = dict(blocks=fa.BlockSizes.of(self.blocks), interpret=_interpret())
+        opts = dict(blocks=fa.BlockSizes.of(self.blocks, q.shape[-1]), interpret=_interpret())
 
         def run(c):
             return lambda: fa.pair_backward(q, k, v, qs, ks, lse, delta, do, causal=c, **opts)

@@ -24,6 +24,12 @@ def pallas_attention(q, k, v, segment_ids=None, q_offset=0, *, blocks=None):
     `blocks`: model.attention_blocks ([q, k, q_bwd, k_bwd]; None: the kernel's defaults)."""
     interpret = jax.default_backend() != "gpu"
     out, _ = fa.flash_attention(
-        q, k, v, segment_ids, segment_ids, blocks=fa.BlockSizes.of(blocks), interpret=interpret
+        q,
+        k,
+        v,
+        segment_ids,
+        segment_ids,
+        blocks=fa.BlockSizes.of(blocks, q.shape[-1]),
+        interpret=interpret,
     )
     return out
