@@ -237,6 +237,52 @@ def test_inconsistent_values_are_rejected(overrides, key):
     assert key in _error(*overrides)
 
 
+# --------------------------------------------------------------------------- loss_chunk
+
+# the 1B GPU shape of scripts/bench_step.py --sizes 1b with micro-batch 8: fp32 logits of
+# 8 x 2048 x 128256 x 4 bytes = 7.8 GiB per micro-batch (a small model: only the head counts)
+BIG_LOGITS = ["model.vocab_size=128256", "model.seq_len=2048", "train.micro_batch_size=8"]
+TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+
+
+def test_loss_chunk_auto_resolves_where_the_logits_are_large():
+    """model.loss_chunk=null: 0 where one micro-batch's fp32 logits per device fit 1 GiB
+    (tiny: its losses stay as they were), else the largest divisor of the tokens per device
+    up to 1024; an explicit value is kept, 0 included."""
+    assert Config().model.loss_chunk is None  # the default is auto
+    assert load(TINY).model.loss_chunk == 0
+    assert load(None, BIG_LOGITS).model.loss_chunk == 1024
+    assert load(None, [*BIG_LOGITS, "model.loss_chunk=0"]).model.loss_chunk == 0
+    assert load(None, [*BIG_LOGITS, "model.loss_chunk=256"]).model.loss_chunk == 256
+    # 512 tokens a device, 1.96 GiB of logits: a chunk short of the whole, or none at all
+    assert load(None, [*BIG_LOGITS, "mesh.sequence=4"]).model.loss_chunk == 256
+    assert load(None, [*BIG_LOGITS, "model.seq_len=1536"]).model.loss_chunk == 768
+    # per device: 2 rows of 2048 tokens, the vocabulary split 4 ways -> 0.49 GiB, whole
+    split = load(
+        None, [*BIG_LOGITS, "train.micro_batch_size=2", "mesh.tensor=4", "model.n_kv_heads=4"]
+    )
+    assert split.model.loss_chunk == 0
+    # a sequence with no divisor in [128, 1024] stays whole rather than in tiny chunks
+    assert load(None, [*BIG_LOGITS, "model.seq_len=2053"]).model.loss_chunk == 0
+
+
+def test_loss_chunk_auto_waits_for_a_filled_mesh_and_keeps_the_run_directory(tmp_path):
+    """A -1 mesh size leaves auto open until the device count fills it (cp or tp may be
+    the fill); resolving it changes no run directory, as no loss_chunk does."""
+    cfg = load(None, [*BIG_LOGITS, "mesh.data=1", "mesh.sequence=-1"])
+    assert cfg.model.loss_chunk is None
+    resolve_mesh(cfg, 2)
+    assert cfg.model.loss_chunk == 512  # 1024 tokens a device, in two chunks
+    path = _write(tmp_path, "model: {vocab_size: 128256, seq_len: 2048}\n")
+    auto = load(path, ["train.micro_batch_size=8"])
+    assert auto.model.loss_chunk == 1024
+    for explicit in ("model.loss_chunk=0", "model.loss_chunk=1024"):
+        assert (
+            load(path, ["train.micro_batch_size=8", explicit]).train.run_dir == auto.train.run_dir
+        )
+    assert load(TINY).train.run_dir == load(TINY, ["model.loss_chunk=0"]).train.run_dir
+
+
 # --------------------------------------------------------------------------- mesh
 
 

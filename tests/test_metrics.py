@@ -16,7 +16,7 @@ from ultrajax.config import schema as config
 from ultrajax.cost import flops, units
 from ultrajax.model.llama import matmul_param_count
 from ultrajax.parallel import mesh as mesh_lib
-from ultrajax.train import metrics, peaks
+from ultrajax.train import metrics, peaks, record, report
 
 
 @pytest.mark.parametrize(
@@ -43,6 +43,34 @@ def test_flops_per_token_is_6n_plus_12lhs():
     expected = 6 * matmul_param_count(m) + 12 * m.n_layers * m.n_heads * m.hd * m.seq_len
     assert flops.flops_per_token(m) == expected
     assert flops.hardware_flops_per_token(m) == expected  # remat none: nothing recomputed
+
+
+def test_causal_flops_halve_only_the_attention_term():
+    """mfu_causal's FLOPs: 6N + 6·L·h·s, the score square halved for the causal mask."""
+    m = parse.load(Path(__file__).parents[1] / "configs" / "tiny.yaml").model
+    attention = 12 * m.n_layers * m.n_heads * m.hd * m.seq_len
+    assert flops.flops_per_token(m, causal=True) == 6 * matmul_param_count(m) + attention / 2
+    assert flops.flops_per_token(m) - flops.flops_per_token(m, causal=True) == attention / 2
+
+
+def test_mfu_both_ways_in_the_record_and_the_summary(monkeypatch, tmp_path):
+    """metrics.jsonl's record and the run's summary give mfu (whole square) and
+    mfu_causal (attention halved), each from its own FLOPs per token."""
+    cfg = parse.load(Path(__file__).parents[1] / "configs" / "tiny.yaml")
+    monkeypatch.setattr(peaks, "host_peak", lambda cfg: (1e9, "a test peak"))
+    speed = record.Throughput(cfg)
+    rate = 1000.0
+    out = {"loss": 5.0, "grad_norm": 1.0, "lr": 1e-3}
+    ramp = SimpleNamespace(tokens=4096, loss_ema=5.0)
+    r = record.step_record(1, out, ramp, 2048, rate, speed, None)
+    m = cfg.model
+    assert r["mfu"] == pytest.approx(rate * flops.flops_per_token(m) / 1e9)
+    half = 6 * matmul_param_count(m) + 6 * m.n_layers * m.n_heads * m.hd * m.seq_len
+    assert r["mfu_causal"] == pytest.approx(rate * half / 1e9)
+    assert r["mfu_causal"] < r["mfu"]
+    speed.rates = [rate]
+    lines = report.summary_lines(cfg, speed, [r], None, None, 2048, tmp_path)
+    assert f"MFU causal   {r['mfu_causal']:.1%}" in "\n".join(lines)
 
 
 def test_human():

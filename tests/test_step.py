@@ -27,6 +27,7 @@ MODEL = ModelConfig(
     d_ff=64,
     seq_len=16,
     dtype="float32",
+    loss_chunk=0,  # built by hand, not validated: the default (null, auto) stays unresolved
 )
 G, B, S = 4, 2, MODEL.seq_len  # micro-batches, rows per micro-batch, sequence length
 

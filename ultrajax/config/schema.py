@@ -50,8 +50,10 @@ class ModelConfig:
     # BlockSizes defaults. Used where the kernel runs: pallas, auto on a GPU with packed
     # documents, and the ring's pairs under context parallelism
     attention_blocks: list[int] | None = None
-    # LM head and loss over this many tokens of the sequence at a time (0: all at once)
-    loss_chunk: int = 0
+    # LM head and loss over this many tokens of the sequence at a time (0: all at once);
+    # null (auto): chunks where one micro-batch's fp32 logits would be large, resolved to
+    # an int once the mesh is known (config/validate.py, auto_loss_chunk)
+    loss_chunk: int | None = None
     # layers per iteration of the layer loop (lax.scan's unroll): 1 keeps one compiled
     # layer; more lets XLA slice the stacked weights statically (faster on a CPU)
     scan_unroll: int = 1

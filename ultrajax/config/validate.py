@@ -11,6 +11,19 @@ from ultrajax.model import remat
 from ultrajax.model.attention import backends as attention
 from ultrajax.parallel.pipeline import schedules as schedule
 
+# model.loss_chunk=null (auto) chunks the LM head and loss only where the fp32 logits of one
+# micro-batch on one device (b x s/cp x v/tp x 4 bytes; the loss's working set holds about
+# two such arrays, cost/memory.py) pass LOSS_CHUNK_AUTO_BYTES: a chunk's logits are
+# recomputed in the backward pass, 2·h·v FLOPs a token (about 6% of the 1B step), worth it
+# only where the memory is large. tiny.yaml's logits are 3 MiB; the 1B shape's (v = 128256,
+# s = 2048, b = 8) 7.8 GiB.
+LOSS_CHUNK_AUTO_BYTES = 2**30
+# The chunk: the largest divisor of the tokens per device up to LOSS_CHUNK_MAX. b x 1024
+# rows keep the head's matmul large enough for a GPU's full rate, a 2048-8192 sequence
+# takes 2-8 trips of the loop, and 1024 is the chunk scripts/bench_gpu.sh measures. Below
+# LOSS_CHUNK_MIN the trips would cost more than the memory saves: auto leaves it whole.
+LOSS_CHUNK_MAX, LOSS_CHUNK_MIN = 1024, 128
+
 # --------------------------------------------------------------------------- validation
 
 
@@ -73,8 +86,10 @@ def _validate_model(m) -> None:
             f"model.rope_original_max_len must be positive, got {m.rope_original_max_len}",
         )
     _check(
-        m.loss_chunk >= 0 and (m.loss_chunk == 0 or m.seq_len % m.loss_chunk == 0),
-        f"model.loss_chunk ({m.loss_chunk}) must be 0 (off) or divide model.seq_len ({m.seq_len})",
+        m.loss_chunk is None
+        or (m.loss_chunk >= 0 and (m.loss_chunk == 0 or m.seq_len % m.loss_chunk == 0)),
+        f"model.loss_chunk ({m.loss_chunk}) must be 0 (off), null (auto) or divide "
+        f"model.seq_len ({m.seq_len})",
     )
     _check(m.norm_eps > 0, "model.norm_eps must be positive")
     _check(m.scan_unroll >= 1, f"model.scan_unroll must be >= 1, got {m.scan_unroll}")
@@ -175,7 +190,8 @@ def _validate_checkpoint(cfg: Config) -> None:
 
 
 def validate_layout(cfg: Config, *, build_schedule: bool = True) -> None:
-    """Divisibility rules of the mesh; needs concrete mesh sizes (no -1 left).
+    """Divisibility rules of the mesh; needs concrete mesh sizes (no -1 left). Resolves
+    model.loss_chunk=null (auto) to an int here, the first point that knows the mesh.
 
     build_schedule=False leaves out the one slow rule, the pipeline schedule's own
     (validate_schedule builds its table, seconds for thousands of micro-batches): the
@@ -190,6 +206,8 @@ def validate_layout(cfg: Config, *, build_schedule: bool = True) -> None:
             f"of mesh.{k} that spans hosts",
         )
     m = cfg.model
+    if m.loss_chunk is None:
+        m.loss_chunk = auto_loss_chunk(cfg)
     tp = mesh.tensor
     for key in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
         value = getattr(m, key)
@@ -222,6 +240,20 @@ def validate_layout(cfg: Config, *, build_schedule: bool = True) -> None:
         )
     _validate_pipeline(cfg, build_schedule)
     _validate_ramp(cfg)
+
+
+def auto_loss_chunk(cfg: Config) -> int:
+    """What model.loss_chunk=null means for this config on a concrete mesh: 0 (the whole
+    sequence) while one micro-batch's fp32 logits per device fit LOSS_CHUNK_AUTO_BYTES,
+    else the largest divisor of the tokens per device in [LOSS_CHUNK_MIN, LOSS_CHUNK_MAX]
+    short of all of them (0 when there is none)."""
+    m, mesh = cfg.model, cfg.mesh
+    tokens = m.seq_len // mesh.sequence
+    logits = 4 * cfg.train.micro_batch_size * tokens * (m.vocab_size // mesh.tensor)
+    if logits <= LOSS_CHUNK_AUTO_BYTES:
+        return 0
+    top = min(LOSS_CHUNK_MAX, tokens - 1)
+    return max((c for c in range(LOSS_CHUNK_MIN, top + 1) if tokens % c == 0), default=0)
 
 
 def _validate_ramp(cfg: Config) -> None:

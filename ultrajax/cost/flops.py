@@ -13,9 +13,16 @@ def attention_flops_per_token(m: ModelConfig) -> float:
     return 4.0 * m.n_layers * m.n_heads * m.hd * m.seq_len
 
 
-def flops_per_token(m: ModelConfig) -> float:
-    """Model FLOPs per trained token: 6N + 12·L·h·s (h = heads x head_dim)."""
-    return 6.0 * matmul_param_count(m) + 3.0 * attention_flops_per_token(m)
+def flops_per_token(m: ModelConfig, *, causal: bool = False) -> float:
+    """Model FLOPs per trained token: 6N + 12·L·h·s (h = heads x head_dim).
+
+    The default counts the whole s x s score square, as PaLM's MFU and the playbook do
+    (`mfu`). causal=True halves the attention term, 6N + 6·L·h·s: a causal mask (every
+    model here is causal) leaves half the square to compute, which is how FlashAttention's
+    benchmarks and some trainers count (`mfu_causal`), so their MFU reads lower by that.
+    """
+    attention = attention_flops_per_token(m) / (2.0 if causal else 1.0)
+    return 6.0 * matmul_param_count(m) + 3.0 * attention
 
 
 def recompute_flops_per_token(m: ModelConfig) -> float:

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
 from ultrajax.config.schema import Config
+from ultrajax.config.validate import auto_loss_chunk
 from ultrajax.cost.activations import (
     PIPE_ATTN_S,
     PIPE_WORK,
@@ -216,8 +217,10 @@ def _fixed(cfg: Config) -> _Fixed:
     # all-gather the (sharded) masters into a whole copy
     z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
     copy = c * compute if (c != pb or (z.active in (1, 2))) else 0.0
-    # model.loss_chunk: the logits of one chunk of the sequence at a time (ultrajax/model/loss.py)
-    chunk = m.loss_chunk / m.seq_len if 0 < m.loss_chunk < m.seq_len else 1.0
+    # model.loss_chunk: the logits of one chunk of the sequence at a time (ultrajax/model/loss.py);
+    # null in a config that skipped validation: what validation would resolve it to
+    c_loss = auto_loss_chunk(cfg) if m.loss_chunk is None else m.loss_chunk
+    chunk = c_loss / m.seq_len if 0 < c_loss < m.seq_len else 1.0
     head_work = HEAD_WORK_V * 4 * d.V * chunk + HEAD_WORK_X * c * d.X
     return _Fixed(states, arguments, 4 * 4, copy, head_work)
 

@@ -33,7 +33,9 @@ def head_nll(cfg: Config, params, x, targets, mask, tp):
 
     With `model.loss_chunk = c` the head and the loss run over c tokens of the sequence at
     a time, under `jax.checkpoint`, so the fp32 logits of only one chunk ever exist (in
-    the backward pass too: each chunk's logits are recomputed). Same sum, same gradients."""
+    the backward pass too: each chunk's logits are recomputed). Same sum, same gradients.
+    Validation resolves the default, null (auto), to an int where one micro-batch's fp32
+    logits are large (config/validate.py, auto_loss_chunk); an unvalidated null is 0."""
     c = cfg.model.loss_chunk
     t = x.shape[1]
     if not c or c >= t:

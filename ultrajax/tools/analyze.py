@@ -275,6 +275,7 @@ def _config_summary(cfg: Config, devices: list) -> dict:
         "dtype": cfg.model.dtype,
         "param_dtype": cfg.model.param_dtype,
         "attention": cfg.model.attention,
+        "loss_chunk": cfg.model.loss_chunk,  # resolved: null (auto) became an int
         "parameters": param_count(cfg.model),
         "micro_batch_size": cfg.train.micro_batch_size,
         "grad_accum": cfg.train.grad_accum,

@@ -214,9 +214,17 @@ def _header_lines(r: dict) -> list[str]:
         + _predicted_attention(r),
         f"model: {cf['parameters']:,} parameters; per device {cf['micro_batch_size']} x "
         f"{cf['seq_len']} tokens per micro-batch, {cf['grad_accum']} micro-batches; "
-        f"{cf['tokens_per_step']:,} tokens per step",
+        f"{cf['tokens_per_step']:,} tokens per step; "
+        + _loss_chunk(cf.get("loss_chunk"), cf["seq_len"]),
     ]
     return lines + [f"note: {n}" for n in r["notes"]]
+
+
+def _loss_chunk(chunk: int | None, seq_len: int) -> str:
+    """model.loss_chunk as resolved: the head and loss whole, or in chunks of the sequence."""
+    if not chunk or chunk >= seq_len:
+        return "LM head and loss over the whole sequence"
+    return f"LM head and loss in chunks of {chunk} tokens (model.loss_chunk)"
 
 
 def _memory_lines(cf: dict, p: dict, c: dict | None) -> list[str]:

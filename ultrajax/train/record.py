@@ -3,7 +3,9 @@ show, and the throughput clock they are measured with.
 
 Throughput is measured on the host between two host syncs (the log steps), so it is the
 rate the run really got, input pipeline and dispatch included; MFU and HFU divide it by
-the device's peak (train/peaks.py) with the FLOPs per token of cost/flops.py.
+the device's peak (train/peaks.py) with the FLOPs per token of cost/flops.py. MFU is given
+both ways: `mfu` counts the whole attention score square (PaLM's convention), `mfu_causal`
+half of it, as the causal mask leaves (what trainers that halve it report).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Throughput:
     def __init__(self, cfg: Config):
         self.peak, self.peak_source = peaks.host_peak(cfg)  # on CPU: measured once, cached
         self.fpt = flops.flops_per_token(cfg.model)  # what the model needs: MFU
+        self.cfpt = flops.flops_per_token(cfg.model, causal=True)  # attention halved
         self.hfpt = flops.hardware_flops_per_token(cfg.model)  # what ran, recompute too: HFU
         self.rates: list[float] = []  # one per logged interval, for the summary's median
         self._since, self._tokens = time.perf_counter(), 0
@@ -48,6 +51,9 @@ class Throughput:
 
     def mfu(self, rate: float) -> float:
         return rate * self.fpt / self.peak
+
+    def mfu_causal(self, rate: float) -> float:
+        return rate * self.cfpt / self.peak
 
     def hfu(self, rate: float) -> float:
         return rate * self.hfpt / self.peak
@@ -82,6 +88,7 @@ def step_record(
         "tokens_per_s": rate,
         "step_time_s": step_tokens / rate,
         "mfu": speed.mfu(rate),
+        "mfu_causal": speed.mfu_causal(rate),
         "hfu": speed.hfu(rate),
     }
     if b_simple is not None:

@@ -128,6 +128,8 @@ def summary_lines(
         "summary:",
         f"  tokens/s     {tps:,.0f} (median of logged intervals)",
         f"  MFU / HFU    {speed.mfu(tps):.1%} / {speed.hfu(tps):.1%}  (peak: {speed.peak_source})",
+        f"  MFU causal   {speed.mfu_causal(tps):.1%}  (attention FLOPs halved for the causal mask;"
+        " MFU counts the whole square, as PaLM)",
         f"  peak memory  {mem / 2**30:.2f} GiB" if mem else "  peak memory  not reported (CPU)",
         *memory_lib.summary_lines(cfg, mem),
     ]
