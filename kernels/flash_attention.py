@@ -92,13 +92,16 @@ class BlockSizes:
     stages_bwd: int | None = None
 
     @classmethod
-    def of(cls, sizes, head_dim: int) -> BlockSizes:
+    def of(cls, sizes, head_dim: int, itemsize: int = 2) -> BlockSizes:
         """From `model.attention_blocks` ([q, k, q_bwd, k_bwd]), or None: the head_dim's
-        tiles."""
-        return cls(*(TILES.get(head_dim, (64, 64, 64, 64)) if sizes is None else sizes))
+        tiles (fp32 inputs: 64 x 64, as 128-wide fp32 tiles outgrow shared memory)."""
+        if sizes is None:
+            sizes = (64, 64, 64, 64) if itemsize > 2 else TILES.get(head_dim, (64,) * 4)
+        return cls(*sizes)
 
-    def launch(self, head_dim: int, backward: bool) -> tuple[int, int]:
-        """(warps, stages) of the forward or the backward kernels."""
+    def launch(self, head_dim: int, backward: bool, itemsize: int = 2) -> tuple[int, int]:
+        """(warps, stages) of the forward or the backward kernels; the table's stages are
+        for bf16 tiles, so fp32 inputs keep 2 (each stage buffers twice the bytes)."""
         if backward:
             q, k, warps, stages = self.q_bwd, self.k_bwd, self.warps_bwd, self.stages_bwd
             tuned = TUNED_BWD.get((head_dim, q, k))
@@ -106,6 +109,7 @@ class BlockSizes:
             q, k, warps, stages = self.q, self.k, self.warps, self.stages
             tuned = TUNED_FWD.get((head_dim, q, k))
         w, st = tuned or _rule(head_dim, q, k)
+        st = min(st, 2) if itemsize > 2 else st
         return (w if warps is None else warps), (st if stages is None else stages)
 
 
@@ -321,7 +325,7 @@ def _forward(q, k, v, qs, ks, *, blocks: BlockSizes, causal: bool, segmented: bo
         [struct(q.shape, q.dtype, q, k), struct((b, h, t), jnp.float32, q, k)],
         interpret,
         "flash_attention_forward",
-        blocks.launch(d, backward=False),
+        blocks.launch(d, backward=False, itemsize=q.dtype.itemsize),
     )(q, k, v, qs, ks, first)
 
 
@@ -356,7 +360,7 @@ def _backward(q, k, v, qs, ks, delta, lse, do, *, blocks: BlockSizes, causal: bo
     s, kv = k.shape[1], k.shape[2]
     bq, bk = blocks.q_bwd, blocks.k_bwd
     common = dict(scale=d**-0.5, bq=bq, bk=bk, causal=causal, segmented=segmented)
-    launch = blocks.launch(d, backward=True)
+    launch = blocks.launch(d, backward=True, itemsize=q.dtype.itemsize)
     first, end = _visible(qs, ks, bq, bk)
     qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, True)
     dq = _call(
@@ -437,12 +441,12 @@ def flash_attention(
     """(out (batch, length, heads, head_dim), lse (batch, length, heads), natural log).
 
     Differentiable in q, k, v (the lse's own gradient is not propagated: callers that
-    merge blocks use it for weights only). `blocks` None: `BlockSizes.of(None, head_dim)`."""
+    merge blocks use it for weights only). `blocks` None: `BlockSizes.of` the head_dim."""
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
     if h % kv:
         raise ValueError(f"heads ({h}) must be a multiple of kv_heads ({kv})")
-    blocks = BlockSizes.of(None, d) if blocks is None else blocks
+    blocks = BlockSizes.of(None, d, q.dtype.itemsize) if blocks is None else blocks
     step = math.lcm(blocks.q, blocks.q_bwd, blocks.k, blocks.k_bwd)
     # without segment ids, padding needs no mask where causal masking already hides the
     # padded keys from every real query (they come after all of them)
@@ -465,7 +469,7 @@ def pair_forward(q, k, v, q_segment_ids, kv_segment_ids, *, causal: bool,
     already multiples of the block sizes: the per-pair kernel of ring attention
     (ultrajax/parallel/context.py), which merges pairs with their log-sum-exp. Not
     differentiable by itself: the ring's backward calls `pair_backward`."""
-    blocks = BlockSizes.of(None, q.shape[-1]) if blocks is None else blocks
+    blocks = BlockSizes.of(None, q.shape[-1], q.dtype.itemsize) if blocks is None else blocks
     return _forward(q, k, v, q_segment_ids, kv_segment_ids, blocks=blocks, causal=causal,
                     segmented=True, interpret=interpret)  # fmt: skip
 
@@ -475,6 +479,6 @@ def pair_backward(q, k, v, q_segment_ids, kv_segment_ids, lse, delta, do, *, cau
     """This pair's (dq, dk, dv), from the log-sum-exp over every pair and delta =
     rowsum(dout * out), both (b, h, t) and computed once by the caller (the flash
     backward recomputes the pair's probabilities from them)."""
-    blocks = BlockSizes.of(None, q.shape[-1]) if blocks is None else blocks
+    blocks = BlockSizes.of(None, q.shape[-1], q.dtype.itemsize) if blocks is None else blocks
     return _backward(q, k, v, q_segment_ids, kv_segment_ids, delta, lse, do, blocks=blocks,
                      causal=causal, segmented=True, interpret=interpret)  # fmt: skip

@@ -9,13 +9,15 @@
 #
 # Environment: HF (the baseline script; default scripts/torch_step.py), ULTRA (bench_step.py
 # arguments; default the 1B shape, micro-batch 8 x 2048, no remat), HF_ARGS (baseline
-# arguments; default the same shape and batch), BUDGET (seconds, default 420).
+# arguments; default the same shape and batch), HF_COMPILE (the baseline's switch to
+# torch.compile), BUDGET (seconds, default 420).
 # Wheels the GPU image lacks (grain, array-record, portpicker) are installed from .whl/.
 set -u
 OUT=${1:-${OUT:-/tmp/bench_gpu}}
 HF=${HF:-scripts/torch_step.py}
 ULTRA=${ULTRA:---sizes 1b --steps 10 --warmup 2 train.micro_batch_size=8 model.remat=none}
 HF_ARGS=${HF_ARGS:---size 1b --steps 10 --warmup 2 train.micro_batch_size=8}
+HF_COMPILE=${HF_COMPILE:---compile}  # ../shared/bench/hf_llama_step.py: "--compile 1"
 BUDGET=${BUDGET:-420}
 mkdir -p "$OUT"
 start=$(date +%s)
@@ -23,22 +25,25 @@ source "$(dirname "$0")/gpu_common.sh"
 { date -u; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null; } |
   tee "$OUT/versions.txt"
 
+# In the order a short budget keeps the most: the default step (the LM head and loss in
+# chunks: model.loss_chunk auto), the baseline, selective recomputation (the memory
+# target), packed documents (the Pallas kernel),
+# then the same step with whole logits (loss_chunk=0: what chunking costs or saves), and
+# transformers eager last.
 # shellcheck disable=SC2086  # ULTRA and HF_ARGS are argument lists
-run ultrajax-causal 120 python3 scripts/bench_step.py $ULTRA model.attention=auto data.cross_doc_mask=false
+run ultrajax-causal 100 python3 scripts/bench_step.py $ULTRA model.attention=auto data.cross_doc_mask=false
 # shellcheck disable=SC2086
-run ultrajax-packed 120 python3 scripts/bench_step.py $ULTRA model.attention=auto data.cross_doc_mask=true
+run hf-compiled 140 python3 "$HF" --label compiled $HF_COMPILE $HF_ARGS
+# shellcheck disable=SC2086
+run ultrajax-selective 100 python3 scripts/bench_step.py $ULTRA model.attention=auto \
+  data.cross_doc_mask=false model.remat=selective
+# shellcheck disable=SC2086
+run ultrajax-packed 100 python3 scripts/bench_step.py $ULTRA model.attention=auto data.cross_doc_mask=true
+# shellcheck disable=SC2086
+run ultrajax-whole-logits 100 python3 scripts/bench_step.py $ULTRA model.attention=auto \
+  data.cross_doc_mask=false model.loss_chunk=0
 # shellcheck disable=SC2086
 run hf-eager 90 python3 "$HF" --label eager $HF_ARGS
-# shellcheck disable=SC2086
-run hf-compiled 150 python3 "$HF" --label compiled --compile $HF_ARGS
-# Toward the memory target (no more than torch.compile's peak): the LM head and loss in
-# chunks of 1024 tokens (no full fp32 logits), then with selective recomputation as well
-# shellcheck disable=SC2086
-run ultrajax-chunked 90 python3 scripts/bench_step.py $ULTRA model.attention=auto \
-  data.cross_doc_mask=false model.loss_chunk=1024
-# shellcheck disable=SC2086
-run ultrajax-chunked-selective 90 python3 scripts/bench_step.py $ULTRA model.attention=auto \
-  data.cross_doc_mask=false model.loss_chunk=1024 model.remat=selective
 
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
@@ -66,10 +71,10 @@ def hf(name):
     return r["tokens_per_s"], "", r["peak_gib"]
 
 runs = {
-    "ultrajax, causal (auto)": ultrajax("ultrajax-causal"),
-    "ultrajax, packed documents (auto)": ultrajax("ultrajax-packed"),
-    "ultrajax, causal, loss_chunk=1024": ultrajax("ultrajax-chunked"),
-    "ultrajax, causal, loss_chunk=1024, remat=selective": ultrajax("ultrajax-chunked-selective"),
+    "ultrajax, causal (defaults: auto attention, auto loss_chunk)": ultrajax("ultrajax-causal"),
+    "ultrajax, causal, model.remat=selective": ultrajax("ultrajax-selective"),
+    "ultrajax, packed documents (auto: the Pallas kernel)": ultrajax("ultrajax-packed"),
+    "ultrajax, causal, loss_chunk=0 (whole logits)": ultrajax("ultrajax-whole-logits"),
     "transformers eager": hf("hf-eager"),
     "transformers + torch.compile": hf("hf-compiled"),
 }
@@ -85,7 +90,8 @@ for label, r in runs.items():
     mratio = f"{mem / base[2]:.2f}x" if base and mem and base[2] else "-"
     mem_s = f"{mem:.1f}" if mem else "-"
     print(f"| {label} | {tps:,.0f} | {mfu} | {mem_s} | {ratio} | {mratio} |")
-causal, packed = runs["ultrajax, causal (auto)"], runs["ultrajax, packed documents (auto)"]
+causal = runs["ultrajax, causal (defaults: auto attention, auto loss_chunk)"]
+packed = runs["ultrajax, packed documents (auto: the Pallas kernel)"]
 if causal and packed:
     print(f"packed / causal tokens/s: {packed[0] / causal[0]:.1%}")
 PY

@@ -46,8 +46,8 @@ if want norm; then
 fi
 if want attention; then
   run attention-d64 60 python3 scripts/bench_attention.py --iters 5
-  run attention-d128 60 python3 scripts/bench_attention.py --iters 5 --head-dim 128 --heads 16
   run attention-packed 50 python3 scripts/bench_attention.py --seqs 2048,8192 --packed --iters 5
+  run attention-d128 60 python3 scripts/bench_attention.py --iters 5 --head-dim 128 --heads 16
 fi
 if want step; then
   left=$((BUDGET - ($(date +%s) - start)))

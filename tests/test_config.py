@@ -248,15 +248,19 @@ TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
 def test_loss_chunk_auto_resolves_where_the_logits_are_large():
     """model.loss_chunk=null: 0 where one micro-batch's fp32 logits per device fit 1 GiB
     (tiny: its losses stay as they were), else the largest divisor of the tokens per device
-    up to 1024; an explicit value is kept, 0 included."""
+    up to 1024 whose chunk's logits fit 1 GiB; an explicit value is kept, 0 included."""
     assert Config().model.loss_chunk is None  # the default is auto
     assert load(TINY).model.loss_chunk == 0
-    assert load(None, BIG_LOGITS).model.loss_chunk == 1024
+    assert load(None, BIG_LOGITS).model.loss_chunk == 256  # 0.98 GiB a chunk, not 3.9
     assert load(None, [*BIG_LOGITS, "model.loss_chunk=0"]).model.loss_chunk == 0
     assert load(None, [*BIG_LOGITS, "model.loss_chunk=256"]).model.loss_chunk == 256
     # 512 tokens a device, 1.96 GiB of logits: a chunk short of the whole, or none at all
     assert load(None, [*BIG_LOGITS, "mesh.sequence=4"]).model.loss_chunk == 256
-    assert load(None, [*BIG_LOGITS, "model.seq_len=1536"]).model.loss_chunk == 768
+    assert load(None, [*BIG_LOGITS, "model.seq_len=1536"]).model.loss_chunk == 256
+    # 125m-like: a 32768 vocabulary, 2 GiB of logits: halves of 1 GiB
+    assert load(None, [*BIG_LOGITS, "model.vocab_size=32768"]).model.loss_chunk == 1024
+    # a chunk of even 128 tokens above 1 GiB: the smallest chunk, not none
+    assert load(None, [*BIG_LOGITS, "train.micro_batch_size=64"]).model.loss_chunk == 128
     # per device: 2 rows of 2048 tokens, the vocabulary split 4 ways -> 0.49 GiB, whole
     split = load(
         None, [*BIG_LOGITS, "train.micro_batch_size=2", "mesh.tensor=4", "model.n_kv_heads=4"]
@@ -272,10 +276,10 @@ def test_loss_chunk_auto_waits_for_a_filled_mesh_and_keeps_the_run_directory(tmp
     cfg = load(None, [*BIG_LOGITS, "mesh.data=1", "mesh.sequence=-1"])
     assert cfg.model.loss_chunk is None
     resolve_mesh(cfg, 2)
-    assert cfg.model.loss_chunk == 512  # 1024 tokens a device, in two chunks
+    assert cfg.model.loss_chunk == 256  # 1024 tokens a device, 3.9 GiB: in four chunks
     path = _write(tmp_path, "model: {vocab_size: 128256, seq_len: 2048}\n")
     auto = load(path, ["train.micro_batch_size=8"])
-    assert auto.model.loss_chunk == 1024
+    assert auto.model.loss_chunk == 256
     for explicit in ("model.loss_chunk=0", "model.loss_chunk=1024"):
         assert (
             load(path, ["train.micro_batch_size=8", explicit]).train.run_dir == auto.train.run_dir

@@ -182,3 +182,20 @@ def test_not_causal_without_segment_ids_masks_the_padding_only():
     want = grads(lambda q, k, v: reference(q, k, v, causal=False), q, k, v, None, do)
     for g, w, name in zip(grads(kernel, q, k, v, None, do), want, "qkv", strict=True):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4, err_msg=f"d{name}")
+
+
+def test_tiles_warps_and_stages_follow_the_head_dim_and_the_dtype():
+    """The measured table where it has the tile (bf16), the register rule where it has
+    not, and fp32 inputs on 64-wide tiles with at most 2 stages (128-wide fp32 tiles asked
+    for more shared memory than an H200 has: 262,656 of 232,448 bytes, seen in the sweep)."""
+    from ultrajax.kernels.flash_attention import TUNED_BWD, TUNED_FWD
+
+    b64, b128 = BlockSizes.of(None, 64), BlockSizes.of(None, 128)
+    assert (b64.q, b64.k, b128.q, b128.k) == (128, 64, 128, 128)
+    assert b64.launch(64, backward=False) == TUNED_FWD[64, 128, 64]
+    assert b128.launch(128, backward=True) == TUNED_BWD[128, 64, 64]
+    assert BlockSizes(32, 32, 32, 32).launch(128, backward=False) == (4, 2)  # off the table
+    fp32 = BlockSizes.of(None, 128, itemsize=4)
+    assert (fp32.q, fp32.k, fp32.q_bwd, fp32.k_bwd) == (64, 64, 64, 64)
+    assert fp32.launch(128, backward=False, itemsize=4)[1] <= 2
+    assert BlockSizes(warps=2, stages=5).launch(64, backward=False) == (2, 5)  # as asked

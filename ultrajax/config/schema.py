@@ -77,7 +77,7 @@ class DataConfig:
     cross_doc_mask: bool = False
     eval_fraction: float = 0.02
     mixture: list[MixtureSource] | None = None  # several paths with weights, instead of path
-    streams: int | None = None  # logical streams; null: gcd(micro-batch rows, 64)
+    streams: int | None = None  # logical streams; null: gcd(global batch rows, 64) (ramps: all)
     shuffle_window: int = 16  # rows shuffled together after packing, per stream
     prefetch: int = 2  # batches made ahead on a background thread (0: on the step's thread)
     strict: bool = False  # files: a bad JSONL line is an error (false: skipped, reported)

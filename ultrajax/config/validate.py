@@ -18,10 +18,11 @@ from ultrajax.parallel.pipeline import schedules as schedule
 # only where the memory is large. tiny.yaml's logits are 3 MiB; the 1B shape's (v = 128256,
 # s = 2048, b = 8) 7.8 GiB.
 LOSS_CHUNK_AUTO_BYTES = 2**30
-# The chunk: the largest divisor of the tokens per device up to LOSS_CHUNK_MAX. b x 1024
-# rows keep the head's matmul large enough for a GPU's full rate, a 2048-8192 sequence
-# takes 2-8 trips of the loop, and 1024 is the chunk scripts/bench_gpu.sh measures. Below
-# LOSS_CHUNK_MIN the trips would cost more than the memory saves: auto leaves it whole.
+# The chunk: the largest divisor of the tokens per device up to LOSS_CHUNK_MAX whose own
+# logits fit LOSS_CHUNK_AUTO_BYTES too (the 1B shape: 256 tokens, 1 GiB; halves of 1024
+# would leave 4 GiB a chunk, and the head's backward the step's peak); b x 128 rows or more
+# keep the head's matmul large enough for a GPU's full rate. Below LOSS_CHUNK_MIN the trips
+# would cost more than the memory saves: the smallest divisor from there, or whole.
 LOSS_CHUNK_MAX, LOSS_CHUNK_MIN = 1024, 128
 
 # --------------------------------------------------------------------------- validation
@@ -246,14 +247,17 @@ def auto_loss_chunk(cfg: Config) -> int:
     """What model.loss_chunk=null means for this config on a concrete mesh: 0 (the whole
     sequence) while one micro-batch's fp32 logits per device fit LOSS_CHUNK_AUTO_BYTES,
     else the largest divisor of the tokens per device in [LOSS_CHUNK_MIN, LOSS_CHUNK_MAX]
-    short of all of them (0 when there is none)."""
+    short of all of them whose chunk's logits fit it too (none fits: the smallest; no
+    divisor: 0)."""
     m, mesh = cfg.model, cfg.mesh
     tokens = m.seq_len // mesh.sequence
     logits = 4 * cfg.train.micro_batch_size * tokens * (m.vocab_size // mesh.tensor)
     if logits <= LOSS_CHUNK_AUTO_BYTES:
         return 0
     top = min(LOSS_CHUNK_MAX, tokens - 1)
-    return max((c for c in range(LOSS_CHUNK_MIN, top + 1) if tokens % c == 0), default=0)
+    sizes = [c for c in range(LOSS_CHUNK_MIN, top + 1) if tokens % c == 0]
+    fit = [c for c in sizes if logits * c // tokens <= LOSS_CHUNK_AUTO_BYTES]
+    return max(fit) if fit else min(sizes, default=0)
 
 
 def _validate_ramp(cfg: Config) -> None:

@@ -220,7 +220,10 @@ class Context:
         if self.kernel == "xla":
             return reference(q, k, v, qs, ks, causal=causal)
 
-        opts = dict(blocks=fa.BlockSizes.of(self.blocks, q.shape[-1]), interpret=_interpret())
+        opts = dict(
+            blocks=fa.BlockSizes.of(self.blocks, q.shape[-1], q.dtype.itemsize),
+            interpret=_interpret(),
+        )
 
         def run(c):
             return lambda: fa.pair_forward(q, k, v, qs, ks, causal=c, **opts)
@@ -232,7 +235,10 @@ class Context:
         if self.kernel == "xla":
             return pair_backward(q, k, v, qs, ks, lse, delta, do, causal)
 
-        opts = dict(blocks=fa.BlockSizes.of(self.blocks, q.shape[-1]), interpret=_interpret())
+        opts = dict(
+            blocks=fa.BlockSizes.of(self.blocks, q.shape[-1], q.dtype.itemsize),
+            interpret=_interpret(),
+        )
 
         def run(c):
             return lambda: fa.pair_backward(q, k, v, qs, ks, lse, delta, do, causal=c, **opts)

@@ -102,7 +102,7 @@ class Layout:
             auto_specs,
             cfg.train.grad_accum,
             after=("embed", "lm_head")
-            if 0 < cfg.model.loss_chunk < cfg.model.seq_len
+            if 0 < (cfg.model.loss_chunk or 0) < cfg.model.seq_len
             else ("embed",),
         )
 

@@ -29,7 +29,7 @@ def pallas_attention(q, k, v, segment_ids=None, q_offset=0, *, blocks=None):
         v,
         segment_ids,
         segment_ids,
-        blocks=fa.BlockSizes.of(blocks, q.shape[-1]),
+        blocks=fa.BlockSizes.of(blocks, q.shape[-1], q.dtype.itemsize),
         interpret=interpret,
     )
     return out
