@@ -3,18 +3,24 @@ docs/*.md and benchmarks/RESULTS.md, every `python -m ultrajax.<command>`, and t
 README's layout tree, which names every module of the package (README, "Repository
 layout").
 
-Read as text, nothing imported: a path is found in backticks, links or prose alike, ends
-in `.py`, `/` or a folder's name, and is checked relative to the repository root. A
-sub-package-relative file (`parallel/tensor.py`, `cost/steptime.py`) is checked under
-ultrajax/.
+And every training command on configs/tiny.yaml in the docs parses, and one that changes
+anything has a run directory of its own (else it finds the finished tiny run).
+
+Read as text (but those commands, which the config parser reads): a path is found in
+backticks, links or prose alike, ends in `.py`, `/` or a folder's name, and is checked
+relative to the repository root. A sub-package-relative file (`parallel/tensor.py`,
+`cost/steptime.py`) is checked under ultrajax/.
 """
 
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
+
+from ultrajax.config import parse
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted(
@@ -27,6 +33,9 @@ _START = r"(?<![\w./~$-])"
 _PATH = re.compile(_START + r"((?:ultrajax|kernels)/[\w./-]*)")
 _SHORT = re.compile(_START + r"((?:" + "|".join(SUBPACKAGES) + r")/[\w/]*\w\.py)\b")
 _COMMAND = re.compile(r"\bpython3? -m (ultrajax(?:\.\w+)*)(?!\.<)")  # not `ultrajax.<command>`
+# `python -m ultrajax.train ...` up to the end of its line, lines ending in `\` joined
+_TRAIN = re.compile(r"python3? -m ultrajax\.train((?:\\\n|[^\n`\\]|\\(?!\n))*)")
+TINY = "configs/tiny.yaml"
 
 
 def paths(text: str) -> list[str]:
@@ -84,6 +93,23 @@ def layout_tree(readme: str) -> list[str]:
     return out
 
 
+def train_commands(text: str) -> list[tuple[list[str], bool]]:
+    """(overrides, prints only) of each `python -m ultrajax.train --config
+    configs/tiny.yaml ...` in `text`: its key=value arguments, and whether it has
+    `--print-config` (which trains nothing)."""
+    out = []
+    for m in _TRAIN.finditer(text):
+        try:
+            args = shlex.split(m.group(1).replace("\\\n", " "))
+        except ValueError:  # prose around a command, not the command
+            continue
+        if args[:2] != ["--config", TINY]:
+            continue
+        out.append(([a for a in args if "=" in a and not a.startswith("-")],
+                    "--print-config" in args))  # fmt: skip
+    return out
+
+
 def _missing(found: list[str], root: Path = ROOT) -> list[str]:
     return sorted({p for p in found if not (root / p).exists()})
 
@@ -103,6 +129,23 @@ def test_every_named_path_exists(doc):
 def test_every_command_runs_a_module_of_the_tree(doc):
     bad = sorted({m for m in commands(_read(doc)) if not runnable(m)})
     assert not bad, f"{doc.relative_to(ROOT)}: `python -m` of no runnable module: {bad}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(ROOT)) for d in DOCS])
+def test_tiny_training_commands_parse_and_keep_to_their_own_run(doc):
+    """Each command's settings are valid, and one that trains with any setting changed
+    names its own `train.run_dir` where its run identity is tiny's: the layout, the
+    batch split, the steps and the checkpoints are outside it, so without one such a
+    command resumes the tiny run (a finished one trains nothing; another global batch is
+    refused)."""
+    tiny = parse.default_run_dir(parse.load(TINY), TINY)
+    shared = []
+    for overrides, prints in train_commands(_read(doc)):
+        cfg = parse.load(TINY, overrides)  # a ConfigError names the broken command
+        own = any(o.startswith("train.run_dir=") for o in overrides)
+        if overrides and not prints and not own and parse.default_run_dir(cfg, TINY) == tiny:
+            shared.append(" ".join(overrides))
+    assert not shared, f"{doc.relative_to(ROOT)}: commands that would find tiny's run: {shared}"
 
 
 def test_the_readme_names_the_commands():
@@ -145,6 +188,12 @@ def test_the_checks_can_fail(tmp_path):
     assert commands(
         "`python -m ultrajax.train --config x`, python -m ultrajax.nope, python -m ultrajax.<x>"
     ) == ["ultrajax.train", "ultrajax.nope"]
+    assert train_commands(
+        "python -m ultrajax.train --config configs/tiny.yaml --cpu-devices 8 \\\n"
+        "    mesh.data=2 train.run_dir=runs/x\n"
+        "`python -m ultrajax.train --config configs/tiny.yaml --print-config mesh.data=-1`\n"
+        "python -m ultrajax.train --config configs/llama-8b.yaml mesh.data=2\n"
+    ) == [(["mesh.data=2", "train.run_dir=runs/x"], False), (["mesh.data=-1"], True)]
     (tmp_path / "ultrajax" / "pkg").mkdir(parents=True)
     (tmp_path / "ultrajax" / "pkg" / "__main__.py").write_text("")
     (tmp_path / "ultrajax" / "guarded.py").write_text('if __name__ == "__main__":\n    pass\n')
