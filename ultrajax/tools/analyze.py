@@ -299,7 +299,7 @@ def _predicted(cfg: Config, analysed: Config, notes: list, devices: list, device
         # the attention the memory is predicted for: as a GPU runs it, unless compiling
         # here changed it (a CPU run of the same config may use another: its summary says)
         "predicted_attention": concrete(analysed, platform).model.attention,
-        "predicted_platform": platform or jax.default_backend(),
+        "predicted_platform": platform or "compiled",
     }
     peak = est.peak
     if analysed is not cfg:

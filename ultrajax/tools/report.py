@@ -200,6 +200,8 @@ def _predicted_attention(r: dict) -> str:
     name, platform = r.get("predicted_attention"), r.get("predicted_platform")
     if name is None or name == r["config"]["attention"]:
         return ""
+    if platform == "compiled":
+        return f" (memory predicted for {name}, the attention compiled here)"
     return f" (memory predicted for {name}, as a {platform} runs it)"
 
 

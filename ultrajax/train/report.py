@@ -93,10 +93,14 @@ def announce(cfg: Config, parts: RunParts, run_dir: Path, say) -> None:
         f" x {cfg.dp} dp; {cfg.tokens_per_step:,} tokens per step (x {m.seq_len} seq)"
     )
     n_params = param_count(m)
+    chunk = m.loss_chunk or 0
     say(
         f"model: {units.human(n_params)} parameters ({n_params:,}); "
         f"{units.human(flops.flops_per_token(m))} FLOPs per token"
-    )
+        + (f"; LM head and loss in chunks of {chunk} tokens, its forward recomputed in the "
+           "backward (model.loss_chunk; 0: whole logits, faster, more memory)"
+           if 0 < chunk < m.seq_len else "")
+    )  # fmt: skip
     say(parts.data.summary)
 
 
