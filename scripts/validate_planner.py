@@ -59,6 +59,7 @@ NANOTRON_ORDER = ("pipeline", "data", "fsdp", "sequence", "tensor")
 # the larger of the first and last pipeline stage; --fit prints these
 MEMORY = (6.094, 11.56, 34.96, 5.038, 8.895, 2.475e9)
 MEMORY_LIMIT = 74e9  # bytes: the verdict's threshold (fitted; the H100 holds 85.5e9)
+FIT_ITERS = 2000  # Nelder-Mead iterations of a step-time fit
 
 
 @dataclass
@@ -224,6 +225,19 @@ def evaluate(runs: list[Run], feats=None, fit=steptime.NANOTRON, coef=MEMORY, li
         k: spearman([speed[i] for i in v], [runs[i].measured for i in v]) for k, v in cells.items()
     }
     big = [v for k, v in rho.items() if len(cells[k]) >= 5 and not math.isnan(v)]
+    by_nodes = {}
+    for nodes in sorted({int(r.row["nodes"]) for r in runs}):
+        mine = [i for i, r in enumerate(runs) if int(r.row["nodes"]) == nodes]
+        err = [abs(speed[i] / runs[i].measured - 1) for i in ok if i in set(mine)]
+        rhos = [v for k, v in rho.items() if k[1] == nodes and len(cells[k]) >= 5]
+        rhos = [v for v in rhos if not math.isnan(v)]
+        by_nodes[nodes] = {
+            "runs": len(mine),
+            "ran": len(err),
+            "verdict_agreement": float(np.mean([fits[i] == runs[i].ran for i in mine])),
+            "spearman_mean": float(np.mean(rhos)) if rhos else float("nan"),
+            "median_error": float(np.median(err)) if err else float("nan"),
+        }
     return {
         "runs": len(runs),
         "ran": sum(r.ran for r in runs),
@@ -234,19 +248,15 @@ def evaluate(runs: list[Run], feats=None, fit=steptime.NANOTRON, coef=MEMORY, li
         },
         "median_error": float(np.median(errors)) if errors else float("nan"),
         "unbuildable_that_ran": sum(r.ran and r.cfg is None for r in runs),
+        "by_nodes": by_nodes,
         "predicted": speed,
         "fits": fits,
     }
 
 
-def fit_all(runs: list[Run]):
-    """Refit the memory coefficients (least squares on the runs that ran, the larger
-    stage by the current coefficients), the verdict's threshold (the best agreement),
-    and the step-time constants (Nelder-Mead on the median error and the mean Spearman
-    from steptime.Fit's defaults: the sweep holds broken runs, 10-50x slower than their
-    neighbours, that a least-squares fit would chase)."""
-    from scipy.optimize import minimize
-
+def fit_memory(runs: list[Run]) -> np.ndarray:
+    """Least squares of nanotron's peak on the runs that ran (the larger stage by the
+    current coefficients, iterated)."""
     built = [r for r in runs if r.cfg is not None and r.ran and r.row.get("mem_gb")]
     coef = np.asarray(MEMORY)
     for _ in range(10):
@@ -255,13 +265,15 @@ def fit_all(runs: list[Run]):
         )
         y = np.array([float(r.row["mem_gb"]) * 1e9 for r in built])
         coef = np.linalg.lstsq(x, y, rcond=None)[0]
-    feats = _features(runs)
-    idx = [i for i, r in enumerate(runs) if r.ran and feats[i] is not None]
-    measured = np.array([runs[i].measured for i in idx])
-    cells = {}
-    for j, i in enumerate(idx):
-        cells.setdefault((runs[i].row["model"], runs[i].row["nodes"]), []).append(j)
-    names = list(steptime.Fit.__dataclass_fields__)
+    return coef
+
+
+def _fit_space(terms):
+    """The fitted names, their start (steptime.Fit's defaults, SCALE_TERMS' starts) and
+    the map from the optimizer's log-space vector to a Fit."""
+    names = list(steptime.BASE_TERMS) + list(terms)
+    start = [getattr(steptime.Fit(), n) for n in steptime.BASE_TERMS]
+    start += [steptime.SCALE_TERMS[n] for n in terms]
     fractions = [names.index(n) for n in ("e_max", "eta_intra", "eta_inter", "overlap")]
 
     def make(z):
@@ -269,15 +281,42 @@ def fit_all(runs: list[Run]):
         p[fractions] = np.minimum(p[fractions], 1.0)  # efficiencies and shares: at most 1
         return steptime.Fit(**{n: float(v) for n, v in zip(names, p, strict=True)})
 
-    def objective(z):  # the two figures the targets name: median error, mean Spearman
+    return np.log(np.array(start)), make
+
+
+def fit_steptime(runs: list[Run], feats, terms=tuple(steptime.SCALE_TERMS), iters=FIT_ITERS):
+    """Nelder-Mead on the two figures the targets name (the sweep holds broken runs,
+    10-50x slower than their neighbours, that a least-squares fit would chase): the mean
+    over node counts of the median error, so that no node count's error is traded for
+    another's, and the mean Spearman over cells."""
+    idx = [i for i, r in enumerate(runs) if r.ran and feats[i] is not None]
+    measured = np.array([runs[i].measured for i in idx])
+    cells, counts = {}, {}
+    for j, i in enumerate(idx):
+        cells.setdefault((runs[i].row["model"], runs[i].row["nodes"]), []).append(j)
+        counts.setdefault(runs[i].row["nodes"], []).append(j)
+    start, make = _fit_space(terms)
+    from scipy.optimize import minimize  # only a fit needs scipy
+
+    def objective(z):
         fit = make(z)
         pred = np.array([steptime.step_time(feats[i], fit).tokens_per_s_per_gpu for i in idx])
-        rho = np.mean([spearman(pred[v], measured[v]) for v in cells.values() if len(v) >= 5])
-        return np.median(abs(pred / measured - 1)) + 0.5 * max(0.0, 0.85 - rho) - 0.1 * rho
+        err = abs(pred / measured - 1)
+        med = np.mean([np.median(err[v]) for v in counts.values()])
+        rhos = [spearman(pred[v], measured[v]) for v in cells.values() if len(v) >= 5]
+        rho = np.mean(rhos) if rhos else 0.0
+        return med + 0.5 * max(0.0, 0.85 - rho) - 0.1 * rho
 
-    start = np.log(np.array(steptime.Fit().params()))  # the class defaults: the start
-    sol = minimize(objective, start, method="Nelder-Mead", options={"maxiter": 600})
-    fit = make(sol.x)
+    sol = minimize(objective, start, method="Nelder-Mead", options={"maxiter": iters})
+    return make(sol.x)
+
+
+def fit_all(runs: list[Run], terms=tuple(steptime.SCALE_TERMS), iters=FIT_ITERS):
+    """Refit the memory coefficients, the verdict's threshold (the best agreement; the
+    highest of equal ones) and the step-time constants on `runs`."""
+    coef = fit_memory(runs)
+    feats = _features(runs)
+    fit = fit_steptime(runs, feats, terms, iters)
     best = max(
         (evaluate(runs, feats, fit, coef, lim)["verdict_agreement"], lim)
         for lim in np.arange(60e9, 86e9, 1e9)
@@ -285,17 +324,77 @@ def fit_all(runs: list[Run]):
     return coef, fit, best[1], feats
 
 
+def leave_out(runs: list[Run], held: int, terms=tuple(steptime.SCALE_TERMS), iters=FIT_ITERS):
+    """Fit on the runs of every node count but `held`, and the three figures on `held`'s:
+    how the model does on a cluster size it was not fitted to."""
+    train = [r for r in runs if int(r.row["nodes"]) != held]
+    test = [r for r in runs if int(r.row["nodes"]) == held]
+    if not train or not test:
+        raise ConfigError(f"--leave-out {held}: need runs on {held} nodes and on others")
+    coef, fit, limit, _ = fit_all(train, terms, iters)
+    return evaluate(test, None, fit, coef, limit), fit
+
+
+def _print_nodes(title: str, by_nodes: dict) -> None:
+    print(title)
+    print(
+        f"  {'nodes':>5} {'runs':>5} {'ran':>4} {'verdict':>8} {'Spearman':>9} {'median err':>11}"
+    )
+    for nodes, f in by_nodes.items():
+        print(
+            f"  {nodes:>5} {f['runs']:>5} {f['ran']:>4} {f['verdict_agreement']:>8.1%} "
+            f"{f['spearman_mean']:>9.3f} {f['median_error']:>11.1%}"
+        )
+
+
+def _terms(text: str) -> tuple[str, ...]:
+    if text in ("", "none"):
+        return ()
+    terms = tuple(t.strip() for t in text.split(","))
+    unknown = [t for t in terms if t not in steptime.SCALE_TERMS]
+    if unknown:
+        known = ", ".join(steptime.SCALE_TERMS)
+        raise ConfigError(f"--terms: unknown {', '.join(unknown)} (known: {known}, or none)")
+    return terms
+
+
+def _leave_out_table(runs: list[Run], held: list[int], terms, iters: int) -> None:
+    """Per held-out node count: fit on the others, the figures on it."""
+    counts = sorted({int(r.row["nodes"]) for r in runs}) if held == [0] else held
+    rows = {}
+    for nodes in counts:
+        r, fit = leave_out(runs, nodes, terms, iters)
+        rows[nodes] = r["by_nodes"][nodes]
+        kept = {k: float(f"{v:.4g}") for k, v in vars(fit).items()}
+        print(f"fit without {nodes} nodes: {kept}")
+    _print_nodes("left out (each row fitted on the other node counts):", rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="validate_planner.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("csv", help="runs of the playbook's sweep (its columns)")
     ap.add_argument("--fit", action="store_true", help="refit the constants first and print them")
     ap.add_argument("--cells", action="store_true", help="print the Spearman of every cell")
+    ap.add_argument("--nodes", action="store_true", help="print the figures per node count")
+    ap.add_argument(
+        "--leave-out", type=int, action="append", metavar="NODES",
+        help="fit without the runs on NODES nodes and print the figures on them (0: each count)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--terms", default=",".join(steptime.SCALE_TERMS),
+        help="the scale terms a fit fits (comma-separated, or none); default all",
+    )  # fmt: skip
+    ap.add_argument("--iters", type=int, default=FIT_ITERS, help="Nelder-Mead iterations a fit")
     args = ap.parse_args(argv)
     try:
         runs = load(args.csv)
+        terms = _terms(args.terms)
+        if args.leave_out:
+            _leave_out_table(runs, args.leave_out, terms, args.iters)
+            return 0
         fit, coef, limit, feats = steptime.NANOTRON, MEMORY, MEMORY_LIMIT, None
         if args.fit:
-            coef, fit, limit, feats = fit_all(runs)
+            coef, fit, limit, feats = fit_all(runs, terms, args.iters)
             print("MEMORY =", tuple(float(f"{c:.4g}") for c in coef))
             print(f"MEMORY_LIMIT = {limit:.3g}")
             print("NANOTRON =", fit)
@@ -307,6 +406,8 @@ def main(argv=None) -> int:
     if args.cells:
         for k, (rho, n) in r["spearman_cells"].items():
             print(f"  {k:<20} {n:>4} runs  Spearman {rho:.3f}")
+    if args.nodes:
+        _print_nodes("by node count:", r["by_nodes"])
     print(f"verdict agreement      {r['verdict_agreement']:.1%}")
     print(f"Spearman (mean/cell)   {r['spearman_mean']:.3f}")
     print(f"median error tok/s/GPU {r['median_error']:.1%}")

@@ -35,8 +35,11 @@ members per node. Link figures are cost/hardware.py's, times a fitted efficiency
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from ultrajax.config.schema import Config
 from ultrajax.cost import comms, flops, hardware
@@ -68,22 +71,38 @@ class Fit:
     overlap: float = 0.8
     host_layer: float = 1e-3
     host_layer_tp: float = 3e-3
+    # what a cluster does as it grows (SCALE_TERMS; zero: the term is off):
+    congestion: float = 0.0  # a ring across N nodes gets 1 / N**congestion of its NICs
+    jitter: float = 0.0  # per-node spread of a step's compute: waits for the slowest node
+    step_overhead: float = 0.0  # seconds per step the framework spends outside the layers
+    node_latency: float = 0.0  # seconds per node crossed, per gradient bucket reduced
+    stage_sync: float = 0.0  # seconds per layer, micro-batch and TP rank, stages across nodes
 
     def params(self) -> tuple[float, ...]:
         return tuple(getattr(self, f) for f in self.__dataclass_fields__)
+
+
+# The terms that model a cluster's growth, each zero in the defaults above (the model of
+# one node): their start values for a fit (scripts/validate_planner.py), docs/planner.md.
+BASE_TERMS = ("e_max", "w0", "eta_intra", "eta_inter", "overlap", "host_layer", "host_layer_tp")
+SCALE_TERMS = {"congestion": 0.1, "jitter": 0.02, "step_overhead": 0.02, "node_latency": 1e-4,
+               "stage_sync": 2e-3}  # fmt: skip
+BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default gradient bucket (nanotron reduces by it)
 
 
 # Fitted on the playbook sweep's calibration file (../shared/playbook_runs/calibration.csv:
 # nanotron, H100, 1, 4 and 16 nodes of 8; the 666 runs that ran and it builds) by
 # `scripts/validate_planner.py FILE --fit`, which starts from the defaults above.
 NANOTRON = Fit(
-    e_max=0.5857, w0=6.486e6, eta_intra=0.5036, eta_inter=0.4977, overlap=0.8066,
-    host_layer=0.9458e-3, host_layer_tp=3.105e-3,
+    e_max=0.5588, w0=3.255e6, eta_intra=0.5244, eta_inter=0.5108, overlap=0.8210,
+    host_layer=1.229e-3, host_layer_tp=2.549e-3, congestion=0.1107, jitter=0.03796,
+    step_overhead=0.01481, node_latency=1.181e-5, stage_sync=2.020e-3,
 )  # fmt: skip
-# ultrajax: the same GPU and link curve (the only multi-GPU measurements we have are
-# nanotron's), no host floor: XLA runs the whole step as one program (an assumption,
-# not yet measured on a GPU cluster).
-ULTRAJAX = replace(NANOTRON, host_layer=0.0, host_layer_tp=0.0)
+# ultrajax: the same GPU, link and cluster terms (the only multi-GPU measurements we have
+# are nanotron's), no host floor and no stage_sync (nanotron's eager per-layer launches
+# and blocking sends): XLA runs the whole step as one program (an assumption, not yet
+# measured on a GPU cluster).
+ULTRAJAX = replace(NANOTRON, host_layer=0.0, host_layer_tp=0.0, stage_sync=0.0)
 
 
 @dataclass(frozen=True)
@@ -94,12 +113,25 @@ class Link:
     bw: float
     latency: float
     inter: bool  # crosses nodes (the NICs bind)
+    nodes: int = 1  # nodes the group spans
 
     def seconds(self, nbytes: float, fit: Fit, hops: float = 0.0) -> float:
+        """Bytes at the link's fitted efficiency, plus one latency per ring step. A ring
+        over N nodes shares the fabric's spine with the job's other rings (oversubscribed
+        uplinks, flows hashed unevenly onto them): its bandwidth / N**congestion."""
         if nbytes <= 0:
             return 0.0
         eta = fit.eta_inter if self.inter else fit.eta_intra
+        if self.inter:
+            eta /= self.nodes**fit.congestion
         return nbytes / (self.bw * eta) + hops * self.latency
+
+    def bucket_latency(self, nbytes: float, fit: Fit) -> float:
+        """A gradient reduction issued in buckets: each bucket's ring pays a start-up per
+        node it crosses, out and back (2 (N - 1) node hops)."""
+        if nbytes <= 0 or self.nodes <= 1:
+            return 0.0
+        return math.ceil(nbytes / BUCKET_BYTES) * 2 * (self.nodes - 1) * fit.node_latency
 
 
 def links(sizes: dict[str, int], acc, gpus_per_node: int, order=ULTRAJAX_ORDER) -> dict:
@@ -116,8 +148,8 @@ def links(sizes: dict[str, int], acc, gpus_per_node: int, order=ULTRAJAX_ORDER) 
             bw = min(acc.intra_bw, k * acc.inter_bw)
             lat = acc.inter_latency
         else:
-            bw, lat = acc.intra_bw, acc.intra_latency
-        out[axis] = Link(n, bw, lat, inter and bw < acc.intra_bw)
+            bw, lat, k = acc.intra_bw, acc.intra_latency, n
+        out[axis] = Link(n, bw, lat, inter and bw < acc.intra_bw, max(1, n // max(k, 1)))
         stride *= n
     return out
 
@@ -143,6 +175,8 @@ class Features:
     optimizer_bytes: float = 0.0
     peak: float = 0.0
     hbm_bw: float = 0.0
+    nodes: int = 1  # nodes the job spans: the synchronous step waits for the slowest
+    stages_apart: bool = False  # neighbouring pipeline stages sit on different nodes
 
 
 def _axis_of(term: comms.Term) -> tuple[str, str]:
@@ -196,12 +230,15 @@ def features(
     order=ULTRAJAX_ORDER,
     cache: dict | None = None,
     balanced: bool = False,
+    lockstep: bool | None = None,
 ) -> Features:
     """The step's pieces for a layout with concrete mesh sizes (no -1).
 
     The slowest pipeline stage is the last: its n_layers / p layers and the LM head
     (parallel/pipeline/executor.py), or, `balanced`, the stages' compute evened out with the LM
-    head as one block (nanotron assigns its blocks to stages by their compute cost)."""
+    head as one block (nanotron assigns its blocks to stages by their compute cost).
+    `lockstep` (default: not `balanced`) prices the schedule as ultrajax's executor runs
+    it (`lockstep_bubble`); otherwise its textbook bubble, as nanotron's 1F1B runs."""
     m, mesh, t = cfg.model, cfg.mesh, cfg.train
     sizes = mesh.sizes()
     n = math.prod(sizes.values())
@@ -213,11 +250,18 @@ def features(
     head = 6.0 * _head_size(m)  # LM head, forward and backward, per token
     per_token = flops.hardware_flops_per_token(m)
     layers = math.ceil(m.n_layers / p)  # the slowest stage's (nanotron splits unevenly)
+    kind = cfg.parallel.pipeline_schedule
     if balanced:
         stage = max(per_token / p, head, (per_token - head) / m.n_layers)
     else:
         stage = (per_token - head) * layers / m.n_layers + head
-    bubble = _bubble(cfg.parallel.pipeline_schedule, p, accum, v)
+    if lockstep is None:
+        lockstep = not balanced
+    if lockstep and p > 1 and accum >= p:  # the LM head against the stage's layers, no remat
+        plain = flops.flops_per_token(m, causal=True) - head  # flash skips the masked half
+        bubble = lockstep_bubble(kind, p, accum, v, head / plain * m.n_layers / layers)
+    else:
+        bubble = _bubble(kind, p, accum, v)
     attn = 3.0 * flops.attention_flops_per_token(m) / per_token
     f = Features(
         tokens_per_device=tokens / n,
@@ -230,12 +274,15 @@ def features(
         attention_share=attn,
         peak=acc.flops(m.dtype),
         hbm_bw=acc.hbm_bw or 2e12,
+        nodes=max(1, -(-n // gpus_per_node)),
     )
     link = links(sizes, acc, gpus_per_node, order)
     if "data+pipeline" not in link:
         dl, pl = link["data"], link["pipeline"]
         slow = dl if dl.bw <= pl.bw else pl
-        link["data+pipeline"] = Link(dl.size * pl.size, slow.bw, slow.latency, slow.inter)
+        spans = min(dl.nodes * pl.nodes, f.nodes)
+        link["data+pipeline"] = Link(dl.size * pl.size, slow.bw, slow.latency, slow.inter, spans)
+    f.stages_apart = p > 1 and link["pipeline"].inter
     per_block = comms.tp_collectives_per_block(m)  # per micro-batch, as comms.expected counts
     tp_ops = (per_block * layers + 2) * (2 if cfg.parallel.sequence_parallel else 1)
     for term, scale in _scaled_terms(cfg, cache):
@@ -281,6 +328,44 @@ def _bubble(kind: str, p: int, m: int, v: int) -> float:
     return schedule.formula(kind, p, m, v)
 
 
+# A stage forward's cost is 1; a backward 2 (B and W of zero bubble 1 each), as in
+# schedules.COSTS; the last stage's forward tick also runs the LM head's forward and its
+# backward (the loss gradient is made there: parallel/pipeline/executor.py), 3 x head.
+HEAD_IN_FORWARD = 3.0
+
+
+def lockstep_time(kind: str, p: int, m: int, v: int, head: float) -> float:
+    """Ticks x their slowest op, in stage forwards, of schedule `kind` as ultrajax's
+    executor runs it: one SPMD program whose devices exchange every tick, so a tick lasts
+    as long as its most expensive op, and the last stage's forward tick carries the LM
+    head (`head`: the head's forward over the stage's layers' forward). Beyond its fill the
+    table repeats every p micro-batches, so it is built at most for 2p + m mod p of them
+    and the rest added by that period's time (building hundreds costs a tenth of a second)."""
+    base = p + m % p if m >= 2 * p else m
+    if m == base:
+        return _lockstep_table(kind, p, m, v, round(head, 6))
+    t1 = _lockstep_table(kind, p, base, v, round(head, 6))
+    t2 = _lockstep_table(kind, p, base + p, v, round(head, 6))
+    return t1 + (m - base) // p * (t2 - t1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lockstep_table(kind: str, p: int, m: int, v: int, head: float) -> float:
+    table = schedule.build(kind, p, m, v)
+    ops, chunk = table[..., 0], table[..., 2]
+    cost = np.vectorize(lambda o: schedule.COSTS[int(o)])(ops) / v
+    last = (np.arange(p) == p - 1)[None, :] & (chunk == v - 1) & (ops == schedule.FORWARD)
+    cost = cost + last * HEAD_IN_FORWARD * head
+    return float(cost.max(axis=1).sum())
+
+
+def lockstep_bubble(kind: str, p: int, m: int, v: int, head: float) -> float:
+    """The share of the lockstep time the last (busiest) stage does not work: its m
+    micro-batches cost 3 + 3 head stage forwards each."""
+    work = m * (3.0 + HEAD_IN_FORWARD * head)
+    return max(0.0, 1.0 - work / lockstep_time(kind, p, m, v, head))
+
+
 @dataclass
 class StepTime:
     """Seconds per step by where they go, and the throughput they imply."""
@@ -294,12 +379,13 @@ class StepTime:
     data: float  # exposed DP / ZeRO communication
     optimizer: float
     tokens_per_device: float
+    overhead: float = 0.0  # the framework's per-step time and the wait for the slowest node
 
     @property
     def total(self) -> float:
         return (
             self.compute + self.host + self.tensor + self.pipeline_sends + self.context
-            + self.bubble + self.data + self.optimizer
+            + self.bubble + self.data + self.optimizer + self.overhead
         )  # fmt: skip
 
     @property
@@ -308,7 +394,7 @@ class StepTime:
 
     def parts(self) -> dict[str, float]:
         names = ("compute", "host", "tensor", "pipeline_sends", "context", "bubble", "data")
-        return {k: getattr(self, k) for k in (*names, "optimizer")}
+        return {k: getattr(self, k) for k in (*names, "optimizer", "overhead")}
 
     def where(self) -> str:
         """The largest parts other than compute, for a one-line explanation."""
@@ -332,12 +418,15 @@ def step_time(f: Features, fit: Fit) -> StepTime:
     cp_mb = max(0.0, ring_mb - f.attention_share * compute_mb)
     gather_mb = sum(lk.seconds(b, fit, lk.size - 1) for lk, b in f.gathers)
     gather_mb = max(0.0, gather_mb - compute_mb)
+    p2p_mb += f.stages_apart * fit.stage_sync * f.layers * f.tensor
     mb = busy_mb + tp_mb + p2p_mb + cp_mb + gather_mb
     stretch = 1.0 / (1.0 - f.bubble)  # the schedule's idle share of the step
     # the last micro-batch's backward, that the reduction hides in; under a pipeline the
     # gradients are reduced after the last tick (parallel/pipeline/executor.py; nanotron's too)
     backward = (2.0 / 3.0) * compute_mb if f.bubble == 0 else 0.0
-    hidden = sum(lk.seconds(b, fit, 2 * (lk.size - 1)) for lk, b in f.hidden)
+    hidden = sum(
+        lk.seconds(b, fit, 2 * (lk.size - 1)) + lk.bucket_latency(b, fit) for lk, b in f.hidden
+    )
     exposed = sum(lk.seconds(b, fit, lk.size - 1) for lk, b in f.exposed)
     data = max(0.0, hidden - fit.overlap * backward) + exposed
     m = f.m
@@ -351,7 +440,15 @@ def step_time(f: Features, fit: Fit) -> StepTime:
         data=data,
         optimizer=f.optimizer_bytes / f.hbm_bw,
         tokens_per_device=f.tokens_per_device,
+        overhead=fit.step_overhead + straggler(f.nodes, fit) * m * busy_mb * stretch,
     )
+
+
+def straggler(nodes: int, fit: Fit) -> float:
+    """The share of a step lost waiting for the slowest node: each node's time spreads by
+    `jitter` (relative standard deviation), and the expected maximum of N such draws is
+    about sigma sqrt(2 ln N) above their mean; one node waits for nobody."""
+    return fit.jitter * math.sqrt(2.0 * math.log(nodes)) if nodes > 1 else 0.0
 
 
 def predict(
