@@ -36,6 +36,7 @@ def _load(*extra):
 def test_stages_switch_by_tokens_then_by_loss_and_state_round_trips():
     r = Ramp(_load(RAMP, "train.steps=24"))
     assert (r.unit, r.base, r.total, r.sizes()) == (256, 256, 24 * 256, [1, 2, 4])
+    assert r.batches() == [8, 16, 32]  # every global batch in rows: what the data splits
     switches = [r.step_done() for _ in range(4)]  # 4 steps of 256 tokens reach 1024
     assert switches == [False, False, False, True] and r.grad_accum == 2
     assert r.position == 4.0  # the schedule's step: tokens / the config's batch

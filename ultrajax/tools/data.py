@@ -15,6 +15,7 @@ from ultrajax.config.schema import ConfigError
 from ultrajax.data import prepare
 from ultrajax.data import streams as streams_lib
 from ultrajax.data.loader import build
+from ultrajax.train.ramp import Ramp
 
 # --------------------------------------------------------------------------- command line
 
@@ -36,7 +37,8 @@ def bench(argv: list[str]) -> int:
     rows = streams_lib.data_parallel_rows(0, args.processes, b, t.grad_accum)
     t0 = time.perf_counter()
     d = build(cfg.data, seq_len=cfg.model.seq_len, batch_size=b, seed=t.seed,
-              vocab_size=cfg.model.vocab_size, grad_accum=t.grad_accum, rows=rows)  # fmt: skip
+              vocab_size=cfg.model.vocab_size, grad_accum=t.grad_accum, rows=rows,
+              batch_sizes=Ramp(cfg).batches())  # as training: the same stream count  # fmt: skip
     opened = time.perf_counter() - t0
     print(d.summary)
     for _ in range(2):  # warm-up: first reads, page cache

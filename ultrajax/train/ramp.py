@@ -31,6 +31,7 @@ class Ramp:
     def __init__(self, cfg: Config):
         t = cfg.train
         self.unit = t.micro_batch_size * cfg.dp * cfg.model.seq_len  # one micro-batch, tokens
+        self.seq = cfg.model.seq_len
         self.base = cfg.tokens_per_step  # the config's batch: the schedule's unit
         self.steps = t.steps
         self.total = t.steps * self.base
@@ -64,6 +65,11 @@ class Ramp:
     def sizes(self) -> list[int]:
         """Every gradient accumulation the run may use: one compiled step each."""
         return sorted({ga for ga, _, _ in self.stages})
+
+    def batches(self) -> list[int]:
+        """Every global batch the run may train on, in rows: the data's default stream
+        count splits each (ultrajax/data/streams.py)."""
+        return [ga * (self.unit // self.seq) for ga in self.sizes()]
 
     @property
     def loss_ema(self) -> float | None:

@@ -103,7 +103,6 @@ def build_run(cfg: Config, *, fresh: bool = True) -> RunParts:
     rows = batch_lib.rows_needed(
         batch_sh, cfg.train.grad_accum, cfg.global_batch, cfg.model.seq_len
     )
-    stages = cfg.train.batch_schedule or []  # the default stream count splits every batch
     data = data_lib.build(
         cfg.data,
         seq_len=cfg.model.seq_len,
@@ -112,7 +111,7 @@ def build_run(cfg: Config, *, fresh: bool = True) -> RunParts:
         vocab_size=cfg.model.vocab_size,
         grad_accum=cfg.train.grad_accum,
         rows=rows,
-        batch_sizes=[s.tokens_per_step // cfg.model.seq_len for s in stages],
+        batch_sizes=Ramp(cfg).batches(),  # the default stream count splits each
     )
     tx, schedule = optim.optimizer(cfg), optim.lr_schedule(cfg)
     shardings = state_shardings(cfg, mesh, rules, tx)
