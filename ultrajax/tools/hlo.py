@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import jax
+import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
 from ultrajax.config.schema import Config
@@ -99,20 +100,94 @@ def shape_bytes(shape: str) -> float:
     return total
 
 
-def group_size(attrs: str, n_devices: int) -> int:
-    """Devices in one replica group of a collective, from any of XLA's printed forms."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
-    if m:  # mesh['axis_0'=8,'axis_1'=1] {'axis_0'}: product of the named axes
-        sizes = {k: int(v) for k, v in re.findall(r"'?([\w]+)'?=(\d+)", m.group(1))}
-        names = re.findall(r"'?([\w]+)'?", m.group(2))
-        return math.prod(sizes.get(n, 1) for n in names) if names else n_devices
-    m = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)
-    if m:  # iota form [groups, size]<=[...]
-        return int(m.group(1).split(",")[-1])
-    m = re.search(r"replica_groups=\{(\{[^}]*\})", attrs)
+_MESH_GROUPS = re.compile(  # mesh[a=2,b=4][, device_ids=(...)] {a[:(pre)size],...}
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(((?:[^()]|\([^()]*\))*)\))?"
+    r"\s*\{([^}]*)\}"
+)
+_IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
+_AXIS_REF = re.compile(r"^'?([^':]*)'?(?::\((\d+)\)(\d+))?$")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in re.findall(r"\d+", text or "")]
+
+
+def _iota(dims: list[int], perm: list[int] | None = None) -> np.ndarray:
+    """XLA's iota device list `[dims]T(perm)`: 0..N-1 shaped to dims, then transposed."""
+    a = np.arange(math.prod(dims)).reshape(dims)
+    return a.transpose(perm) if perm else a
+
+
+def _mesh_devices(sizes: list[int], device_ids: str | None) -> np.ndarray:
+    """The mesh's devices as an array of its axis sizes. `device_ids` is absent for a
+    plain iota, `[dims]T(perm)` for a transposed iota, or the ids listed."""
+    if not device_ids:
+        return np.arange(math.prod(sizes)).reshape(sizes)
+    m = re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", device_ids)
+    flat = _iota(_ints(m.group(1)), _ints(m.group(2))) if m else np.array(_ints(device_ids))
+    return flat.reshape(sizes)
+
+
+def _mesh_groups(mesh: str, device_ids: str | None, refs: str) -> np.ndarray:
+    """[groups, size] of the mesh form: the named axes vary within a group, the others
+    across groups. A sub-axis `a:(pre)size` is the middle piece of axis a split major to
+    minor as [pre, size, rest] (XLA's MeshAxesReplicaGroupList)."""
+    names, sizes = [], []
+    for item in filter(None, (x.strip() for x in mesh.split(","))):
+        name, _, size = item.rpartition("=")
+        names.append(name.strip().strip("'\""))
+        sizes.append(int(size))
+    wanted = []  # (axis index, pre, size) in the order printed
+    for ref in filter(None, (r.strip() for r in refs.split(","))):
+        name, pre, sub = _AXIS_REF.match(ref).groups()
+        i = names.index(name)
+        wanted.append((i, int(pre or 1), int(sub or sizes[i])))
+    dims, where = [], {}  # every axis cut into its pieces, major to minor
+    for i, full in enumerate(sizes):
+        prefix = 1
+        for _, pre, sub in sorted(w for w in wanted if w[0] == i and w[2] != full):
+            if pre != prefix:
+                dims.append(pre // prefix)
+            where[(i, pre, sub)] = len(dims)
+            dims.append(sub)
+            prefix = pre * sub
+        if prefix == 1:
+            where[(i, 1, full)] = len(dims)
+            dims.append(full)
+        elif prefix != full:
+            dims.append(full // prefix)
+    grouped = [where[w] for w in wanted]
+    rest = [d for d in range(len(dims)) if d not in grouped]
+    size = math.prod(dims[d] for d in grouped)
+    devices = _mesh_devices(sizes, device_ids).reshape(dims)
+    return devices.transpose(rest + grouped).reshape(-1, size)
+
+
+def replica_groups(attrs: str, n_devices: int) -> list[list[int]]:
+    """The device groups of a collective, from any form XLA prints: `{{0,1},{2,3}}`,
+    the iota list `[G,S]<=[dims]T(perm)` (0..N-1 shaped to dims, transposed by perm,
+    split into G groups of S), and the mesh form `mesh[a=2,b=4], device_ids=(...) {b}`
+    (the named axes of the mesh's device array). `{}` or none: every device."""
+    m = _MESH_GROUPS.search(attrs)
     if m:
-        return len(re.findall(r"\d+", m.group(1)))
-    return n_devices  # replica_groups={} or absent: every device
+        return _mesh_groups(m.group(1), m.group(2), m.group(3)).tolist()
+    m = re.search(r"replica_groups=maximal_mesh\[device_id=(\d+)\]", attrs)
+    if m:
+        return [[int(m.group(1))]]
+    m = _IOTA_GROUPS.search(attrs)
+    if m:
+        groups, ids = _ints(m.group(1)), _iota(_ints(m.group(2)), _ints(m.group(3)))
+        return ids.reshape(groups).tolist()
+    m = _LIST_GROUPS.search(attrs)
+    if m and m.group(1).strip():
+        return [_ints(g) for g in re.findall(r"\{([^}]*)\}", m.group(1))]
+    return [list(range(n_devices))]
+
+
+def group_size(attrs: str, n_devices: int) -> int:
+    """Devices in one replica group of a collective (the N of its ring traffic)."""
+    return len(replica_groups(attrs, n_devices)[0])
 
 
 @dataclass
