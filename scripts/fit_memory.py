@@ -35,8 +35,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ultrajax.cost import activations, sizes
-from ultrajax.model import llama
+from ultrajax.cost import activations
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -252,6 +251,25 @@ VALIDATION_SHAPES: list[tuple[str, ...]] = TESTED + [
     ),  # fmt: skip
 ]
 
+# Parameter-heavy shapes (issue 27): few tokens a device beside d_model 1024 and a 8192
+# vocabulary, the regime of large models at small micro-batches, where the weights'
+# copies, gradients and running sums set the peak. Every ZeRO stage, with and without
+# accumulation, without and with TP + SP, on 8 devices.
+PARAM_HEAVY = (
+    "model.d_model=1024", "model.vocab_size=8192", "model.d_ff=2816", "model.n_heads=8",
+    "model.n_kv_heads=4", "model.seq_len=64", "model.remat=none", *LONG,
+)  # fmt: skip
+PARAM_SHAPES: list[tuple[str, ...]] = [
+    (*layout, f"parallel.zero={zero}", f"train.grad_accum={m}", *PARAM_HEAVY)
+    for layout in (
+        ("mesh.fsdp=8",),
+        ("mesh.fsdp=4", "mesh.tensor=2", "parallel.sequence_parallel=true"),
+    )
+    for zero in (0, 1, 2, 3)
+    for m in (1, 4)
+]  # fmt: skip
+VALIDATION_SHAPES += PARAM_SHAPES
+
 
 def _harness():
     sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -318,8 +336,7 @@ def fit(results) -> None:
             continue
         pol, common, mlp = activations.work_features(cfg)
         known = est.phases[memory.Phase.LAYER_BACKWARD] - est.parts.work
-        d = sizes.dims(cfg)
-        target = compiled["temp"] - known - d.c * sizes.layer_weight_elements(cfg)[llama.NORM]
+        target = compiled["temp"] - known - activations.weight_work(cfg)
         rows.setdefault(pol, []).append(([*common.values(), *mlp.values()], target))
         names = [*common, *mlp]
     for pol, data in rows.items():

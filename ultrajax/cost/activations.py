@@ -28,9 +28,9 @@ from ultrajax.parallel.pipeline import schedules
 # VALIDATION_SHAPES, kept apart; docs/memory.md. All but S count compute-dtype bytes.
 # Z < 0 for `none`: under ZeRO-3 XLA reuses buffers the exact terms count.
 WORK = {
-    "none": {"X": 4.0, "R": 7.6, "K": 6.4, "Wm": 9.1, "Wa": 6.2, "Z": -1.7, "S": 2.0, "F": 2.6},
-    "full": {"X": 4.6, "R": 7.1, "K": 9.1, "Wm": 2.7, "Wa": 0.5, "Z": 0.0, "S": 2.5, "F": 5.4},
-    "selective": {"X": 2.7, "R": 4.8, "K": 0.0, "Wm": 3.7, "Wa": 1.8, "Z": 0.1, "S": 3.0, "F": 3.0},
+    "none": {"X": 4.0, "R": 7.6, "K": 6.4, "Wm": 0.0, "Wa": 0.0, "Z": 0.0, "S": 2.0, "F": 2.6},
+    "full": {"X": 4.6, "R": 7.1, "K": 9.1, "Wm": 0.0, "Wa": 0.0, "Z": 0.0, "S": 2.5, "F": 5.4},
+    "selective": {"X": 2.7, "R": 4.8, "K": 0.0, "Wm": 0.0, "Wa": 0.0, "Z": 0.0, "S": 3.0, "F": 3.0},
 }
 ATTN_S = 3.75  # fitted: scores, probabilities, their gradient, a transposed copy (fp32)
 # Not fitted, read off XLA:CPU's buffer assignment: from this many softmax rows (b·a·s per
@@ -163,7 +163,6 @@ def layer_work(cfg: Config, share: float = 1.0, attn_s: float = ATTN_S) -> float
     pol, common, mlp = work_features(cfg)
     coef = WORK[pol]
     d = dims(cfg)
-    norms = layer_weight_elements(cfg)[llama.NORM]
     attn = 0.0 if _flash(cfg) else attn_s * 4 * d.S
     if cfg.mesh.sequence > 1:  # context parallelism: one pair of chunks' fp32 scores at a
         # time, (s / 2cp)² = S / 4 with d.s = s / cp, unless a flash kernel runs the pair
@@ -173,9 +172,29 @@ def layer_work(cfg: Config, share: float = 1.0, attn_s: float = ATTN_S) -> float
     # of its own, in place of the s² scores; tiled's row groups add to the layer's
     kernel = {k: KERNEL_WORK[k] * v for k, v in kernel_features(cfg).items()}
     attn += kernel["P"] + kernel["M"]
-    base = sum(coef[k] * v for k, v in common.items()) + d.c * norms
+    base = sum(coef[k] * v for k, v in common.items()) + weight_work(cfg)
     moment = max(share * sum(coef[k] * v for k, v in mlp.items()), attn)
     return share * base + moment + ring_work(cfg) + kernel["T"]
+
+
+def weight_work(cfg: Config) -> float:
+    """The weights' part of one layer's backward working set (bytes per device), read off
+    XLA:CPU's buffer assignment where it dominates (d_model 1024, d_ff 2816, 64 tokens a
+    device): the layer's weights as the scan slices them out of the stack (ZeRO-3 gathers
+    them, and transposes one MLP matrix for its matmul), one MLP matrix's fp32 weight
+    gradient as its matmul writes it and XLA:CPU's transposed copy of it, and, with a
+    whole fp32 running sum (grad_accum > 1 below ZeRO-2), the layer's fp32 gradient
+    slices its backward rules add into the sum."""
+    d = dims(cfg)
+    lw = layer_weight_elements(cfg)
+    matrix = lw[llama.MLP] / 3
+    out = d.c * sum(lw.values()) + 2 * 4 * matrix
+    if cfg.parallel.zero >= 3 and cfg.mesh.fsdp > 1:
+        out += d.c * matrix
+    whole_sum = cfg.parallel.zero < 2 or cfg.mesh.fsdp == 1
+    if cfg.train.grad_accum > 1 and whole_sum and cfg.mesh.pipeline == 1:
+        out += 4 * sum(lw.values())
+    return out
 
 
 def ring_features(cfg: Config) -> dict[str, float]:

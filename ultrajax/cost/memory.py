@@ -56,7 +56,7 @@ from ultrajax.cost.activations import (
     saved_per_layer,
     work_features,
 )
-from ultrajax.cost.sizes import dims, param_elements
+from ultrajax.cost.sizes import dims, layer_weight_elements, param_elements
 from ultrajax.cost.units import dtype_bytes, fmt_bytes
 from ultrajax.model import llama
 from ultrajax.parallel.axes import FSDP
@@ -96,7 +96,7 @@ class Breakdown:
     gradients: float = 0.0  # fp32 gradients, reduced (pipeline: after the ticks)
     accumulators: float = 0.0  # the one fp32 running sum over micro-batches (grad_accum > 1)
     embed_grad: float = 0.0  # the whole fp32 embedding gradient beyond its shard (ZeRO >= 1)
-    head_copy: float = 0.0  # ZeRO-3: the LM head's gathered copy beyond its shard
+    head_copy: float = 0.0  # ZeRO >= 1, one micro-batch: the LM head's gathered copy
     saved: float = 0.0  # activations saved for backward (pipeline: the executor's buffers)
     chunk_residuals: float = 0.0  # pipeline: one chunk's residuals, the tick's own
     head_work: float = 0.0  # the logits' and loss's working set
@@ -173,11 +173,12 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
     saved = sum(activations.values())
     work = layer_work(cfg)
     kept = fixed.copy + held["gradients"] + held["accumulators"] + held["embed_grad"]
-    phases = _phases(cfg, saved, kept, work, fixed.head_work, held["head_copy"])
+    phases = _phases(cfg, saved, kept, work, fixed.head_work, fixed.head_copy)
     parts = Breakdown(
         **fixed.states,
         compute_copy=fixed.copy,
         **held,
+        head_copy=fixed.head_copy,
         saved=saved,
         head_work=fixed.head_work,
         work=work,
@@ -193,7 +194,8 @@ class _Fixed:
     states: dict  # Breakdown's master, optimizer and batch
     arguments: float
     outputs: float  # loss, grad_norm, lr, n_targets
-    copy: float  # the compute-dtype copy of the weights, where a separate array
+    copy: float  # the compute-dtype copies of the weights held through the layer backward
+    head_copy: float  # the gathered LM head, from before the forward to the head's backward
     head_work: float  # the logits' and loss's working set
 
 
@@ -204,7 +206,6 @@ def _fixed(cfg: Config) -> _Fixed:
     d = dims(cfg)
     pb, c = dtype_bytes(m.param_dtype), d.c
     stored = param_elements(cfg, "stored")
-    compute = param_elements(cfg, "compute")  # ZeRO-3: sharded over fsdp
     # the five int32 fields of batch.Batch, (grad_accum, rows, seq_len) each
     batch = 5 * 4 * t.grad_accum * d.b * (m.seq_len // cfg.mesh.sequence)
     states = dict(
@@ -213,16 +214,44 @@ def _fixed(cfg: Config) -> _Fixed:
         batch=batch,
     )
     arguments = (2 * pb + 4) * stored + batch + 8  # + step counter and Adam's count
-    # the compute-dtype copy: a separate array when the dtype differs, or when ZeRO-1/2
-    # all-gather the (sharded) masters into a whole copy
-    z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
-    copy = c * compute if (c != pb or (z.active in (1, 2))) else 0.0
+    copy, head_copy = _copies(cfg)
     # model.loss_chunk: the logits of one chunk of the sequence at a time (ultrajax/model/loss.py);
     # null in a config that skipped validation: what validation would resolve it to
     c_loss = auto_loss_chunk(cfg) if m.loss_chunk is None else m.loss_chunk
     chunk = c_loss / m.seq_len if 0 < c_loss < m.seq_len else 1.0
     head_work = HEAD_WORK_V * 4 * d.V * chunk + HEAD_WORK_X * c * d.X
-    return _Fixed(states, arguments, 4 * 4, copy, head_work)
+    return _Fixed(states, arguments, 4 * 4, copy, head_copy, head_work)
+
+
+def _whole(cfg: Config, parts: tuple[str, ...]) -> int:
+    """Elements of these parts of the model per device once gathered over fsdp."""
+    return param_elements(cfg, "compute", ignore=(FSDP,), where=lambda p: p.part in parts)
+
+
+def _copies(cfg: Config) -> tuple[float, float]:
+    """(compute-dtype copies of the weights held through the layer backward, the LM head's
+    gathered copy held only from before the forward to the head's backward), in bytes.
+
+    Read off XLA:CPU's buffer assignment (d_model 1024, vocabulary 8192): ZeRO-1/2 gather
+    the layers' masters into one whole copy for the step. The embedding's and the head's
+    gathered tables are whole temporaries (not the shard held plus the rest): with one
+    micro-batch the embedding's is freed once the lookup is done and the head's once its
+    backward is; with several, the gathers are loop-invariant, XLA hoists them out of the
+    micro-batch loop and both tables live through the whole step (ZeRO-3 too). A tied
+    table is the head's. Without ZeRO the compute copy is a separate array only when its
+    dtype differs from the masters'."""
+    z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
+    m, c = cfg.model, dims(cfg).c
+    shard_copy = c * param_elements(cfg, "compute") if c != dtype_bytes(m.param_dtype) else 0.0
+    if not z.active:
+        return shard_copy, 0.0
+    table = _whole(cfg, (llama.EMBEDDING,)) * (not m.tie_embeddings)
+    head = _whole(cfg, (llama.HEAD,) if not m.tie_embeddings else (llama.EMBEDDING,))
+    layers = _whole(cfg, (llama.ATTENTION, llama.MLP, llama.NORM))
+    copy = c * layers if z.active in (1, 2) else shard_copy
+    if cfg.train.grad_accum > 1:
+        return copy + c * (table + head), 0.0
+    return copy, c * head
 
 
 def _gradients(cfg: Config) -> dict[str, float]:
@@ -232,22 +261,31 @@ def _gradients(cfg: Config) -> dict[str, float]:
     ZeRO >= 1 scatters them per layer, so only shards are kept. Accumulation adds one
     fp32 running sum, whole and unreduced below ZeRO-2 (its reduction waits for the last
     micro-batch), and nothing else: every micro-batch's backward rules add into it in
-    place (parallel/grads.py); the last one's reduce it into `gradients`. The
-    embedding's gradient is a whole fp32 table through the backward pass (read twice when
-    tied, it is reduced after it): beyond the shard kept under ZeRO >= 1; ZeRO-3 also
-    holds the LM head's whole copy until the head's backward is done."""
+    place (parallel/grads.py). What else lives beside the sum, read off XLA:CPU's buffer
+    assignment (d_model 1024, vocabulary 8192, fsdp 8): without ZeRO, the zeros the last
+    micro-batch's layer scan reduces the layers' gradients into, which XLA materialises
+    before the micro-batch loop (the embedding's and head's are reduced from the sum
+    after it); ZeRO-1, the shards the last micro-batch scatters into; ZeRO-2/3 scatter
+    every micro-batch into the sum's shards, which are the gradients. The embedding's
+    gradient is a whole fp32 table through the backward pass (read twice when tied, it is
+    reduced after it), beyond the shard kept under ZeRO >= 1, or whole from ZeRO-2 with
+    accumulation; ZeRO-0/1 accumulation adds it into the whole sum instead."""
     z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
     stored = param_elements(cfg, "stored")
     whole = param_elements(cfg, "compute", ignore=(FSDP,))
-    final = stored if z.active >= 1 else whole
+    accum = cfg.train.grad_accum > 1
+    if not z.active:
+        final = _whole(cfg, (llama.ATTENTION, llama.MLP, llama.NORM)) if accum else whole
+    else:
+        final = 0 if accum and z.active >= 2 else stored
+    embed = _beyond_shard(cfg, llama.EMBEDDING, 4) if z.active >= 1 else 0.0
+    if accum:
+        embed = 4.0 * _whole(cfg, (llama.EMBEDDING,)) if z.active >= 2 else 0.0
     acc_elems = stored if z.active >= 2 else whole
     return dict(
         gradients=4.0 * final,
-        accumulators=4.0 * acc_elems if cfg.train.grad_accum > 1 else 0.0,
-        embed_grad=_beyond_shard(cfg, llama.EMBEDDING, 4) if z.active >= 1 else 0.0,
-        head_copy=(
-            _beyond_shard(cfg, llama.HEAD, dims(cfg).c) if z.shards_params and z.active else 0.0
-        ),
+        accumulators=4.0 * acc_elems if accum else 0.0,
+        embed_grad=embed,
     )
 
 
@@ -262,17 +300,27 @@ def _beyond_shard(cfg: Config, part: str, nbytes: int) -> float:
     return nbytes * (full - param_elements(cfg, "stored", where=where))
 
 
-def _phases(cfg, saved, kept, work, head_work, head_full) -> dict[Phase, float]:
+def _phases(cfg, saved, kept, work, head_work, head_copy) -> dict[Phase, float]:
     """Each phase's temporaries on top of the arguments (module docstring), in the order
     the step runs them (the first of equal phases is the peak's)."""
     d = dims(cfg)
     head_elems = param_elements(cfg, "compute", where=lambda p: p.part == llama.HEAD)
     phases = {Phase.LAYER_BACKWARD: saved + kept + work}
-    if not _flash(cfg):
-        phases[Phase.LAYER_FORWARD] = saved + kept + _hoisted(cfg)
-    phases[Phase.HEAD_BACKWARD] = saved + kept - d.c * head_elems + head_work + head_full
+    phases[Phase.LAYER_FORWARD] = saved + kept + head_copy + _forward_work(cfg)
+    phases[Phase.HEAD_BACKWARD] = saved + kept - d.c * head_elems + head_work + head_copy
     phases[Phase.OPTIMIZER_UPDATE] = _update(param_elements(cfg, "stored"))
     return phases
+
+
+def _forward_work(cfg: Config) -> float:
+    """The layer forward's own temporaries: one layer's weights as the scan slices them
+    out of the stack (or ZeRO-3 gathers them; XLA:CPU then also transposes one gathered
+    MLP matrix for its matmul), and plain attention's hoisted masks (`_hoisted`)."""
+    lw = layer_weight_elements(cfg)
+    weights = dims(cfg).c * sum(lw.values())
+    if Zero(cfg.parallel.zero, cfg.mesh.fsdp).active >= 3:
+        weights += dims(cfg).c * lw[llama.MLP] / 3
+    return weights + (0 if _flash(cfg) else _hoisted(cfg))
 
 
 def _hoisted(cfg: Config) -> int:
