@@ -279,3 +279,92 @@ def test_plan_errors_are_one_line(tmp_path, capsys, args, words):
     assert _run(["--config", str(path), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and words in err and "\n" not in err
+
+
+# -------------------------------------------------------------------- the config's own layout
+
+
+def _plan(tmp_path, *extra, tokens=64 * 2048, gpu="h100"):
+    """(the plan's result, its text) for the small model on 16 GPUs with `extra` overrides."""
+    path = tmp_path / "small.yaml"
+    path.write_text(parse.dump(_small()))
+    argv = ["--config", str(path), "--gpus", "16", "--tokens-per-step", str(tokens)]
+    args = plan._parser().parse_args([*argv, "--gpu", gpu, *extra])
+    r = plan.plan(args)
+    return r, plan.report(r, args)
+
+
+def _own_line(text: str) -> list[str]:
+    lines = text.splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("your config: "))
+    return lines[i : i + 2]
+
+
+def test_own_layout_that_is_the_best_and_one_that_is_invalid(tmp_path):
+    r, text = _plan(tmp_path)  # the config's mesh is one device: no layout of 16
+    assert r["own"].rank is None and r["own"].time is None
+    assert _own_line(text)[0].startswith(
+        "your config: not a valid layout on 16 GPUs: mesh sizes {'data': 1,"
+    )
+    best = r["best"][0]
+    r, text = _plan(tmp_path, *best.candidate.overrides().split())
+    own = r["own"]
+    assert (own.rank, own.note, own.time.total) == (1, "", r["best"][0].time.total)
+    first, second = _own_line(text)
+    assert first.startswith(f"your config: {best.candidate.short()}: #1 of the layouts that fit")
+    assert second == "#1 is your config's layout: nothing to change"
+    assert plan._own_json(own, r, r["base"])["best_changes"] == ""
+    r, _ = _plan(tmp_path, *best.candidate.overrides().split(), tokens=128 * 2048)
+    assert r["own"].rank is None and r["own"].note == (
+        "not ranked: its batch is 131,072 tokens per step, the plan's 262,144"
+    )
+
+
+def test_own_layout_ranked_lower_says_what_the_best_changes(tmp_path):
+    r, _ = _plan(tmp_path)
+    best = r["best"][0].candidate
+    other = "full" if best.remat != "full" else "selective"
+    r, text = _plan(tmp_path, *best.overrides().split(), f"model.remat={other}")
+    own, capacity = r["own"], r["acc"].memory
+    faster = [e for e in r["evaluated"] if e.time.total < own.time.total]
+    assert own.by_speed == len(faster) + 1 and own.note == ""
+    assert own.rank == 1 + sum(e.memory <= capacity for e in faster) > 1
+    j = plan._own_json(own, r, r["base"])
+    assert j["rank"] == own.rank and j["fits"] and j["best_changes"] == f"model.remat={best.remat}"
+    gain = r["best"][0].time.tokens_per_s_per_gpu / own.time.tokens_per_s_per_gpu - 1
+    assert j["gain"] == pytest.approx(gain) and gain > 0
+    first, second = _own_line(text)
+    assert f"#{own.rank} of the layouts that fit (#{own.by_speed} of " in first
+    assert second.startswith(f"#1 changes model.remat={best.remat}: +")
+
+
+def test_own_layout_that_does_not_fit(tmp_path, capsys):
+    path = tmp_path / "small.yaml"
+    path.write_text(parse.dump(_small()))
+    argv = ["--config", str(path), "--gpus", "16", "--tokens-per-step", str(16 * 32 * 2048)]
+    layout = ["mesh.data=16", "train.micro_batch_size=32", "train.grad_accum=1", "model.remat=none"]
+    assert _run([*argv, "--gpu", "a100-40gb", "--json", *layout]) == 0
+    r = json.loads(capsys.readouterr().out)
+    own = r["own"]
+    assert own["layout"] == "dp16 mbs32 ga1 remat=none" and not own["fits"]
+    assert own["memory_bytes"] > r["device_memory"] and own["rank"] is None
+    assert own["note"].startswith("does not fit, ") and own["rank_by_speed"] >= 1
+    assert own["best_changes"] and "mesh.data=16" not in own["best_changes"]
+    assert _run([*argv, "--gpu", "a100-40gb", *layout]) == 0
+    first, second = _own_line(capsys.readouterr().out)
+    assert "does not fit" in first and second.startswith("#1 changes ")
+
+
+def test_table_columns_name_what_they_measure():
+    """The step's part "data" is data-parallel communication, not data loading."""
+    assert "mem GiB" in plan.HEADER and "share of the step" in plan.HEADER
+    t = steptime.StepTime(
+        compute=8.0, host=0.0, tensor=0.0, pipeline_sends=0.0, context=0.0, bubble=0.0,
+        data=1.5, optimizer=0.0, tokens_per_device=1.0, overhead=0.5,
+    )  # fmt: skip
+    assert plan._where(t) == "compute 80%, DP comm 15%, step overhead 5%"
+    assert set(plan.PARTS) == set(t.parts())
+    labels = [label for label, _ in plan.PARTS.values()]
+    assert len(set(labels)) == len(labels) and "data" not in labels
+    best = candidates.Evaluated(candidates.Candidate(8, 1, 1, 1, 1, 0, 1, 1, "none"), t)
+    assert "    DP comm: data-parallel / ZeRO gradient reduction" in "\n".join(plan._legend([best]))

@@ -6,23 +6,44 @@
 
 Every layout that divides the model and the batch (cost/candidates.py) gets a predicted step
 time (cost/steptime.py) and, in order of speed, its memory (memory.estimate) until the
-`top` fastest that fit are found; the others are listed with why they lost. No device
-is used and nothing is compiled. docs/planner.md explains the model and its accuracy.
+`top` fastest that fit are found; the others are listed with why they lost, and the
+config's own layout with its rank (or why it has none), what #1 changes and the gain.
+No device is used and nothing is compiled. docs/planner.md explains the model and its accuracy.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import time
+from dataclasses import dataclass
 
 from ultrajax import cli
-from ultrajax.config.schema import ConfigError
+from ultrajax.config import validate
+from ultrajax.config.schema import Config, ConfigError
 from ultrajax.cost import candidates, flops, hardware, steptime
 from ultrajax.cost.units import GiB
+from ultrajax.parallel.pipeline import schedules
 from ultrajax.tools.plots import _pyplot
 
 LOSERS_SHOWN = 5
 PLOTTED = 500  # --plot: the fastest layouts whose memory is estimated and drawn
+# steptime.StepTime's parts as the table names them, with what each is: "data 0%"
+# read like data loading
+PARTS = {
+    "compute": ("compute", "the model's FLOPs at the fitted efficiency"),
+    "host": ("host-bound", "the host's per-layer dispatch time beyond the compute"),
+    "tensor": ("TP comm", "tensor-parallel collectives"),
+    "pipeline_sends": ("PP sends", "pipeline sends between stages"),
+    "context": (
+        "CP/gather comm",
+        "context-parallel ring and ZeRO-3 weight gathers not hidden behind compute",
+    ),
+    "bubble": ("PP bubble", "pipeline stages idle"),
+    "data": ("DP comm", "data-parallel / ZeRO gradient reduction not hidden by the backward"),
+    "optimizer": ("optimizer", "the optimizer update"),
+    "overhead": ("step overhead", "fixed per-step time and the wait for the slowest node"),
+}
 
 
 def _parser():
@@ -54,19 +75,36 @@ def _parser():
     return p
 
 
-def _mfu(e: candidates.Evaluated, base, acc) -> float:
-    return (
-        e.time.tokens_per_s_per_gpu
-        * flops.flops_per_token(base.model)
-        / acc.flops(base.model.dtype)
-    )
+def _mfu(e: candidates.Evaluated | steptime.StepTime, base, acc) -> float:
+    t = e.time if isinstance(e, candidates.Evaluated) else e
+    return t.tokens_per_s_per_gpu * flops.flops_per_token(base.model) / acc.flops(base.model.dtype)
+
+
+def _where(t: steptime.StepTime) -> str:
+    """Compute's share of the step, then the two largest other parts, by their labels."""
+    shares = [f"compute {t.compute / t.total:.0%}"]
+    shares += [f"{PARTS[k][0]} {t.parts()[k] / t.total:.0%}" for k in _shown_parts(t)]
+    return ", ".join(shares)
+
+
+def _grown(t: steptime.StepTime, best: steptime.StepTime) -> str:
+    """The two parts of `t` that exceed `best`'s most, as shares of best's step."""
+    a, b = t.parts(), best.parts()
+    diff = sorted(((a[k] - b[k], k) for k in a), reverse=True)[:2]
+    return ", ".join(f"{PARTS[k][0]} +{d / best.total:.0%}" for d, k in diff if d > 0)
+
+
+def _behind(t: steptime.StepTime, best: steptime.StepTime) -> str:
+    """candidates.slower_reason with the parts named as the table names them."""
+    extra, where = t.total / best.total - 1, _grown(t, best)
+    return f"{extra:.0%} slower: {where}" if where else f"{extra:.0%} slower"
 
 
 def _row(i, e: candidates.Evaluated, base, acc) -> str:
     t = e.time
     return (
-        f"{i:>2}  {e.candidate.short():<54} {t.tokens_per_s_per_gpu:>8,.0f} {t.total:>8.2f} "
-        f"{_mfu(e, base, acc):>5.0%} {e.memory / GiB:>7.1f}  {t.where()}"
+        f"{i:>2}  {e.candidate.short():<54} {t.tokens_per_s_per_gpu:>9,.0f} {t.total:>7.2f} "
+        f"{_mfu(e, base, acc):>5.0%} {e.memory / GiB:>8.1f}  {_where(t)}"
     )
 
 
@@ -96,11 +134,10 @@ def plan(args) -> dict:
         )
     shown = PLOTTED if args.plot else 0
     best = candidates.rank(base, evaluated, acc.memory, args.top, at_least=shown)
-    seconds = time.perf_counter() - start
     cut = evaluated.index(best[-1]) if best else len(evaluated)
     faster_oom = [e for e in evaluated[:cut] if e.memory is not None and e.memory > acc.memory]
     slower = [e for e in evaluated[cut + 1 :] if e not in best]
-    return {
+    r = {
         "base": base,
         "acc": acc,
         "gpus": args.gpus,
@@ -110,8 +147,173 @@ def plan(args) -> dict:
         "best": best,
         "faster_oom": faster_oom,
         "slower": slower,
-        "seconds": seconds,
     }
+    r["own"] = own_layout(base, r)
+    r["seconds"] = time.perf_counter() - start
+    return r
+
+
+@dataclass
+class Own:
+    """The config's own layout on the plan's GPUs: where it ranks, or why it does not."""
+
+    layout: str | None = None  # as the table writes layouts
+    settings: dict[str, str] | None = None  # key -> value of every setting a layout fixes
+    time: steptime.StepTime | None = None
+    memory: float | None = None
+    rank: int | None = None  # among the layouts that fit (the table's #)
+    by_speed: int | None = None  # among every layout, memory aside
+    note: str = ""  # why it has no rank
+
+
+def _candidate_of(cfg: Config) -> candidates.Candidate:
+    """A resolved config's layout in the planner's terms (no ZeRO without fsdp ranks)."""
+    m, par, t = cfg.mesh, cfg.parallel, cfg.train
+    remat = cfg.model.remat if isinstance(cfg.model.remat, str) else str(cfg.model.remat)
+    kind = par.pipeline_schedule if m.pipeline > 1 else schedules.PLAIN
+    zero = par.zero if m.fsdp > 1 else 0
+    return candidates.Candidate(
+        m.data, m.fsdp, m.tensor, m.pipeline, m.sequence, zero,
+        t.micro_batch_size, t.grad_accum, remat, kind, par.virtual_stages,
+    )  # fmt: skip
+
+
+def _settings(c: candidates.Candidate, sequence_parallel: bool) -> dict[str, str]:
+    """Every setting a layout fixes (virtual stages too, to compare two layouts)."""
+    out = dict(kv.split("=", 1) for kv in c.overrides().split())
+    out["parallel.sequence_parallel"] = str(sequence_parallel).lower()
+    out.setdefault("parallel.virtual_stages", str(c.virtual))
+    return out
+
+
+def _outside(c: candidates.Candidate, sequence_parallel: bool, gpus_per_node: int) -> str:
+    """Why a valid layout is not among those the planner tries (candidates.py)."""
+    why = []
+    if c.tensor > 1 and not sequence_parallel:
+        why.append("sequence parallelism off")
+    if c.remat not in candidates.REMATS:
+        why.append(f"remat={c.remat}")
+    if c.micro_batch not in candidates.MICRO_BATCHES:
+        why.append(f"micro-batch {c.micro_batch}")
+    kind = schedules.SCHEDULES.get(c.schedule)
+    if c.pipeline > 1 and kind is not None and not kind.planned:
+        why.append(f"schedule {c.schedule}")
+    elif c.pipeline > 1 and kind is not None and kind.chunks and c.virtual != 2:
+        why.append(f"{c.virtual} virtual stages")
+    if max(c.tensor, c.sequence) > gpus_per_node:
+        why.append("tensor or context parallelism across nodes")
+    return ", ".join(why) or "a layout it does not try"
+
+
+def own_layout(base: Config, r: dict) -> Own:
+    """Where the config's own layout ranks among the plan's: predicted like every layout,
+    with the memory of each faster one estimated to count those that fit before it."""
+    gpus, acc, evaluated = r["gpus"], r["acc"], r["evaluated"]
+    cfg = copy.deepcopy(base)
+    try:
+        validate.resolve_mesh(cfg, gpus)
+    except ConfigError as e:
+        return Own(note=f"not a valid layout on {gpus} GPUs: {e}")
+    c, sp = _candidate_of(cfg), cfg.parallel.sequence_parallel
+    planned = c.tensor == 1 or sp
+    own = Own(c.short() + ("" if planned else " no-SP"), _settings(c, sp))
+    cache: dict = {}
+    match = next((e for e in evaluated if planned and e.candidate == c), None)
+    if match is not None:
+        own.time, pos = match.time, evaluated.index(match)
+        own.memory = candidates.memory_of(c.config(base), cache)
+    else:
+        own.time = steptime.predict(cfg, acc, r["gpus_per_node"])
+        pos = sum(1 for e in evaluated if e.time.total < own.time.total)
+        own.memory = candidates.memory_of(cfg, cache)
+        own.note = f"not among the layouts planned ({_outside(c, sp, r['gpus_per_node'])})"
+    if cfg.tokens_per_step != r["tokens"]:
+        batch = f"{cfg.tokens_per_step:,} tokens per step, the plan's {r['tokens']:,}"
+        own.note = f"not ranked: its batch is {batch}"
+        return own
+    own.by_speed = pos + 1
+    if own.memory > acc.memory:
+        over = (own.memory - acc.memory) / GiB
+        n = len(evaluated)
+        own.note = f"does not fit, {over:.1f} GiB over (#{own.by_speed} of {n} by speed)"
+        return own
+    for e in evaluated[:pos]:
+        if e.memory is None:
+            e.memory = candidates.memory_of(e.candidate.config(base), cache)
+    own.rank = 1 + sum(1 for e in evaluated[:pos] if e.memory <= acc.memory)
+    return own
+
+
+def _changes(own: Own, best: candidates.Evaluated) -> str:
+    """The overrides that turn the config's layout into `best`, pasteable."""
+    target = _settings(best.candidate, best.candidate.tensor > 1)
+    return " ".join(f"{k}={v}" for k, v in target.items() if own.settings.get(k) != v)
+
+
+def _gain(g: float) -> str:
+    return f"{g:+.1%}" if abs(g) < 0.095 else f"{g:+.0%}"
+
+
+def _own_lines(own: Own, r: dict, base) -> list[str]:
+    """Two lines: the config's layout (rank, speed, MFU, memory, or why unranked), then
+    what #1 changes and the predicted gain."""
+    acc, best = r["acc"], r["best"]
+    if own.time is None:
+        return [f"your config: {own.note}"]
+    t = own.time
+    where = own.note
+    if own.rank is not None:
+        n = len(r["evaluated"])
+        where = f"#{own.rank} of the layouts that fit (#{own.by_speed} of {n} by speed)"
+        where += f"; {own.note}" if own.note else ""
+    figures = (
+        f"{t.tokens_per_s_per_gpu:,.0f} tok/s/GPU, {_mfu(t, base, acc):.0%} MFU, "
+        f"{own.memory / GiB:.1f} GiB"
+    )
+    lines = [f"your config: {own.layout}: {where}; {figures}"]
+    changes = _changes(own, best[0]) if best else ""
+    if best and changes:
+        b = best[0].time
+        gain = b.tokens_per_s_per_gpu / t.tokens_per_s_per_gpu - 1
+        line = (
+            f"#1 changes {changes}: {_gain(gain)} tokens/s ({b.tokens_per_s_per_gpu:,.0f} "
+            f"tok/s/GPU, {_mfu(b, base, acc):.0%} MFU)"
+        )
+        if own.rank is None and own.by_speed is not None:
+            line += ", and fits"
+        elif gain > 0 and _grown(t, b):
+            line += f"; yours spends more on {_grown(t, b)} of #1's step"
+        lines.append(line)
+    elif best:
+        lines.append("#1 is your config's layout: nothing to change")
+    return lines
+
+
+def _own_json(own: Own, r: dict, base) -> dict:
+    out = {
+        "layout": own.layout,
+        "overrides": " ".join(f"{k}={v}" for k, v in (own.settings or {}).items()) or None,
+        "rank": own.rank,
+        "rank_by_speed": own.by_speed,
+        "layouts": len(r["evaluated"]),
+        "note": own.note or None,
+    }
+    if own.time is None:
+        return out
+    t, acc = own.time, r["acc"]
+    out.update(
+        tokens_per_s_per_gpu=t.tokens_per_s_per_gpu,
+        step_s=t.total,
+        mfu=_mfu(t, base, acc),
+        memory_bytes=own.memory,
+        fits=own.memory <= acc.memory,
+        parts_s=t.parts(),
+    )
+    if r["best"]:
+        b = r["best"][0].time
+        out["best_changes"] = _changes(own, r["best"][0])
+        out["gain"] = b.tokens_per_s_per_gpu / t.tokens_per_s_per_gpu - 1
+    return out
 
 
 def _summary(e: candidates.Evaluated, base, acc, best=None) -> dict:
@@ -127,8 +329,25 @@ def _summary(e: candidates.Evaluated, base, acc, best=None) -> dict:
     if e.memory is not None and e.memory > acc.memory:
         out["lost"] = f"does not fit: {(e.memory - acc.memory) / GiB:.1f} GiB over"
     elif best is not None:
-        out["lost"] = candidates.slower_reason(e, best)
+        out["lost"] = _behind(e.time, best.time)
     return out
+
+
+HEADER = (
+    f" #  {'layout':<54} {'tok/s/GPU':>9} {'step s':>7} {'MFU':>5} {'mem GiB':>8}  "
+    "share of the step: compute, the two largest others"
+)
+
+
+def _legend(best: list[candidates.Evaluated]) -> list[str]:
+    """What each part the table shows is, for those it shows."""
+    shown = {k for e in best for k in _shown_parts(e.time)}
+    return [f"    {PARTS[k][0]}: {PARTS[k][1]}" for k in PARTS if k in shown and k != "compute"]
+
+
+def _shown_parts(t: steptime.StepTime) -> list[str]:
+    parts = sorted(((v, k) for k, v in t.parts().items() if k != "compute" and v > 0), reverse=True)
+    return [k for _, k in parts[:2]]
 
 
 def report(r: dict, args) -> str:
@@ -141,13 +360,14 @@ def report(r: dict, args) -> str:
         f"memory: memory.estimate per device against {acc.memory / GiB:.1f} GiB; time: "
         "cost/steptime.py (docs/planner.md: what is fitted, and its measured accuracy)",
         "",
-        f" #  {'layout':<54} {'tok/s/GPU':>8} {'step s':>8} {'MFU':>5} {'GiB':>7}  "
-        "where the time goes",
+        HEADER,
     ]
     for i, e in enumerate(best, 1):
         lines.append(_row(i, e, base, acc))
     if not best:
         lines.append("    nothing fits: every layout needs more memory than the GPU has")
+    lines += _legend(best)
+    lines += ["", *_own_lines(r["own"], r, base)]
     oom = r["faster_oom"]
     if oom:
         lines += [
@@ -166,7 +386,7 @@ def report(r: dict, args) -> str:
             f"slower ({len(slower)}; the next {min(len(slower), LOSERS_SHOWN)}), against #1:",
         ]
         for e in slower[:LOSERS_SHOWN]:
-            lines.append(f"    {e.candidate.short():<54} {candidates.slower_reason(e, best[0])}")
+            lines.append(f"    {e.candidate.short():<54} {_behind(e.time, best[0].time)}")
     if best:
         lines += [
             "",
@@ -223,6 +443,8 @@ def main(argv=None) -> int:
             "best": [_summary(e, base, acc) for e in best],
             "faster_oom": [_summary(e, base, acc) for e in r["faster_oom"]],
             "slower": [_summary(e, base, acc, best[0]) for e in r["slower"][:100]] if best else [],
+            "own": _own_json(r["own"], r, base),
+            "parts": {k: f"{label}: {what}" for k, (label, what) in PARTS.items()},
             "fit": vars(steptime.ULTRAJAX),
         }
         print(json.dumps(out, indent=1))
