@@ -368,3 +368,22 @@ def test_table_columns_name_what_they_measure():
     assert len(set(labels)) == len(labels) and "data" not in labels
     best = candidates.Evaluated(candidates.Candidate(8, 1, 1, 1, 1, 0, 1, 1, "none"), t)
     assert "    DP comm: data-parallel / ZeRO gradient reduction" in "\n".join(plan._legend([best]))
+
+
+def test_a_candidate_resolves_loss_chunk_auto_on_its_own_mesh():
+    """The same layout gets the same chunk, and so the same memory, whatever layout the
+    config had: auto is re-resolved per candidate (a 4-way tensor split quarters the
+    logits: 1024-token chunks, where the config's one device chose 256); an explicit
+    chunk stays."""
+    big = ["model.vocab_size=128256", "model.seq_len=2048", "train.micro_batch_size=8"]
+    layout = candidates.Candidate(
+        data=1, fsdp=2, tensor=4, pipeline=1, sequence=1, zero=1, micro_batch=8, accum=1,
+        remat="none",
+    )  # fmt: skip
+    seen = set()
+    for mesh in (["mesh.data=1"], ["mesh.data=2"], ["mesh.fsdp=8", "mesh.data=1"]):
+        base = parse.load(None, [*big, *mesh])
+        seen.add(layout.config(base).model.loss_chunk)
+    assert seen == {1024}
+    explicit = parse.load(None, [*big, "mesh.data=1", "model.loss_chunk=128"])
+    assert layout.config(explicit).model.loss_chunk == 128

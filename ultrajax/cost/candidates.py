@@ -28,6 +28,18 @@ REMATS = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 
 
+def _loss_chunk(base: Config, cfg: Config) -> int | None:
+    """model.loss_chunk for a candidate: what auto gives on its own mesh where the base's
+    is auto (unresolved, or resolved to what auto gives on the base's mesh), so that a
+    layout's memory does not depend on the layout the config happens to have; an
+    explicit other value stays."""
+    chunk = base.model.loss_chunk
+    concrete = all(v > 0 for v in base.mesh.sizes().values())
+    if chunk is None or (concrete and chunk == validate.auto_loss_chunk(base)):
+        return validate.auto_loss_chunk(cfg)
+    return chunk
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One layout the planner scores: the config's sections it sets (parallel/layout.py's
@@ -65,7 +77,7 @@ class Candidate:
             batch_schedule=None,
             noise_every=0,
         )
-        cfg.model = replace(base.model, remat=self.remat)
+        cfg.model = replace(base.model, remat=self.remat, loss_chunk=_loss_chunk(base, cfg))
         return cfg
 
     def overrides(self) -> str:
