@@ -46,13 +46,10 @@ BWD_SWEEP = tuple(
 )  # fmt: skip
 
 
-def row(seq: int, args, blocks) -> str:
-    """One table row: both implementations' fwd+bwd time and their largest differences."""
-    import jax
+def inputs(seq: int, args):
+    """(batch, heads, kv heads, q, k, v, dout): args.tokens tokens of random bf16 at `seq`."""
     import jax.numpy as jnp
     import numpy as np
-
-    from ultrajax.kernels.flash_attention import flash_attention
 
     b = max(1, args.tokens // seq)
     h, kv, d = args.heads, args.kv_heads, args.head_dim
@@ -61,6 +58,18 @@ def row(seq: int, args, blocks) -> str:
         jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
         for shape in ((b, seq, h, d), (b, seq, kv, d), (b, seq, kv, d), (b, seq, h, d))
     )
+    return b, h, kv, q, k, v, do
+
+
+def row(seq: int, args, blocks) -> str:
+    """One table row: both implementations' fwd+bwd time and their largest differences."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ultrajax.kernels.flash_attention import flash_attention
+
+    b, h, kv, q, k, v, do = inputs(seq, args)
     seg = None
     if args.packed:
         seg = jnp.asarray(np.repeat(np.arange(seq) * 4 // seq + 1, 1)[None].repeat(b, 0))
@@ -103,19 +112,13 @@ def sweep(seq: int, args, kind: str) -> None:
     cuDNN's for the same work (forward alone, or forward + backward), at one length."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from ultrajax.kernels.flash_attention import BlockSizes, flash_attention
 
-    b = max(1, args.tokens // seq)
-    h, kv, d = args.heads, args.kv_heads, args.head_dim
-    rng = np.random.default_rng(seq)
-    q, k, v, do = (
-        jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-        for shape in ((b, seq, h, d), (b, seq, kv, d), (b, seq, kv, d), (b, seq, h, d))
-    )
+    d = args.head_dim
+    _, _, _, q, k, v, do = inputs(seq, args)
 
-    def timed(fn):
+    def timed(fn, kind=kind):
         if kind == "fwd":
             f = jax.jit(fn)
         else:
@@ -128,7 +131,8 @@ def sweep(seq: int, args, kind: str) -> None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
     base = timed(cudnn)
-    fwd_default = timed(lambda q, k, v: flash_attention(q, k, v)[0]) if kind == "bwd" else 0
+    # the default forward alone: the backward's own time is the rest
+    fwd_default = timed(lambda q, k, v: flash_attention(q, k, v)[0], "fwd") if kind == "bwd" else 0
     for c in FWD_SWEEP if kind == "fwd" else BWD_SWEEP:
         if kind == "fwd":
             blocks = BlockSizes(q=c[0], k=c[1], warps=c[2], stages=c[3])
