@@ -152,3 +152,25 @@ def test_leave_out_fit_reports_the_figures(capsys):
     assert vp.main([str(NODES_SAMPLE), "--leave-out", "1", "--iters", "20"]) == 0
     out = capsys.readouterr().out
     assert "left out" in out and "fit without 1 nodes" in out
+
+
+def test_a_remat_backward_recomputes_its_forward_in_the_lockstep_ticks():
+    """Full remat: a backward costs 2 + the recomputed share of a forward (~0.8 for the 8B:
+    w_down is never recomputed), and the ticks it fills last longer; none: 2."""
+    m = _config().model
+    redo = steptime.remat_share(replace(m, remat="full"))
+    assert steptime.remat_share(replace(m, remat="none")) == 0.0
+    assert 0.7 < redo < 1.0
+    assert 0 < steptime.remat_share(replace(m, remat="selective")) < redo
+    p, mb = 4, 8
+    costs = dict(schedules.COSTS)
+    costs[schedules.BACKWARD] += redo
+    table = schedules.build("1f1b", p, mb)
+    assert steptime.lockstep_time("1f1b", p, mb, 1, 0.0, redo) == pytest.approx(
+        schedules.lockstep(table, costs)[0]
+    )
+    cfg = _config(pipeline=4, data=2)
+    cfg.model = replace(cfg.model, remat="none")
+    plain = steptime.features(cfg, H100, 8).bubble
+    cfg.model = replace(cfg.model, remat="full")
+    assert steptime.features(cfg, H100, 8).bubble > plain  # the forward ticks wait longer
