@@ -311,9 +311,11 @@ def test_accumulation_keeps_one_fp32_gradient_buffer(mode):
     0.13 of it more. Before, every micro-batch but the last built a whole fresh fp32
     gradient beside the sum and every forward pass stacked a copy of the weights: 2 to
     3 sums at 4 micro-batches. ZeRO-1 (sharded state, whole sum) stays at or below
-    ZeRO-0, and the memory model (its `accumulators` term) follows both."""
+    ZeRO-0, and the memory model (its `accumulators` term) follows both. gspmd runs the
+    same accumulation code: it is checked on ZeRO-1 alone (three compiles fewer)."""
     peaks, predicted = {}, {}
-    for zero in (0, 1):
+    stages = (0, 1) if mode == "explicit" else (1,)
+    for zero in stages:
         for m in (1, 2, 4):
             cfg, devices = make(
                 *ACCUM_SHAPE,
@@ -324,11 +326,11 @@ def test_accumulation_keeps_one_fp32_gradient_buffer(mode):
             compiled = analyze.compiled_memory(analyze.compile_step(cfg, devices, FAST))
             peaks[zero, m], predicted[zero, m] = compiled["peak"], memory.estimate(cfg).peak
     grad = 4 * param_count(cfg.model)  # one fp32 gradient, whole
-    for zero in (0, 1):
+    for zero in stages:
         for m in (2, 4):
             assert peaks[zero, m] - peaks[zero, 1] <= 1.25 * grad, (zero, m, peaks)
         assert abs(peaks[zero, 4] - peaks[zero, 2]) <= 0.1 * grad, (zero, peaks)
-    for m in (1, 2, 4):
+    for m in (1, 2, 4) if mode == "explicit" else ():
         assert peaks[1, m] <= peaks[0, m], (m, peaks)
     for key, peak in peaks.items():
         assert predicted[key] == pytest.approx(peak, rel=0.1), (key, predicted, peaks)
