@@ -9,6 +9,13 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# 8 simulated devices share 2 cores with the other test worker's compiles: XLA:CPU aborts
+# a collective whose devices' threads have not all arrived within 40 s (seen once, an
+# 8-device resume under full load, alone it passes in seconds). Here a late thread is
+# starvation, not a deadlock: allow 10 minutes. Also for the runs the tests start.
+_TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
+if _TIMEOUT.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_TIMEOUT}".strip()
 
 import jax  # noqa: E402
 
