@@ -386,12 +386,13 @@ def pipeline_steps():
 
 @pytest.mark.parametrize("kind", ["1f1b", "afab"])
 def test_pipeline_residual_buffer_holds_what_the_compiled_loop_carries(kind, pipeline_steps):
-    """The residual buffer, (slots + 1) x layers per chunk x pipeline_saved_per_layer,
-    against the arrays of that shape the compiled tick loop carries (XLA drops the
-    residuals the backward never reads, so the vjp's own list would overcount)."""
+    """The residual buffer, slots x layers per chunk x pipeline_saved_per_layer (no spare
+    slot: residuals are written and read only on their own ticks), against the arrays of
+    that shape the compiled tick loop carries (XLA drops the residuals the backward never
+    reads, so the vjp's own list would overcount)."""
     cfg, compiled = pipeline_steps[kind]
     plan = activations.pipeline_plan(cfg)
-    lead = (plan.slots["res"] + 1, cfg.model.n_layers // plan.p)
+    lead = (plan.slots["res"], cfg.model.n_layers // plan.p)
     carried = sum(
         math.prod(shape) * hlo.DTYPE_BYTES[t]
         for t, shape in tick_loop_carry(compiled.as_text(), plan.ticks)

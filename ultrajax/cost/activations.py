@@ -285,21 +285,21 @@ def zero_bubble_pairs_per_layer(cfg: Config) -> float:
 
 def pipeline_buffers(cfg: Config) -> dict[str, float]:
     """Bytes per device of the executor's buffers (parallel/pipeline/tick.py's
-    `initial_state`), each with its spare slot: the residuals of (slots + 1) micro-batch
-    chunks of n_layers / (p v) layers, the arriving activations and gradients (b·s·h each,
-    compute dtype), and zero bubble's (input, cotangent) pairs per chunk (one b·s·h slot
-    otherwise)."""
+    `initial_state`): the residuals of `slots` micro-batch chunks of n_layers / (p v)
+    layers, the arriving activations and gradients (b·s·h each, compute dtype; each with
+    its spare slot, the sink for "nothing arrives"), and zero bubble's (input, cotangent)
+    pairs per chunk (one b·s·h slot otherwise)."""
     m, plan = cfg.model, pipeline_plan(cfg)
     d = dims(cfg)
     per_chunk = m.n_layers // (plan.p * plan.v)
     x = d.c * d.X_res
-    layers = (plan.slots["res"] + 1) * per_chunk
+    layers = plan.slots["res"] * per_chunk
     out = {k: layers * v for k, v in pipeline_saved_per_layer(cfg).items()}
     out["arriving activations"] = (plan.slots["act"] + 1) * x
     out["arriving gradients"] = (plan.slots["grad"] + 1) * x
     if schedules.SCHEDULES[plan.kind].splits_backward:
         pairs = zero_bubble_pairs_per_layer(cfg)
-        out["weight-step pairs (zb-h1)"] = (plan.slots["cot"] + 1) * per_chunk * pairs
+        out["weight-step pairs (zb-h1)"] = plan.slots["cot"] * per_chunk * pairs
     else:
         out["unused cotangent slot"] = x
     return out

@@ -124,8 +124,8 @@ def _pipeline_lines(pp: dict) -> list[str]:
         f"{pp['bubble_formula_text']} = {pp['bubble_formula']:.1%}",
         f"  micro-batch activations in flight          {pp['in_flight']} (per device: "
         f"{per_device}{'; one per micro-batch and chunk' if pp['v'] > 1 else ''})",
-        f"  buffer slots (+1 spare each)               residuals {slots['res']}, activations "
-        f"{slots['act']}, gradients {slots['grad']}"
+        f"  buffer slots                               residuals {slots['res']}, activations "
+        f"{slots['act']} (+1 spare), gradients {slots['grad']} (+1 spare)"
         + (
             f", cotangents {slots['cot']}"
             if schedule.SCHEDULES[pp["schedule"]].splits_backward

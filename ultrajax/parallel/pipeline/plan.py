@@ -117,12 +117,13 @@ def make_plan(kind: str, p: int, m: int, v: int = 1) -> TickPlan:
                 sends[t, 1] = True
         for buf, dest, key in arrivals:  # after this tick's reads: slots may be reused
             rows[t, dest, col[f"{buf}_in"]] = pools[buf][dest].take(key)
-    # a slot nobody uses (-1) becomes the buffer's extra last slot: written, never read
+    # a slot nobody uses (-1): the arriving buffers' extra last slot (written, never read);
+    # the residuals and pairs are touched only under their own ops: slot 0, never used
     slots = {k: max(1, max(pl.peak for pl in pools[k])) for k in pools}
     for k in slots:
         for c in (k, f"{k}_in") if k in ("act", "grad") else (k,):
             column = rows[..., col[c]]
-            column[column < 0] = slots[k]
+            column[column < 0] = slots[k] if k in ("act", "grad") else 0
     for k, pool in pools.items():
         leftover = [pl.held for pl in pool if pl.held]
         if leftover:

@@ -35,19 +35,23 @@ from ultrajax.parallel.pipeline.stage import Stage
 
 
 def initial_state(stage: Stage, slots: dict) -> dict:
-    """The carry before the first tick: each buffer at its planned number of slots plus
-    one (the sink for "nothing arrives"), the gradient accumulators and the loss zero."""
+    """The carry before the first tick: the arriving activations and gradients at their
+    planned number of slots plus one (the sink for "nothing arrives": a tick writes what
+    the ring delivers whether or not anything came), the residuals and zero bubble's
+    pairs at their planned number exactly (written and read only under the conditional
+    of a tick that uses them, always at a real slot), the gradient accumulators and the
+    loss zero."""
     dev, sinks, n_per = stage.dev, stage.sinks, stage.n_per
     stored = stage.split.stored
     res_axes = [vma(s) | {AXIS} for s in stored]
     v = dev.n_chunks
     return {
         "res": [
-            buffer(s, ax, (slots["res"] + 1, n_per)) for s, ax in zip(stored, res_axes, strict=True)
+            buffer(s, ax, (slots["res"], n_per)) for s, ax in zip(stored, res_axes, strict=True)
         ],
         "act": dev.stream.zeros((slots["act"] + 1,)),
         "grad": dev.stream.zeros((slots["grad"] + 1,)),
-        "cot": _pair_buffers(stage, slots["cot"] + 1)
+        "cot": _pair_buffers(stage, slots["cot"])
         if stage.splits_backward
         else dev.stream.zeros((1,)),
         "layers": jax.tree.map(
