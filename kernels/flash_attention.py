@@ -309,7 +309,7 @@ def _specs(b, t, s, h, kv, d, bq, bk, q_blocked: bool):
 
 
 def _forward(q, k, v, qs, ks, *, blocks: BlockSizes, causal: bool, segmented: bool,
-             interpret: bool):  # fmt: skip
+             interpret: bool, out_dtype=None):  # fmt: skip
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
     bq, bk = blocks.q, blocks.k
@@ -322,7 +322,7 @@ def _forward(q, k, v, qs, ks, *, blocks: BlockSizes, causal: bool, segmented: bo
         (b, h, t // bq),
         [qspec, kvspec, kvspec, qsspec, ksspec, qsspec],
         [qspec, row],
-        [struct(q.shape, q.dtype, q, k), struct((b, h, t), jnp.float32, q, k)],
+        [struct(q.shape, out_dtype or q.dtype, q, k), struct((b, h, t), jnp.float32, q, k)],
         interpret,
         "flash_attention_forward",
         blocks.launch(d, backward=False, itemsize=q.dtype.itemsize),
@@ -465,13 +465,15 @@ def flash_attention(
 
 def pair_forward(q, k, v, q_segment_ids, kv_segment_ids, *, causal: bool,
                  blocks: BlockSizes | None = None, interpret: bool = False):  # fmt: skip
-    """(out, lse (batch, heads, length)) of queries against one block of keys, lengths
-    already multiples of the block sizes: the per-pair kernel of ring attention
-    (ultrajax/parallel/context.py), which merges pairs with their log-sum-exp. Not
-    differentiable by itself: the ring's backward calls `pair_backward`."""
+    """(out fp32, lse (batch, heads, length)) of queries against one block of keys,
+    lengths already multiples of the block sizes: the per-pair kernel of ring attention
+    (ultrajax/parallel/context.py), which merges pairs with their log-sum-exp. The
+    output stays fp32 for that merge (rounded to bf16 per pair, its error would grow
+    with the number of pairs). Not differentiable by itself: the ring's backward calls
+    `pair_backward`."""
     blocks = BlockSizes.of(None, q.shape[-1], q.dtype.itemsize) if blocks is None else blocks
     return _forward(q, k, v, q_segment_ids, kv_segment_ids, blocks=blocks, causal=causal,
-                    segmented=True, interpret=interpret)  # fmt: skip
+                    segmented=True, interpret=interpret, out_dtype=jnp.float32)  # fmt: skip
 
 
 def pair_backward(q, k, v, q_segment_ids, kv_segment_ids, lse, delta, do, *, causal: bool,

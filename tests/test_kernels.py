@@ -199,3 +199,20 @@ def test_tiles_warps_and_stages_follow_the_head_dim_and_the_dtype():
     assert (fp32.q, fp32.k, fp32.q_bwd, fp32.k_bwd) == (64, 64, 64, 64)
     assert fp32.launch(128, backward=False, itemsize=4)[1] <= 2
     assert BlockSizes(warps=2, stages=5).launch(64, backward=False) == (2, 5)  # as asked
+
+
+def test_ring_pairs_keep_their_output_in_fp32_for_the_merge():
+    """pair_forward hands ring attention an fp32 output (a bf16 one would be rounded once
+    per pair before the merge). From bf16 inputs its only rounding is the probabilities'
+    to bf16 before the value matmul (as in the jnp reference): each within 2^-9 of
+    itself, so the output within 2^-9 · max|v| of the fp32 reference (bounded here by
+    2^-8 for fp32 accumulation), NaN never."""
+    from ultrajax.kernels.flash_attention import pair_forward
+
+    q, k, v, seg = inputs(1, 32, 4, 2, 16, jnp.bfloat16, seed=13)
+    o, _ = pair_forward(q, k, v, seg, seg, causal=True, blocks=BLOCKS, interpret=True)
+    assert o.dtype == jnp.float32
+    ro, _ = reference(*(x.astype(jnp.float32) for x in (q, k, v)), seg, seg)
+    err = np.abs(np.asarray(o) - np.asarray(ro, np.float32))
+    bound = 2.0**-8 * float(np.abs(np.asarray(v, np.float32)).max())
+    assert np.isfinite(err).all() and err.max() <= bound, (err.max(), bound)
