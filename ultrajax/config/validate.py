@@ -254,10 +254,15 @@ def auto_loss_chunk(cfg: Config) -> int:
     logits = 4 * cfg.train.micro_batch_size * tokens * (m.vocab_size // mesh.tensor)
     if logits <= LOSS_CHUNK_AUTO_BYTES:
         return 0
-    top = min(LOSS_CHUNK_MAX, tokens - 1)
-    sizes = [c for c in range(LOSS_CHUNK_MIN, top + 1) if tokens % c == 0]
-    fit = [c for c in sizes if logits * c // tokens <= LOSS_CHUNK_AUTO_BYTES]
-    return max(fit) if fit else min(sizes, default=0)
+    # from the largest down (the planner asks once per candidate layout): the first
+    # divisor whose chunk fits, else the smallest divisor seen
+    smallest = 0
+    for c in range(min(LOSS_CHUNK_MAX, tokens - 1), LOSS_CHUNK_MIN - 1, -1):
+        if tokens % c == 0:
+            if logits * c // tokens <= LOSS_CHUNK_AUTO_BYTES:
+                return c
+            smallest = c
+    return smallest
 
 
 def _validate_ramp(cfg: Config) -> None:
