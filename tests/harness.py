@@ -4,6 +4,7 @@ so a session compiles each program once (the persistent cache keys on the exact 
 """
 
 import math
+import os
 from pathlib import Path
 
 import jax
@@ -31,6 +32,18 @@ BASE = [
     "model.scan_unroll=1",  # the rolled layer loop the memory and HLO tests read
     "model.attention=xla",  # the plain attention whose s² scores the memory model counts
 ]
+
+
+def child_env(**extra) -> dict[str, str]:
+    """The environment for a run a test starts: CPU, devices from its own --cpu-devices,
+    and of XLA_FLAGS only conftest's collective timeout (a late thread on 2 loaded cores
+    is starvation, not a deadlock: without it a child aborts after XLA's 40 s)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    keep = [f for f in env.pop("XLA_FLAGS", "").split() if "collective_call_terminate" in f]
+    if keep:
+        env["XLA_FLAGS"] = " ".join(keep)
+    env.update(extra)
+    return env
 
 
 def make(*overrides, base=BASE, path=TINY):

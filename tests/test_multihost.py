@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import harness
 import jax
 import numpy as np
 import pytest
@@ -51,9 +52,7 @@ STEPS = 4
 
 
 def _env(**extra):
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)
+    env = harness.child_env()
     for k in [k for k in env if k.startswith(("SLURM_", "OMPI_"))]:
         env.pop(k)  # a test run inside a SLURM job must not look like a multi-task step
     env.update(extra)

@@ -3,7 +3,6 @@ process count, shuffle after packing, mixtures by weight, rows placed on devices
 background feed."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -343,8 +342,7 @@ def _losses(run_dir) -> dict[int, float]:
 def _train(run_dir, split, *extra) -> subprocess.Popen:
     devices = "2" if split.startswith("data=2") else "1"
     args = ["--config", harness.TINY, "--cpu-devices", devices, *SMALL, *SPLITS[split]]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # conftest's 8 devices: --cpu-devices decides here
+    env = harness.child_env()  # conftest's 8 devices: --cpu-devices decides here
     return subprocess.Popen(
         [sys.executable, "-m", "ultrajax.train", *args, f"train.run_dir={run_dir}", *extra],
         cwd=harness.ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import harness
 import pytest
 
 from ultrajax.config import parse, validate
@@ -44,10 +45,7 @@ SMALL = [
 
 
 def _env():
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)
-    return env
+    return harness.child_env()
 
 
 def _train(*args, timeout=600):
