@@ -4,6 +4,8 @@ parameters) is in test_parallel.py beside the other layouts, sharing its compile
 
 from __future__ import annotations
 
+import re
+
 import harness
 import jax
 import jax.numpy as jnp
@@ -79,6 +81,44 @@ def test_allgather_gathers_kv_and_never_permutes():
     expected = comms_lib.permute_bytes(cfg)
     for kind in ("all-gather", "reduce-scatter"):
         assert sent[kind]["traffic"] == pytest.approx(expected[kind], rel=0.01), kind
+
+
+COMPUTE = ("while", "dot", "convolution", "conditional", "custom-call", "call")
+
+
+def _ancestors(instrs, name: str) -> set[str]:
+    """The instructions `name` depends on inside its computation."""
+    operands = {n: set(re.findall(r"%([\w.\-]+)", rest)) for n, _, rest in instrs}
+    seen, todo = set(), [name]
+    while todo:
+        for op in operands.get(todo.pop(), ()):
+            if op in operands and op not in seen:
+                seen.add(op)
+                todo.append(op)
+    return seen
+
+
+def test_ring_sends_wait_on_nothing_their_hop_computes():
+    """Forward and backward: each hop's sends (the next K/V block, the dK/dV summed so far)
+    depend on none of the hop's compute, so a GPU can overlap them with its pairs. The
+    earlier backward added the hop's dK/dV into the arriving ones and sent the sum: its
+    sends waited on the whole hop. Read in the compiled program (cp 4: two hops looped)."""
+    ctx = context.Context(4, "ring", True)
+    q, k, v = (jnp.zeros((2, 64, n, 16)) for n in (4, 2, 2))
+    seg = jnp.ones((2, 64), jnp.int32)
+    loss = lambda q, k, v: jnp.sum(_attend_split(ctx, q, k, v, seg))  # noqa: E731
+    text = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile(harness.FAST).as_text()
+    mod = hlo.parse_module(text)
+    hops = {}
+    for comp, instrs in mod.computations.items():
+        sends = [n for n, _, rest in instrs if rest.startswith("collective-permute")]
+        work = {n for n, _, rest in instrs if rest.split("(", 1)[0] in COMPUTE}
+        if sends and work and comp != mod.entry:
+            hops[comp] = (sends, work)
+            for name in sends:
+                assert not _ancestors(instrs, name) & work, (comp, name)
+    # the forward's hop sends K, V, segment ids; the backward's those and dK, dV
+    assert sorted(len(sends) for sends, _ in hops.values()) == [3, 5], hops
 
 
 def _temp_bytes(*overrides) -> int:

@@ -11,7 +11,9 @@ so only attention ever sees another device's tokens:
   log-sum-exp (an online softmax across devices). The next block's transfer is issued
   before the current block is computed, so the two can overlap. The backward pass is a
   second ring in which dK and dV travel with their blocks and arrive home after the last
-  hop, so a device only ever holds its own activations (O(seq/cp) memory).
+  hop, so a device only ever holds its own activations (O(seq/cp) memory); each hop
+  computes its share into fresh buffers while the previous share is in flight, so those
+  transfers overlap too.
 - all-gather (`parallel.context: allgather`; Llama 3 training, Dubey et al. 2024): K, V
   and their segment ids are all-gathered once (small under GQA), the local queries attend
   to all of them, and dK, dV are reduce-scattered home in the backward pass.
@@ -249,44 +251,57 @@ class Context:
         """To the next device of the ring."""
         return jax.lax.ppermute(x, self.axis, [(i, (i + 1) % self.size) for i in range(self.size)])
 
-    def _sweep(self, k, v, ks, carry, step):
-        """carry = step(carry, (k, v, ks) block, chunks it holds) over every device's block.
+    def _sweep(self, k, v, ks, fixed, step):
+        """(fixed, travelling) after `fixed, own = step(fixed, (k, v, ks) block, chunks it
+        holds)` over every device's block. `own` is None or this device's contribution to
+        what travels with the block (the backward ring's dK, dV), in fresh buffers.
 
-        ring: a scan of cp - 1 hops, each sending the block in hand on before computing
-        with it (so the transfer can overlap the compute), then the last block. `carry`
-        may hold a "travelling" part (carry[1]) that moves with the block after each step
-        (the backward ring's dK and dV). allgather: K, V, segment ids gathered once and
-        sliced per device."""
+        ring: the block in hand is sent on before it is computed with, and the sum of the
+        previous devices' contributions to it is sent on from the previous hop at the same
+        time: neither transfer waits on this hop's compute, so both can overlap it. The
+        sum arrives, the own part is added, and the next hop sends it on; after the last
+        hop the sum goes home. The first hop (nothing has arrived) and the last (nothing
+        more to send) are outside the scan, so no transfer carries zeros or goes unused.
+        allgather: K, V, segment ids gathered once and sliced per device; `travelling` is
+        each device's `own`, stacked (the caller reduce-scatters it home)."""
         table = jnp.asarray(chunks(self.size, self.zigzag), jnp.int32)
         r = jax.lax.axis_index(self.axis)
-        if self.mode == "ring":
+        if self.mode != "ring":
+            block = self._gathered(k, v, ks)
+            return jax.lax.scan(lambda f, j: step(f, block(j), table[j]), fixed,
+                                jnp.arange(self.size))  # fmt: skip
 
-            def hop(c, j):
-                blk, state = c
-                nxt = self._send(blk)  # issued first: overlaps the compute below
-                state = step(state, blk, table[(r - j) % self.size])
-                return (nxt, self._travel(state)), None
+        def at(j):
+            return table[(r - j) % self.size]
 
-            blk = tuple(vary(a, (self.axis,)) for a in (k, v, ks))  # as after a hop
-            (blk, carry), _ = jax.lax.scan(hop, (blk, carry), jnp.arange(self.size - 1))
-            return self._travel(step(carry, blk, table[(r + 1) % self.size]))
-        block = self._gathered(k, v, ks)
+        def send(x):
+            return None if x is None else self._send(x)
 
-        def one(state, j):
-            return step(state, block(j), table[j]), None
+        def add(arrived, own):
+            return None if own is None else jax.tree.map(jnp.add, arrived, own)
 
-        carry, _ = jax.lax.scan(one, carry, jnp.arange(self.size))
-        return carry
+        def hop(c, j):
+            blk, fixed, pending = c
+            nxt = self._send(blk)  # the next hop's block
+            arrived = send(pending)  # this block's sum so far, from the previous device
+            fixed, own = step(fixed, blk, at(j))  # depends on neither transfer
+            return (nxt, fixed, add(arrived, own)), None
+
+        blk = tuple(vary(a, (self.axis,)) for a in (k, v, ks))  # as after a hop
+        nxt = self._send(blk)
+        fixed, pending = step(fixed, blk, at(0))
+        (blk, fixed, pending), _ = jax.lax.scan(
+            hop, (nxt, fixed, pending), jnp.arange(1, self.size - 1)
+        )
+        arrived = send(pending)
+        fixed, own = step(fixed, blk, at(self.size - 1))
+        return fixed, send(add(arrived, own))  # the last hop: home
 
     def _gathered(self, k, v, ks):
         """All-gather K, V and segment ids over `sequence`; block(j) is device j's part."""
         full = [jax.lax.all_gather(a, self.axis, axis=1, tiled=True) for a in (k, v, ks)]
         n = k.shape[1]
         return lambda j: tuple(jax.lax.dynamic_slice_in_dim(a, j * n, n, axis=1) for a in full)
-
-    def _travel(self, state):
-        fixed, moving = state
-        return fixed, (None if moving is None else self._send(moving))
 
     def forward(self, q, k, v, qs, ks):
         mine = jnp.asarray(chunks(self.size, self.zigzag))[jax.lax.axis_index(self.axis)]
@@ -296,7 +311,6 @@ class Context:
         lse = vary(jnp.full((b, h, t), NEG_INF, jnp.float32), axes)
 
         def step(state, blk, theirs):
-            (o, lse), _ = state
             kb, vb, ksb = blk
 
             def compute(st, qi, ki, causal):
@@ -306,24 +320,20 @@ class Context:
                 oq, lq = _merge(_half(o, qi), _half(lse, qi, 2), *new)
                 return _set_half(o, qi, oq), _set_half(lse, qi, lq, 2)
 
-            return _pairs(mine, theirs, qs, ksb, (o, lse), compute), None
+            return _pairs(mine, theirs, qs, ksb, state, compute), None
 
-        (o, lse), _ = self._sweep(k, v, ks, ((o, lse), None), step)
+        (o, lse), _ = self._sweep(k, v, ks, (o, lse), step)
         return o.astype(q.dtype), lse
 
     def backward(self, q, k, v, qs, ks, o, lse, do):
         mine = jnp.asarray(chunks(self.size, self.zigzag))[jax.lax.axis_index(self.axis)]
         axes = tuple(sorted(set().union(*(vma(a) for a in (q, k, v, qs, ks, do)))))
         z = lambda a: zeros(a.shape, jnp.float32, axes)  # noqa: E731
-        ring = self.mode == "ring"
         # rowsum(dout * out), once for every pair: (b, h, t) like the log-sum-exp
         delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), -1).transpose(0, 2, 1)
 
-        def step(state, blk, theirs):
-            dq, dkv = state
+        def step(dq, blk, theirs):
             kb, vb, ksb = blk
-            if not ring:
-                dkv = (z(kb), z(vb))
 
             def compute(st, qi, ki, causal):
                 dq, dk, dv = st
@@ -332,28 +342,19 @@ class Context:
                                         _half(delta, qi, 2), _half(do, qi), causal)  # fmt: skip
                 return _add_half(dq, qi, g[0]), _add_half(dk, ki, g[1]), _add_half(dv, ki, g[2])
 
-            dq, dk, dv = _pairs(mine, theirs, qs, ksb, (dq, *dkv), compute)
+            # this block's dK, dV into fresh buffers: the ring adds what arrived after
+            dq, dk, dv = _pairs(mine, theirs, qs, ksb, (dq, z(kb), z(vb)), compute)
             return dq, (dk, dv)
 
-        if ring:  # dK, dV travel with their block; the hop after the last step is home
-            dq, (dk, dv) = self._sweep(k, v, ks, (z(q), (z(k), z(v))), step)
-        else:  # each slice's dK, dV go home in one reduce-scatter
-            dq, (dk, dv) = self._gathered_backward(k, v, ks, z(q), step)
+        dq, (dk, dv) = self._sweep(k, v, ks, z(q), step)
+        if self.mode != "ring":  # each slice's dK, dV go home in one reduce-scatter
+            dk, dv = self._home(dk), self._home(dv)
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
-    def _gathered_backward(self, k, v, ks, dq, step):
-        table = jnp.asarray(chunks(self.size, self.zigzag), jnp.int32)
-        block = self._gathered(k, v, ks)
-
-        def one(dq, j):
-            return step((dq, None), block(j), table[j])
-
-        dq, (dk, dv) = jax.lax.scan(one, dq, jnp.arange(self.size))  # (cp, b, n, kv, d)
-        home = functools.partial(
-            jax.lax.psum_scatter, axis_name=self.axis, scatter_dimension=1, tiled=True
-        )
-        merge = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])  # noqa: E731
-        return dq, (home(merge(dk)), home(merge(dv)))
+    def _home(self, x):
+        """(cp, b, n, ...) stacked per gathered slice -> this device's (b, n, ...) sum."""
+        x = jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+        return jax.lax.psum_scatter(x, self.axis, scatter_dimension=1, tiled=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
