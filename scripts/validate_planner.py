@@ -119,6 +119,10 @@ def run_config(row: dict) -> Run:
     # layer, and a stage of one layer crashed in 35 of the calibration's 40 such runs
     if pp >= cfg.model.n_layers:
         return Run(row, None, f"pipeline {pp} >= {cfg.model.n_layers} layers")
+    # nor 1F1B with fewer than p - 1 micro-batches: its engine asserts m >= p - 1
+    # (OneForwardOneBackwardPipelineEngine.train_batch_iter); all 125 such runs crashed
+    if pp > 1 and gas < pp - 1:
+        return Run(row, None, f"1F1B needs {pp - 1} micro-batches, has {gas}")
     return Run(row, cfg)
 
 

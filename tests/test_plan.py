@@ -203,9 +203,9 @@ def test_validation_script_reproduces_its_figures(capsys):
     out = capsys.readouterr().out
     assert "125 runs, 44 ran" in out
     assert "verdict agreement      96.8%" in out
-    assert "Spearman (mean/cell)   0.901" in out
-    assert "median error tok/s/GPU 12.5%" in out
-    assert "1.34B x 1 nodes        32 runs  Spearman 0.864" in out
+    assert "Spearman (mean/cell)   0.927" in out
+    assert "median error tok/s/GPU 8.2%" in out
+    assert "1.34B x 1 nodes        32 runs  Spearman 0.918" in out
 
 
 def test_validation_script_errors_are_one_line(tmp_path, capsys):

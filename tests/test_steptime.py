@@ -73,7 +73,8 @@ def test_scale_terms_add_their_time_only_where_they_mean_something():
     assert t_one.overhead == pytest.approx(0.1)  # the step's fixed cost; no node to wait for
     t_many = steptime.step_time(many, SCALE)
     assert t_many.overhead > 0.1
-    # stage_sync: only where neighbouring stages sit on different nodes
+    # stage_sync: only where neighbouring stages sit on different nodes, and as a floor
+    # under a layer's compute (host time the GPU work hides), not a cost added to it
     sync = steptime.Fit(stage_sync=1e-3)
     inside = steptime.features(_config(pipeline=4, tensor=2), H100, 8)
     apart = steptime.features(
@@ -83,13 +84,21 @@ def test_scale_terms_add_their_time_only_where_they_mean_something():
         order=("pipeline", "data", "fsdp", "sequence", "tensor"),
     )
     assert not inside.stages_apart and apart.stages_apart
-    base, slow = (steptime.step_time(apart, f) for f in (steptime.Fit(), sync))
-    assert slow.pipeline_sends - base.pipeline_sends == pytest.approx(
-        apart.m * 1e-3 * apart.layers * apart.tensor
-    )
+    assert steptime.host_floor(apart, sync) - steptime.host_floor(
+        apart, steptime.Fit()
+    ) == pytest.approx(1e-3 * apart.layers * apart.tensor)
+    assert steptime.host_floor(inside, sync) == steptime.host_floor(inside, steptime.Fit())
     assert (
         steptime.step_time(inside, sync).total == steptime.step_time(inside, steptime.Fit()).total
     )
+    # the 8B's layers (~10 ms of GPU work a micro-batch at t = 2) hide a 2 ms floor...
+    base, hidden = (steptime.step_time(apart, f) for f in (steptime.Fit(), sync))
+    assert base.host == 0.0 and hidden.total == pytest.approx(base.total)
+    # ...but not a 100 ms one: then the micro-batch's busy time is the floor
+    slow = steptime.Fit(stage_sync=0.05)
+    t = steptime.step_time(apart, slow)
+    assert t.host > 0 and t.pipeline_sends == pytest.approx(base.pipeline_sends)
+    assert t.compute + t.host == pytest.approx(apart.m * steptime.host_floor(apart, slow))
 
 
 @pytest.mark.parametrize("kind,v", [("1f1b", 1), ("zb-h1", 1), ("afab", 1), ("interleaved", 2)])
