@@ -334,11 +334,34 @@ def multiplicities(mod: HloModule) -> tuple[dict[str, int], list[str]]:
     return dict(mult), notes
 
 
+_OPERAND = re.compile(r"%([\w.\-]+)")
+
+
+def _sliced_to_share(name: str, nbytes: float, group: int, instrs) -> float | None:
+    """The bytes of one device's share when every user of all-reduce `name` is a
+    dynamic-slice keeping 1/group of it, else None. XLA:GPU's ReduceScatterCreator
+    rewrites that pair into one reduce-scatter: the SPMD partitioner writes a
+    reduce-scatter that way (its module, read here, is from before that pass)."""
+    users = [(shape, rest) for _, shape, rest in instrs if name in _OPERAND.findall(rest)]
+    if group <= 1 or not users:
+        return None
+    for shape, rest in users:
+        operands = _OPERAND.findall(rest.split(")", 1)[0])
+        if not rest.startswith("dynamic-slice(") or operands[:1] != [name]:
+            return None
+        if shape_bytes(shape) * group != nbytes:
+            return None
+    return shape_bytes(users[0][0])
+
+
 def collectives(text: str) -> tuple[list[Collective], list[str]]:
-    """Every collective of a compiled HLO module with its per-step execution count."""
+    """Every collective of a compiled HLO module with its per-step execution count. An
+    all-reduce whose users only keep this device's 1/n of it counts as the reduce-scatter
+    a GPU runs there (`_sliced_to_share`)."""
     mod = parse_module(text)
     mult, notes = multiplicities(mod)
     found = []
+    rewritten = 0
     for comp, instrs in mod.computations.items():
         for name, shape, rest in instrs:
             op = rest.split("(", 1)[0]
@@ -350,18 +373,30 @@ def collectives(text: str) -> tuple[list[Collective], list[str]]:
                 # async forms return (operands, outputs[, contexts]): keep the outputs
                 parts = parts[1:2] if len(parts) >= 2 else parts
             nbytes = sum(shape_bytes(p) for p in parts)
+            group = group_size(rest, mod.n_devices)
+            if op == "all-reduce":
+                share = _sliced_to_share(name, nbytes, group, instrs)
+                if share is not None:
+                    kind, nbytes = "reduce-scatter", share
+                    rewritten += 1
             types = sorted({t for p in parts for t, _ in _ARRAY.findall(p) if t in DTYPE_BYTES})
             found.append(
                 Collective(
                     kind=kind,
                     name=name,
                     computation=comp,
-                    group=group_size(rest, mod.n_devices),
+                    group=group,
                     bytes=nbytes,
                     count=mult.get(comp, 0),
                     dtype="+".join(types),
                 )
             )
+    if rewritten:
+        notes = [
+            *notes,
+            f"{rewritten} all-reduces whose users keep only this device's share counted "
+            "as reduce-scatters (XLA:GPU's ReduceScatterCreator makes them one)",
+        ]
     return found, notes
 
 
