@@ -27,6 +27,9 @@ class TensorBoundary:
     """Tensor parallelism's boundaries, on one device (size 1): identities."""
 
     size: int = 1
+    # the matmuls reading one region input run as one (ops.dense_joined): under the
+    # partitioner their input gradient is then reduced once, not once per matmul
+    join_inputs: bool = False
 
     def enter(self, x):
         """Residual stream -> input of a TP region."""

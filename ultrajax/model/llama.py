@@ -27,7 +27,9 @@ from ultrajax.model import remat
 from ultrajax.model.attention.backends import attend
 from ultrajax.model.boundaries import LOCAL, SINGLE, AttentionBoundary, TensorBoundary
 from ultrajax.model.nn import rms_norm, rope
-from ultrajax.model.ops import dense
+from ultrajax.model.ops import dense, dense_joined
+
+QKV = (("wq", "btd,dnh->btnh"), ("wk", "btd,dkh->btkh"), ("wv", "btd,dkh->btkh"))
 
 
 def block(
@@ -56,9 +58,16 @@ def block(
     heads = ("batch", "length", "heads", "head_dim")
     kv_heads = ("batch", "length", "kv_heads", "head_dim")
     h = tp.enter(rms_norm(x, p["attn_norm"], cfg.norm_eps))
-    q = checkpoint_name(tp.constrain(dense(h, p["wq"], "btd,dnh->btnh"), heads), remat.QUERY)
-    k = checkpoint_name(tp.constrain(dense(h, p["wk"], "btd,dkh->btkh"), kv_heads), remat.KEY)
-    v = checkpoint_name(tp.constrain(dense(h, p["wv"], "btd,dkh->btkh"), kv_heads), remat.VALUE)
+    if tp.join_inputs:  # one matmul, each kv head's group of queries beside its k and v
+        d, kv, hd = p["wk"].shape
+        g = p["wq"].shape[1] // kv
+        groups = [(d, kv, g, hd), (d, kv, 1, hd), (d, kv, 1, hd)]
+        q, k, v = dense_joined(h, [p["wq"], p["wk"], p["wv"]], groups, 2)
+    else:
+        q, k, v = (dense(h, p[n], e) for n, e in QKV)
+    q = checkpoint_name(tp.constrain(q, heads), remat.QUERY)
+    k = checkpoint_name(tp.constrain(k, kv_heads), remat.KEY)
+    v = checkpoint_name(tp.constrain(v, kv_heads), remat.VALUE)
     scaling = dict(
         scaling=cfg.rope_scaling,
         factor=cfg.rope_factor,
@@ -80,8 +89,13 @@ def block(
 
     h = tp.enter(rms_norm(x, p["mlp_norm"], cfg.norm_eps))
     hidden = ("batch", "length", "mlp")
-    gate = checkpoint_name(tp.constrain(dense(h, p["w_gate"], "btd,df->btf"), hidden), remat.MLP_IN)
-    up = checkpoint_name(tp.constrain(dense(h, p["w_up"], "btd,df->btf"), hidden), remat.MLP_IN)
+    if tp.join_inputs:
+        d, f = p["w_up"].shape
+        gate, up = dense_joined(h, [p["w_gate"], p["w_up"]], [(d, 1, f)] * 2, 1)
+    else:
+        gate, up = dense(h, p["w_gate"], "btd,df->btf"), dense(h, p["w_up"], "btd,df->btf")
+    gate = checkpoint_name(tp.constrain(gate, hidden), remat.MLP_IN)
+    up = checkpoint_name(tp.constrain(up, hidden), remat.MLP_IN)
     out = dense(jax.nn.silu(gate) * up, p["w_down"], "btf,fd->btd")
     x = x + tp.exit(checkpoint_name(out, remat.MLP_OUT))
     return x if cache is None else (x, (k, v))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass, field
 
 import jax
@@ -192,6 +193,80 @@ def dense(x, w, eq: str, out_dtype=None):
     return jnp.einsum(eq, x, w.astype(x.dtype), preferred_element_type=out_dtype).astype(out_dtype)
 
 
+# --------------------------------------------------------------------------- one input, one matmul
+
+
+def _joined(values, shapes, axis, dtype):
+    parts = [v.astype(dtype).reshape(s) for v, s in zip(values, shapes, strict=True)]
+    return jnp.concatenate(parts, axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 8))
+def _dense_joined(eq, shapes, axis, out_dtype, x, values, sinks, accs, reds):
+    w = _joined(values, shapes, axis, x.dtype)
+    return jnp.einsum(eq, x, w, preferred_element_type=out_dtype).astype(out_dtype)
+
+
+def _dense_joined_fwd(eq, shapes, axis, out_dtype, x, values, sinks, accs, reds):
+    out = _dense_joined(eq, shapes, axis, out_dtype, x, values, sinks, accs, reds)
+    return out, (x, values, accs)
+
+
+def _dense_joined_bwd(eq, shapes, axis, out_dtype, reds, res, g):
+    x, values, accs = res
+    eq_dx, _ = _transposes(eq)
+    g = g.astype(x.dtype)
+    dx = jnp.einsum(eq_dx, g, _joined(values, shapes, axis, x.dtype)).astype(x.dtype)
+    # each weight's gradient from its own part of g: one matmul and reduction per weight,
+    # as without joining (split after one matmul, the partitioner all-reduced the whole
+    # joined gradient over `data` before scattering each part over `fsdp`)
+    out_axis = x.ndim - 1 + axis - 1
+    cuts = list(itertools.accumulate(s[axis] for s in shapes))[:-1]
+    parts = jnp.split(g, cuts, out_axis)
+    each = zip(parts, values, accs, reds, strict=True)
+    grads = tuple(finish(_dense_dw(eq, x, gi, r).reshape(v.shape), a, r) for gi, v, a, r in each)
+    return dx, None, grads, None
+
+
+_dense_joined.defvjp(_dense_joined_fwd, _dense_joined_bwd)
+
+
+def _contract_first(x_ndim: int, w_ndim: int) -> str:
+    """The einsum contracting x's last axis with w's first: 'abz,zcd->abcd'."""
+    lead, rest = "abcdefgh"[: x_ndim - 1], "stuvwxy"[: w_ndim - 1]
+    return f"{lead}z,z{rest}->{lead}{rest}"
+
+
+def dense_joined(x, ws, shapes, axis: int):
+    """[dense(x, w) for w in ws], contracting x's last axis with each weight's first, as
+    one matmul: each weight reshaped to its entry of `shapes` (same rank, equal but for
+    `axis`) and joined along `axis`. Why: the input gradient is then one sum of partial
+    products, which the partitioner reduces once, where separate matmuls are reduced
+    once each (parallel/partitioned.py). Same values as separate `dense` calls, which
+    plain arrays (decoding) and split backwards (zero bubble) still take."""
+    if not all(isinstance(w, Weight) and w.reduce.defer is None for w in ws):
+        return [dense(x, w, _contract_first(x.ndim, len(w.shape))) for w in ws]
+    eq = _contract_first(x.ndim, len(shapes[0]))
+    shapes = tuple(tuple(s) for s in shapes)
+    out = _dense_joined(
+        eq,
+        shapes,
+        axis,
+        x.dtype,
+        x,
+        tuple(w.value for w in ws),
+        tuple(w.sink for w in ws),
+        tuple(w.acc for w in ws),
+        tuple(w.reduce for w in ws),
+    )
+    cuts = list(itertools.accumulate(s[axis] for s in shapes))[:-1]
+    at = x.ndim - 1 + axis - 1  # the joined axis in the output
+    return [
+        o.reshape(*x.shape[:-1], *w.shape[1:])
+        for o, w in zip(jnp.split(out, cuts, at), ws, strict=True)
+    ]
+
+
 # --------------------------------------------------------------------------- norm scale
 
 
@@ -206,7 +281,9 @@ def _scale_fwd(y, value, sink, acc, red):
 
 
 def _scale_dw(y, g):
-    return jnp.sum((g * y).reshape(-1, y.shape[-1]), axis=0)
+    # summed over the leading axes in place: a reshape merging (batch, length) would make
+    # the partitioner gather a sequence-parallel fp32 y before it (parallel/partitioned.py)
+    return jnp.sum(g * y, axis=tuple(range(y.ndim - 1)))
 
 
 def _scale_bwd(red, res, g):

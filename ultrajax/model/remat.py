@@ -54,6 +54,8 @@ def all_but_gathered_weights(axis: str):
         if prim.name == "all_gather":
             names = params.get("axis_name", ())
             return axis not in (names if isinstance(names, tuple) else (names,))
+        if prim.name == "sharding_constraint":  # the partitioner's gather (gspmd): its
+            return False  # input is kept instead, the shard (or the same activation)
         return not (prim.name == "name" and params.get("name") == GATHERED)
 
     return keep

@@ -14,6 +14,7 @@ from ultrajax.model import remat
 from ultrajax.model.llama import logical_axes
 from ultrajax.parallel.axes import (
     AXES,
+    DATA,
     DATA_AXES,
     FSDP,
     PIPELINE,
@@ -54,12 +55,21 @@ class Layout:
         self.zero = Zero(cfg.parallel.zero, mesh.shape[FSDP])
         self.gspmd = cfg.parallel.collectives == "gspmd"
         big = frozenset(a for a in AXES if mesh.shape[a] > 1)
-        # gspmd: manual only where accumulation defers a data reduction (ZeRO-0/1), over
-        # `sequence` as well there (the sequence splits the tokens like the data axes do);
-        # elsewhere context parallelism goes manual over `sequence` inside attention alone
-        # (Shardy rejects that nested shard_map inside one manual over the data axes)
-        defer = grads and self.zero.active <= 1
-        needed = big & frozenset(TOKEN_AXES) if defer and big & set(DATA_AXES) else frozenset()
+        # gspmd: manual only where accumulation defers a data reduction: ZeRO-0/1 over
+        # the token axes, ZeRO-2/3 over `data` and `sequence` when there are micro-batches
+        # to defer over (their fsdp reduce-scatter is due every micro-batch: the
+        # partitioner's); elsewhere context parallelism goes manual over `sequence` inside
+        # attention alone (Shardy rejects that nested shard_map inside one manual over
+        # the data axes)
+        if self.zero.active <= 1:
+            owed = frozenset(TOKEN_AXES) if big & set(DATA_AXES) else frozenset()
+        else:
+            # not with fsdp and tensor both left to the partitioner: XLA aborts on that
+            # partly manual program (spmd_partitioner_util.cc:497, jax 0.10); there the
+            # data reduction runs every micro-batch
+            many = cfg.train.grad_accum > 1 and DATA in big and not {FSDP, TENSOR} <= big
+            owed = frozenset(a for a in TOKEN_AXES if a != FSDP) if many else frozenset()
+        needed = big & owed if grads else frozenset()
         self.pipeline = mesh.shape[PIPELINE]
         if self.pipeline > 1:  # the schedule runs per device; its data reductions wait
             needed = big & frozenset((*TOKEN_AXES, PIPELINE))
@@ -81,7 +91,7 @@ class Layout:
         self.gathered = self._specs("compute", drop=FSDP)
         inner = rules.inside(self.manual) if self.manual else rules
         self.tp = (
-            Partitioned(inner)
+            Partitioned(inner, join_inputs=mesh.shape[TENSOR] > 1)
             if self.gspmd
             else TensorParallel(mesh.shape[TENSOR], cfg.parallel.sequence_parallel)
         )

@@ -34,12 +34,32 @@ class Partitioned:
 
     rules: Rules
     size: int = 1  # single-device semantics for code that asks (the loss)
+    # q, k, v (and gate, up) as one matmul: one reduction of their input gradient where
+    # the partitioner reduces each matmul's partial sums on its own (5 a layer, not 2)
+    join_inputs: bool = False
 
     def constrain(self, x, names):
         return jax.lax.with_sharding_constraint(x, self.rules.spec(names))
 
     def enter(self, x):
-        return self.constrain(x, REGION)
+        """Forward: pinned in the residual layout first, so the all-gather moves x as it
+        comes (the norm's output in the compute dtype), not the fp32 values before its
+        cast. Backward: the region's input gradient (partial sums) goes straight to the
+        residual layout: one reduce-scatter under SP, where a constraint to the region's
+        layout first would all-reduce it and slice after."""
+
+        @jax.custom_vjp
+        def enter(x):
+            return self.constrain(self.constrain(x, RESIDUAL), REGION)
+
+        def fwd(x):
+            return enter(x), None
+
+        def bwd(_, g):
+            return (self.constrain(g, RESIDUAL),)
+
+        enter.defvjp(fwd, bwd)
+        return enter(x)
 
     def exit(self, x):
         return self.constrain(x, RESIDUAL)

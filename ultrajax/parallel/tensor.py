@@ -91,6 +91,7 @@ class TensorParallel:
     size: int
     sequence_parallel: bool = False
     axis: str = TENSOR
+    join_inputs = False  # each rank sums its input gradients before one collective anyway
 
     def enter(self, x):
         """Residual stream -> input of a TP region (whole sequence, same on every rank)."""
