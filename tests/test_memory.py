@@ -23,7 +23,7 @@ from ultrajax.parallel import mesh as mesh_lib
 from ultrajax.tools import analyze, hlo
 from ultrajax.train import optim
 from ultrajax.train.batch import Batch
-from ultrajax.train.step import state_shardings
+from ultrajax.train.step import init_state, state_shardings
 
 # --------------------------------------------------------------------------- exact parts
 
@@ -437,3 +437,64 @@ def test_pipeline_residuals_of_checkpointed_layers(remat, monkeypatch):
     assert kept == sum(parts.values()), (parts, kept)
     rows = cfg.train.micro_batch_size  # every residual is an activation of those rows
     assert all(s.ndim == 0 or s.shape[0] == rows for s in probed[-1].stored), probed[-1].stored
+
+
+@pytest.mark.parametrize(
+    "overrides, p",
+    [
+        (("mesh.pipeline=4", "mesh.data=2", "model.n_layers=4", "train.grad_accum=4"), 4),
+        (
+            (
+                "mesh.pipeline=2",
+                "mesh.tensor=2",
+                "mesh.fsdp=2",
+                "parallel.zero=1",
+                "train.grad_accum=2",
+            ),
+            2,
+        ),
+        (
+            (
+                "mesh.pipeline=4",
+                "mesh.data=2",
+                "model.n_layers=4",
+                "train.grad_accum=4",
+                "model.vocab_size=254",
+            ),
+            1,
+        ),
+    ],
+)
+def test_pipeline_splits_the_embedding_and_head_state_over_stages(overrides, p, monkeypatch):
+    """With mesh.pipeline = p the embedding's and head's masters and Adam moments take
+    1/p of the bytes per device they took replicated over `pipeline` (a vocabulary that
+    tensor x pipeline does not divide keeps them replicated: p = 1 here), read off the
+    train state's arrays; the shards tile each table, and the memory model's master and
+    optimizer bytes are the state's."""
+    cfg, devices = make(*overrides)
+    mesh = mesh_lib.make_mesh(cfg, devices)
+    tx = optim.optimizer(cfg)
+    sh = state_shardings(cfg, mesh, mesh_lib.rules(cfg), tx)
+    with jax.set_mesh(mesh):
+        state = jax.jit(lambda k: init_state(cfg, tx, k), out_shardings=sh)(jax.random.key(0))
+    adam = state["opt_state"][1][0]
+    tables = {"params": state["params"], "mu": adam.mu, "nu": adam.nu}
+    with monkeypatch.context() as mp:  # the layout before: replicated over `pipeline`
+        mp.setattr(mesh_lib, "vocab_over_pipeline", lambda cfg: False)
+        before = state_shardings(cfg, mesh, mesh_lib.rules(cfg), tx)["params"]
+    for kind, tree in tables.items():
+        for k in ("embed", "lm_head"):
+            a = tree[k]
+            held = {a.addressable_shards[0].data.nbytes}
+            held |= {s.data.nbytes for s in a.addressable_shards}
+            replicated = math.prod(before[k].shard_shape(a.shape)) * a.dtype.itemsize
+            assert held == {replicated // p}, (kind, k, held, replicated)
+            pieces = {str(s.index): s.data.nbytes for s in a.addressable_shards}
+            assert sum(pieces.values()) == a.nbytes, (kind, k)  # the shards tile it
+
+    def on_device0(tree):
+        return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+    e = memory.estimate(cfg)
+    assert e.parts.master == on_device0(state["params"])
+    assert abs(e.parts.optimizer - on_device0((adam.mu, adam.nu))) <= 16

@@ -19,6 +19,7 @@ import test_parallel as grid
 
 from ultrajax.config import parse
 from ultrajax.config.schema import ConfigError
+from ultrajax.parallel import mesh as mesh_lib
 from ultrajax.parallel.pipeline import plan as plan_lib
 from ultrajax.parallel.pipeline import schedules as schedule
 from ultrajax.tools import hlo
@@ -128,25 +129,30 @@ def test_pipeline_matches_single_device(name):
 
 def test_evaluation_runs_the_stages_forwards_without_gathering_them():
     """The eval step sends activations down the stages (collective-permutes) and never
-    all-gathers the layers: no device holds another stage's weights."""
+    all-gathers the layers: no device holds another stage's weights. The one all-gather
+    is the (tied) embedding's, stored split over `pipeline`: the whole table, once."""
     layout, m, model = SCHEDULES["p4-m8-interleaved-v2-tied"]
     found, _ = hlo.collectives(run(layout, m, *model)[4][2])
-    kinds = {c.kind for c in found}
-    assert "collective-permute" in kinds and "all-gather" not in kinds, kinds
+    assert "collective-permute" in {c.kind for c in found}
+    gathers = [(c.bytes, c.count) for c in found if c.kind == "all-gather"]
+    assert gathers == [(4 * grid.VOCAB * grid.D, 1)], gathers
 
 
 def test_data_reductions_run_once_per_step_outside_the_schedule():
-    """p=2 x data=2: the gradients are all-reduced over `data` once per step, after the
-    last micro-batch (not per micro-batch inside the tick loop): 4 bytes x this stage's
-    parameters, the replicated embedding and head included."""
+    """p=2 x data=2 x fsdp=2, ZeRO-2: the gradients are reduce-scattered once per step,
+    after the last micro-batch (not per micro-batch inside the tick loop): over `fsdp`,
+    4 bytes x this stage's parameters / 2; the embedding and head first over `pipeline`
+    (into the state's split of them: each device's result is half of each table), then
+    their half over `fsdp`. Nothing is summed whole over `pipeline` but the final norm."""
     layout, m, model = COMPOSED["p2-data2-fsdp2-zero2"]
     found, notes = hlo.collectives(run(layout, m, *model)[3])
     cfg = grid.make_cfg(dict(layout), f"train.grad_accum={m}")
     psi = grid.n_params(cfg)
-    layers = psi - (grid.VOCAB * grid.D * 2 + grid.D)
-    stage = layers // 2 + (psi - layers)  # half the layers, all of the rest
+    tables = grid.VOCAB * grid.D * 2
+    stage = (psi - tables - grid.D) // 2 + grid.D  # half the layers, the final norm
     scattered = sum(c.bytes * c.count for c in found if c.kind == "reduce-scatter")
-    assert scattered == pytest.approx(4 * stage / 2, rel=0.02)  # fsdp=2 shards
+    by_fsdp = 4 * (stage + tables / 2) / 2  # results: the fsdp shards
+    assert scattered == pytest.approx(by_fsdp + 4 * tables / 2, rel=0.02)
     assert all(c.count == 1 for c in found if c.kind == "reduce-scatter"), found
 
 
@@ -261,6 +267,21 @@ def test_checkpoints_move_between_pipeline_and_no_pipeline(tmp_path):
     losses (the stored layer order is the model's, whatever the schedule)."""
     a = _train(tmp_path / "a", 8, *PIPELINED)  # every run: the same 8-step schedule
     b = _train(tmp_path / "b", 8, *NO_PIPELINE,
+               f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / '3'}")  # fmt: skip
+    assert sorted(b) == list(range(4, 9))
+    np.testing.assert_allclose([b[s] for s in b], [a[s] for s in b], rtol=2e-5)
+
+
+@pytest.mark.slow
+def test_checkpoints_with_the_tables_replicated_over_stages_restore_split(tmp_path, monkeypatch):
+    """A checkpoint written while every stage held the whole embedding and head (the
+    layout before they were split over `pipeline`) resumes into the split layout: Orbax
+    restores each table into its new sharding, and the next losses are the old layout's."""
+    with monkeypatch.context() as mp:
+        mp.setattr(mesh_lib, "vocab_over_pipeline", lambda cfg: False)
+        a = _train(tmp_path / "a", 8, *PIPELINED)
+    assert mesh_lib.vocab_over_pipeline(parse.load(harness.TINY, [*SMALL, *PIPELINED]))
+    b = _train(tmp_path / "b", 8, *PIPELINED,
                f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / '3'}")  # fmt: skip
     assert sorted(b) == list(range(4, 9))
     np.testing.assert_allclose([b[s] for s in b], [a[s] for s in b], rtol=2e-5)

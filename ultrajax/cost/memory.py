@@ -60,6 +60,7 @@ from ultrajax.cost.sizes import dims, layer_weight_elements, param_elements
 from ultrajax.cost.units import dtype_bytes, fmt_bytes
 from ultrajax.model import llama
 from ultrajax.parallel.axes import FSDP
+from ultrajax.parallel.mesh import vocab_over_pipeline
 from ultrajax.parallel.zero import Zero
 
 HEAD_WORK_V = 2.0  # exp(logits) and d logits: fp32 b·s·v each
@@ -239,11 +240,14 @@ def _copies(cfg: Config) -> tuple[float, float]:
     backward is; with several, the gathers are loop-invariant, XLA hoists them out of the
     micro-batch loop and both tables live through the whole step (ZeRO-3 too). A tied
     table is the head's. Without ZeRO the compute copy is a separate array only when its
-    dtype differs from the masters'."""
+    dtype differs from the masters' or it is gathered: a pipeline's embedding and head,
+    stored split over `pipeline` (mesh.vocab_over_pipeline), are gathered whole each step."""
     z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
     m, c = cfg.model, dims(cfg).c
     shard_copy = c * param_elements(cfg, "compute") if c != dtype_bytes(m.param_dtype) else 0.0
     if not z.active:
+        if shard_copy == 0.0 and vocab_over_pipeline(cfg):
+            shard_copy = c * _whole(cfg, (llama.EMBEDDING, llama.HEAD))
         return shard_copy, 0.0
     table = _whole(cfg, (llama.EMBEDDING,)) * (not m.tie_embeddings)
     head = _whole(cfg, (llama.HEAD,) if not m.tie_embeddings else (llama.EMBEDDING,))
@@ -344,8 +348,10 @@ def _update(stored: int) -> float:
 
 def _pipelined(cfg: Config, fixed: _Fixed) -> Estimate:
     """mesh.pipeline > 1 (parallel/pipeline/executor.py): the executor's buffers replace the saved
-    activations, every device holds one stage's layers and the whole embedding, final
-    norm and LM head, and no gradient is reduced before the last micro-batch is done.
+    activations, every device holds one stage's layers, the final norm, its share of the
+    embedding and LM head (split over `pipeline` where mesh.vocab_over_pipeline, whole
+    otherwise) and their whole compute copy, and no gradient is reduced before the last
+    micro-batch is done.
 
     Phases: a tick (the buffers, the fp32 accumulators, one chunk's residuals being read
     or written, and one layer's backward working set, PIPE_WORK of it beside the
@@ -359,7 +365,9 @@ def _pipelined(cfg: Config, fixed: _Fixed) -> Estimate:
     # fp32 sums of every weight this device holds, whole over fsdp (a tied embedding's
     # lookup and LM head add into one)
     accum = 4.0 * whole
-    grads = 4.0 * (stored if z.active >= 1 else whole)
+    # ZeRO >= 1 (even on a one-wide fsdp): the state's layout, the embedding and head
+    # reduce-scattered over `pipeline`; ZeRO-0: the compute layout, summed whole
+    grads = 4.0 * (stored if z.shards_state else whole)
     activations = pipeline_buffers(cfg)
     saved = sum(activations.values())
     per_chunk = m.n_layers // (plan.p * plan.v)

@@ -158,7 +158,9 @@ class Layout:
         Cast first, so every weight all-gather moves the compute dtype. explicit: the
         ZeRO-1/2 gather is written out here (once a step); ZeRO-3 gathers the layers
         inside the layer scan (`gather_layer`) and the rest here. gspmd: a sharding
-        constraint asks the partitioner for the compute layout."""
+        constraint asks the partitioner for the compute layout. The embedding and head
+        stored over `pipeline` (mesh.vocab_over_pipeline) are gathered over it here in
+        either mode, once a step."""
         dtype = jnp.dtype(self.cfg.model.dtype)
         cast = jax.tree.map(lambda p: p.astype(dtype), params)
         if self.gspmd:
@@ -170,6 +172,13 @@ class Layout:
             # the barrier keeps the cast on the shards: without it the partitioner
             # gathers the fp32 masters and casts after (twice the bytes)
             return jax.lax.with_sharding_constraint(jax.lax.optimization_barrier(cast), sh)
+        cast = jax.tree.map(
+            _gather_pipeline,
+            cast,
+            self.specs["stored"],
+            self.specs["compute"],
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
         if not self.zero.active:
             return cast
         out = {}
@@ -205,6 +214,19 @@ class Layout:
             )
 
         return gather
+
+
+def _gather_pipeline(w, stored: PartitionSpec, compute: PartitionSpec):
+    """Per-device code: the weight gathered over `pipeline` along each dimension it is
+    stored split over `pipeline` but computed whole over it (the vocabulary)."""
+    for dim, (s, c) in enumerate(zip(stored, compute, strict=True)):
+        if PIPELINE in _entry(s) and PIPELINE not in _entry(c):
+            w = jax.lax.all_gather(w, PIPELINE, axis=dim, tiled=True)
+    return w
+
+
+def _entry(e) -> tuple:
+    return () if e is None else (e,) if isinstance(e, str) else tuple(e)
 
 
 def _flat_specs(specs: dict) -> dict:

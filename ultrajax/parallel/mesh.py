@@ -149,6 +149,8 @@ def rules(cfg: Config) -> Rules:
         "layers": PIPELINE if cfg.mesh.pipeline > 1 else None,  # a stage: a slice of them
     }
     stored = dict(weights, embed=FSDP if zero.shards_state else None)
+    if vocab_over_pipeline(cfg):
+        stored["vocab"] = (TENSOR, PIPELINE)
     compute = dict(weights, embed=FSDP if zero.shards_params else None)
     activation = {
         "batch": DATA_AXES,
@@ -162,6 +164,17 @@ def rules(cfg: Config) -> Rules:
         "vocab": TENSOR,
     }
     return Rules(stored=stored, compute=compute, activation=activation)
+
+
+def vocab_over_pipeline(cfg: Config) -> bool:
+    """Whether the stored embedding and LM head (masters, Adam state) are split over
+    `pipeline` along `vocab` as well as over `tensor`: tensor major, so a tensor rank's
+    pipeline shards gathered give its compute block. Only the first and last stage use
+    those tables, so no stage keeps them whole; the compute copy is gathered once a step
+    (parallel/layout.py) and the gradients reduce-scattered back (pipeline/executor.py).
+    A vocabulary that tensor x pipeline does not divide stays replicated over `pipeline`."""
+    p = cfg.mesh.pipeline
+    return p > 1 and cfg.model.vocab_size % (cfg.mesh.tensor * p) == 0
 
 
 def manual_free(manual) -> tuple[str, ...]:

@@ -16,9 +16,11 @@ The backward never recomputes the forward unless `model.remat` asks for it.
 
 The first stage also embeds, the last also runs the final norm, the LM head and the
 loss (its forward tick makes the loss gradient, its backward tick reads it back). Every
-device holds the embedding, the final norm and the LM head (replicated over
-`pipeline`); the gradients of those are summed over `pipeline` at the end, which is
-where a tied embedding's two halves (lookup on the first stage, head on the last) meet.
+device computes with the whole embedding, final norm and LM head (gathered over
+`pipeline` once a step where the state keeps the embedding and head split over it along
+the vocabulary, mesh.vocab_over_pipeline); their gradients are reduced over `pipeline`
+at the end (reduce-scattered back into the state's split, or summed), which is where a
+tied embedding's two halves (lookup on the first stage, head on the last) meet.
 All weight gradients stay unreduced over the data axes until the last micro-batch is
 done, then each is reduced once (parallel.zero's reduce-scatter where it shards them).
 
@@ -77,25 +79,47 @@ def evaluate(plan: TickPlan, cfg: Config, layout, cparams: dict, batch):
 
 def reduce(cfg: Config, layout, grads: dict, params: dict) -> dict:
     """Each accumulated gradient reduced once: over the data axes (ZeRO >= 1: scattered
-    into this rank's shard of `params`), and the replicated weights over `pipeline`."""
+    into this rank's shard of `params`), and the weights every stage computes with over
+    `pipeline`: reduce-scattered along `vocab` where the state keeps them split over it
+    (mesh.vocab_over_pipeline, ZeRO >= 1: the gradient takes the state's layout), else
+    summed (the final norm; without ZeRO the gradients leave in the compute layout)."""
     dtype = cfg.parallel.grad_reduce_dtype
     out = {}
     for k, g in grads.items():
-        names = layout.names[k]
+        names, stored = layout.names[k], layout.specs["stored"][k]
         if k == "layers":
             out[k] = {
-                kk: _finish(layout, gg, params[k][kk], names[kk], dtype) for kk, gg in g.items()
+                kk: _finish(layout, gg, params[k][kk], names[kk], stored[kk], dtype)
+                for kk, gg in g.items()
             }
         else:
-            out[k] = _finish(layout, g, params[k], names, dtype)
+            out[k] = _finish(layout, g, params[k], names, stored, dtype)
     return out
 
 
-def _finish(layout, g, param, names, dtype):
+def _finish(layout, g, param, names, stored, dtype):
     scatter = layout.zero.scatter(names, last=True) if layout.zero.shards_state else None
     if scatter is not None and scatter[0] not in layout.manual:
         scatter = None
-    return finish(g, None, Reduce(dtype, scatter, varying=vma(param), shape=param.shape))
+    varying = vma(param)
+    split = _pipeline_dim(names, stored)
+    if split is not None and layout.zero.shards_state:  # the state's layout: this shard
+        rdt = jnp.dtype(dtype)
+        g = jax.lax.psum_scatter(g.astype(rdt), AXIS, scatter_dimension=split, tiled=True)
+        g = g.astype(jnp.float32)
+    elif split is not None:  # ZeRO-0: the gradient leaves whole over `pipeline`
+        varying = varying - {AXIS}
+    return finish(g, None, Reduce(dtype, scatter, varying=varying, shape=param.shape))
+
+
+def _pipeline_dim(names, stored) -> int | None:
+    """The dimension a stage-shared weight is stored split over `pipeline` along (the
+    vocabulary), or None (the layers are a stage's own; the final norm is replicated)."""
+    for d, (n, e) in enumerate(zip(names, stored, strict=True)):
+        axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        if n != "layers" and AXIS in axes:
+            return d
+    return None
 
 
 def _moves(p: int, v: int, back: bool = False):
