@@ -223,6 +223,19 @@ LAYOUTS = {
 }
 
 
+def _communication(name, cfg, devices):
+    """analyze's communication report, and its kinds in one line (printed: -s shows it)."""
+    report = analyze.analyze(cfg, communication=True, devices=devices, compiler_options=FAST)
+    comm = report["communication"]
+    rows = "; ".join(
+        f"{k}: {r['traffic']:.0f} vs {r['expected']:.0f}"
+        for k, r in comm["kinds"].items()
+        if r["traffic"] or r["expected"]
+    )
+    print(f"{name}: ratio {comm['total']['ratio']:.3f} ({rows})")
+    return comm, rows
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
@@ -232,14 +245,7 @@ def test_communication_matches_the_playbook(name):
     """Measured traffic of every collective kind within 10% of the formula (and no
     collective kind the layout should not use)."""
     cfg, devices = make(*LAYOUTS[name], "model.remat=none")
-    report = analyze.analyze(cfg, communication=True, devices=devices, compiler_options=FAST)
-    comm = report["communication"]
-    rows = "; ".join(
-        f"{k}: {r['traffic']:.0f} vs {r['expected']:.0f}"
-        for k, r in comm["kinds"].items()
-        if r["traffic"] or r["expected"]
-    )
-    print(f"{name}: ratio {comm['total']['ratio']:.3f} ({rows})")
+    comm, rows = _communication(name, cfg, devices)
     for kind, row in comm["kinds"].items():
         if row["expected"]:
             assert 0.9 <= row["traffic"] / row["expected"] <= 1.1, (name, kind, rows)
@@ -272,14 +278,7 @@ def test_the_partitioner_moves_the_formulas_bytes(name):
         *GSPMD[name], "model.remat=none", "model.dtype=bfloat16", "model.scan_unroll=1",
         "parallel.collectives=gspmd", base=[],
     )  # fmt: skip
-    report = analyze.analyze(cfg, communication=True, devices=devices, compiler_options=FAST)
-    comm = report["communication"]
-    rows = "; ".join(
-        f"{k}: {r['traffic']:.0f} vs {r['expected']:.0f}"
-        for k, r in comm["kinds"].items()
-        if r["traffic"] or r["expected"]
-    )
-    print(f"{name}: ratio {comm['total']['ratio']:.3f} ({rows})")
+    comm, rows = _communication(name, cfg, devices)
     assert 0.85 <= comm["total"]["ratio"] <= 1.15, rows
     for kind in ("all-gather", "reduce-scatter"):
         row = comm["kinds"][kind]

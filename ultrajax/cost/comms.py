@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from ultrajax.config.schema import Config
 from ultrajax.cost import activations, sizes, units
 from ultrajax.cost.units import dtype_bytes
+from ultrajax.parallel import mesh as mesh_lib
 from ultrajax.parallel.axes import FSDP
 from ultrajax.parallel.pipeline import schedules as schedule
 
@@ -224,11 +225,22 @@ def _pipeline_terms(cfg: Config, grads: float, psi: int) -> list[Term]:
     )
     rest = grads * psi_rest / psi  # grads: bytes of the psi weights' gradients
     layers = grads - rest
+    # the embedding and LM head split over `pipeline` along the vocabulary
+    # (mesh.vocab_over_pipeline): their gradients reduce-scattered over it first (then
+    # over fsdp and the data axes at 1/p), their compute copy gathered over it once a
+    # step (of the fsdp shard: the fsdp gather after it moves the whole tables as before)
+    vocab = mesh_lib.vocab_over_pipeline(cfg)
+    tables = grads * _vocab_elements(cfg) / psi if vocab else 0.0
     terms = []
+    if vocab:
+        terms.append(
+            Term("reduce-scatter", "embedding, LM head gradients over pipeline (vocabulary)",
+                 "Ψ_vocab(p-1)/p", _ring(tables, p), "pipeline", "hidden")
+        )  # fmt: skip
     if zero >= 1:
         terms.append(
             Term("reduce-scatter", f"gradients over fsdp (ZeRO-{zero}, once per step)",
-                 "Ψ(N-1)/N", _ring(grads, fs), "fsdp", "hidden")
+                 "Ψ(N-1)/N", _ring(grads - tables + tables / p, fs), "fsdp", "hidden")
         )  # fmt: skip
     shard = fs if zero >= 1 else 1
     over = "gradient shards" if zero >= 1 else "gradients"
@@ -238,15 +250,34 @@ def _pipeline_terms(cfg: Config, grads: float, psi: int) -> list[Term]:
             Term("all-reduce", f"layer {over} over the data axes", "2Ψ_layers(N-1)/N",
                  _ring(layers / shard, n, 2.0), "data", "hidden")
         )  # fmt: skip
+    if vocab and n > 1:
+        terms.append(
+            Term("all-reduce", f"embedding, LM head {over} over the data axes (1/p)",
+                 "2(Ψ_vocab/p)(N-1)/N", _ring(tables / shard / p, n, 2.0), "data", "hidden")
+        )  # fmt: skip
     terms.append(
-        Term("all-reduce", f"embedding, final norm, LM head {over} over data x pipeline",
-             "2Ψ_rest(N·p-1)/(N·p)", _ring(rest / shard, n * p, 2.0), "data+pipeline", "hidden")
+        Term("all-reduce", f"{'final norm' if vocab else 'embedding, final norm, LM head'} "
+             f"{over} over data x pipeline", "2Ψ_rest(N·p-1)/(N·p)",
+             _ring((rest - tables) / shard, n * p, 2.0), "data+pipeline", "hidden")
     )  # fmt: skip
+    to_compute = units.dtype_bytes(cfg.model.dtype) / units.dtype_bytes(
+        cfg.parallel.grad_reduce_dtype
+    )
+    if vocab:
+        terms.append(
+            Term("all-gather", "embedding, LM head over pipeline (once per step)",
+                 "Ψ_vocab(p-1)/p", _ring(tables * to_compute / shard, p), "pipeline", "exposed")
+        )  # fmt: skip
     if zero >= 1:
-        weights = grads / units.dtype_bytes(cfg.parallel.grad_reduce_dtype)
-        weights *= units.dtype_bytes(cfg.model.dtype)
-        terms.append(_updated_gather(weights, fs))
+        terms.append(_updated_gather(grads * to_compute, fs))
     return terms + [_pipeline_sends(cfg)]
+
+
+def _vocab_elements(cfg: Config) -> int:
+    """The embedding's and LM head's elements on one tensor rank (whole over the rest)."""
+    return sizes.param_elements(
+        cfg, kind="compute", ignore=(FSDP,), where=lambda w: "vocab" in w.names
+    )
 
 
 def _pipeline_sends(cfg: Config) -> Term:

@@ -358,16 +358,15 @@ def _pipelined(cfg: Config, fixed: _Fixed) -> Estimate:
     attention's PIPE_ATTN_S copies of the scores); the last stage's head (the logits'
     working set instead of the chunk's); then the reduction and the optimizer."""
     m = cfg.model
-    z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
     plan = pipeline_plan(cfg)
     stored = param_elements(cfg, "stored")
     whole = param_elements(cfg, "compute", ignore=(FSDP,))
     # fp32 sums of every weight this device holds, whole over fsdp (a tied embedding's
     # lookup and LM head add into one)
     accum = 4.0 * whole
-    # ZeRO >= 1 (even on a one-wide fsdp): the state's layout, the embedding and head
-    # reduce-scattered over `pipeline`; ZeRO-0: the compute layout, summed whole
-    grads = 4.0 * (stored if z.shards_state else whole)
+    # the state's layout: ZeRO's shards, the embedding and head reduce-scattered over
+    # `pipeline` (mesh.vocab_over_pipeline); whole otherwise
+    grads = 4.0 * stored
     activations = pipeline_buffers(cfg)
     saved = sum(activations.values())
     per_chunk = m.n_layers // (plan.p * plan.v)

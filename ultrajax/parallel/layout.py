@@ -95,7 +95,7 @@ class Layout:
             if self.gspmd
             else TensorParallel(mesh.shape[TENSOR], cfg.parallel.sequence_parallel)
         )
-        grad_kind = "stored" if self.zero.shards_state else "compute"
+        grad_kind = "stored"  # without ZeRO the same as compute, but a pipeline's tables
         auto_specs = None
         if self.gspmd:  # the partitioner gives each reduced gradient its final layout
             auto = frozenset(AXES) - self.manual

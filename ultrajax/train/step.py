@@ -85,7 +85,9 @@ def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
 
     if layout.pipeline > 1:
         per_device = _pipelined(cfg, layout)
-    grad_kind = "stored" if layout.zero.shards_state else "compute"
+    # the gradients leave in the state's layout (ZeRO: this rank's shard; a pipeline's
+    # embedding and head: this stage's vocabulary split, reduce-scattered there)
+    grad_kind = "stored"
     batch_spec = batch_specs()
     if layout.gspmd:  # the compute copy is laid out by the partitioner, outside
         fn, in_specs = per_device, (layout.specs["stored"], layout.specs["compute"], batch_spec)

@@ -81,8 +81,8 @@ def reduce(cfg: Config, layout, grads: dict, params: dict) -> dict:
     """Each accumulated gradient reduced once: over the data axes (ZeRO >= 1: scattered
     into this rank's shard of `params`), and the weights every stage computes with over
     `pipeline`: reduce-scattered along `vocab` where the state keeps them split over it
-    (mesh.vocab_over_pipeline, ZeRO >= 1: the gradient takes the state's layout), else
-    summed (the final norm; without ZeRO the gradients leave in the compute layout)."""
+    (mesh.vocab_over_pipeline: the gradient takes the state's layout), else summed (the
+    final norm)."""
     dtype = cfg.parallel.grad_reduce_dtype
     out = {}
     for k, g in grads.items():
@@ -101,15 +101,12 @@ def _finish(layout, g, param, names, stored, dtype):
     scatter = layout.zero.scatter(names, last=True) if layout.zero.shards_state else None
     if scatter is not None and scatter[0] not in layout.manual:
         scatter = None
-    varying = vma(param)
     split = _pipeline_dim(names, stored)
-    if split is not None and layout.zero.shards_state:  # the state's layout: this shard
+    if split is not None:  # the state's layout: this stage's share of the vocabulary
         rdt = jnp.dtype(dtype)
         g = jax.lax.psum_scatter(g.astype(rdt), AXIS, scatter_dimension=split, tiled=True)
         g = g.astype(jnp.float32)
-    elif split is not None:  # ZeRO-0: the gradient leaves whole over `pipeline`
-        varying = varying - {AXIS}
-    return finish(g, None, Reduce(dtype, scatter, varying=varying, shape=param.shape))
+    return finish(g, None, Reduce(dtype, scatter, varying=vma(param), shape=param.shape))
 
 
 def _pipeline_dim(names, stored) -> int | None:
