@@ -17,6 +17,10 @@ _TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
 if _TIMEOUT.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_TIMEOUT}".strip()
 
+# XLA:CPU's thread pool: one thread per simulated device unless PJRT_NPROC says more;
+# blocked collectives can exhaust it (ultrajax/cli.py, CPU_THREADS)
+os.environ.setdefault("PJRT_NPROC", "32")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")

@@ -58,6 +58,15 @@ def parser(prog: str, description: str, *, config_required: bool = True) -> argp
     return p
 
 
+# XLA:CPU runs N simulated devices on a pool of N threads by default (PJRT_NPROC sizes
+# it), and a collective blocks its thread until every member arrives: a device whose
+# program runs two independent collectives at once takes two, and the last devices to
+# arrive may find none left. The likely cause of an 8-device ZeRO-3 resume that hung at
+# its gradient all-reduces in 3 of 7 runs on 2-core hosts (never past 600 s). A few
+# threads per device leave room.
+CPU_THREADS, THREADS_PER_CPU_DEVICE = "PJRT_NPROC", 4
+
+
 def setup_devices(args: argparse.Namespace | int | None) -> None:
     """Must run before anything asks JAX for devices: simulated CPU devices, then
     joining a multi-process run (explicit flags on `args`, or SLURM / Open MPI)."""
@@ -69,6 +78,7 @@ def setup_devices(args: argparse.Namespace | int | None) -> None:
             fail("--cpu-devices must be >= 1")
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", cpu_devices)
+        os.environ.setdefault(CPU_THREADS, str(THREADS_PER_CPU_DEVICE * cpu_devices))
     try:
         distributed.initialize(args if isinstance(args, argparse.Namespace) else None)
     except config_lib.ConfigError as e:
