@@ -59,7 +59,7 @@ def _updated_gather(weights: float, fs: int) -> Term:
                 _ring(weights, fs), "fsdp", "exposed")  # fmt: skip
 
 
-def expected(cfg: Config) -> list[Term]:
+def expected(cfg: Config, split_vocab: bool = True) -> list[Term]:
     """The playbook's per-step communication for this layout, per device.
 
     Ψ here is the parameter count of one tensor-parallel shard (the DP/ZeRO collectives
@@ -69,14 +69,16 @@ def expected(cfg: Config) -> list[Term]:
     ZeRO-1 reduce once per step (accumulation inside one jitted step is our no_sync),
     ZeRO-2 reduce-scatters every micro-batch (a sharded accumulator cannot hold
     unreduced gradients), ZeRO-3 also gathers the layer weights twice per micro-batch
-    (the embedding and LM head once per step: `_zero3_gathers`).
+    (the embedding and LM head once per step: `_zero3_gathers`). `split_vocab=False`
+    prices a pipeline whose stages keep the embedding and head whole (another framework:
+    the planner's validation against nanotron's sweep), not ultrajax's split of them.
     """
     psi = sizes.param_elements(cfg, kind="compute", ignore=(FSDP,))
     grads = units.dtype_bytes(cfg.parallel.grad_reduce_dtype) * psi
     # under a pipeline (parallel/pipeline/executor.py) psi counts this stage's layers and
     # the whole embedding, final norm and LM head
     if cfg.mesh.pipeline > 1:
-        terms = _pipeline_terms(cfg, grads, psi)
+        terms = _pipeline_terms(cfg, grads, psi, split_vocab)
     else:
         terms = _data_terms(cfg, grads, psi)
     return terms + _context_terms(cfg) + _tensor_terms(cfg)
@@ -213,7 +215,7 @@ def pipeline_message_bytes(cfg: Config) -> float:
     return float(d.c * d.X_res)
 
 
-def _pipeline_terms(cfg: Config, grads: float, psi: int) -> list[Term]:
+def _pipeline_terms(cfg: Config, grads: float, psi: int, split_vocab: bool) -> list[Term]:
     """mesh.pipeline > 1 (parallel/pipeline/executor.py): every gradient is reduced once, after the
     last micro-batch (ZeRO-2 too); the embedding, final norm and LM head, which every
     stage holds, sum over `pipeline` in the same all-reduce as over the data axes; and
@@ -229,7 +231,7 @@ def _pipeline_terms(cfg: Config, grads: float, psi: int) -> list[Term]:
     # (mesh.vocab_over_pipeline): their gradients reduce-scattered over it first (then
     # over fsdp and the data axes at 1/p), their compute copy gathered over it once a
     # step (of the fsdp shard: the fsdp gather after it moves the whole tables as before)
-    vocab = mesh_lib.vocab_over_pipeline(cfg)
+    vocab = split_vocab and mesh_lib.vocab_over_pipeline(cfg)
     tables = grads * _vocab_elements(cfg) / psi if vocab else 0.0
     terms = []
     if vocab:

@@ -193,7 +193,9 @@ def _axis_of(term: comms.Term) -> tuple[str, str]:
     return term.axis, term.when
 
 
-def _scaled_terms(cfg: Config, cache: dict | None = None) -> list[tuple[comms.Term, float]]:
+def _scaled_terms(
+    cfg: Config, cache: dict | None = None, split_vocab: bool = True
+) -> list[tuple[comms.Term, float]]:
     """comms.expected's terms, each with the factor that brings it to cfg.
 
     Under a pipeline the terms are read at one micro-batch of one row per stage (m = p,
@@ -209,20 +211,21 @@ def _scaled_terms(cfg: Config, cache: dict | None = None) -> list[tuple[comms.Te
     p2p = 1.0
     if p == 1:
         key = (repr(cfg.mesh), repr(cfg.parallel), repr(model), t.micro_batch_size, t.grad_accum)
+        key = (*key, split_vocab)
         probe, per_micro = cfg, 1.0
     else:
         # every schedule's sends are 1F1B's times (v p - 1) / (p - 1): each micro-batch
         # crosses the v p - 1 stage boundaries once each way (cost/comms.py's 2 m (v p - 1) / p)
         v = cfg.parallel.virtual_stages
         par = replace(cfg.parallel, pipeline_schedule=schedule.PLAIN, virtual_stages=1)
-        key = (repr(cfg.mesh), repr(par), repr(model))
+        key = (repr(cfg.mesh), repr(par), repr(model), split_vocab)
         probe = copy.copy(cfg)
         probe.parallel = par
         probe.train = replace(t, micro_batch_size=1, grad_accum=p)
         per_micro = t.micro_batch_size * t.grad_accum / p
         p2p = per_micro * (v * p - 1) / (p - 1)
     if cache is None or key not in cache:
-        terms = [(term, _axis_of(term)) for term in comms.expected(probe)]
+        terms = [(term, _axis_of(term)) for term in comms.expected(probe, split_vocab)]
         if cache is None:
             cache = {}
         cache[key] = terms
@@ -293,7 +296,7 @@ def features(
     f.stages_apart = p > 1 and link["pipeline"].inter
     per_block = comms.tp_collectives_per_block(m)  # per micro-batch, as comms.expected counts
     tp_ops = (per_block * layers + 2) * (2 if cfg.parallel.sequence_parallel else 1)
-    for term, scale in _scaled_terms(cfg, cache):
+    for term, scale in _scaled_terms(cfg, cache, split_vocab=not balanced):
         axis, when = _axis_of(term)
         nbytes = term.traffic * scale
         if nbytes <= 0:
