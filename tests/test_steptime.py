@@ -183,3 +183,22 @@ def test_a_remat_backward_recomputes_its_forward_in_the_lockstep_ticks():
     plain = steptime.features(cfg, H100, 8).bubble
     cfg.model = replace(cfg.model, remat="full")
     assert steptime.features(cfg, H100, 8).bubble > plain  # the forward ticks wait longer
+
+
+def test_zero3_gathers_are_exposed_unless_the_collective_pipeliner_may_move_them():
+    """ultrajax's layer scan gathers a layer in its own iteration, before the compute that
+    reads it: the planner adds the whole gather time to the step. With
+    parallel.pipeline_collectives (XLA may start it an iteration early) and for a
+    prefetching framework (`balanced`) it hides behind compute, as before issue 28."""
+    base = ["mesh.data=8", "mesh.fsdp=8", "parallel.zero=3", "train.micro_batch_size=1",
+            "train.grad_accum=8", "model.remat=full"]  # fmt: skip
+    path = ROOT / "configs" / "llama-8b.yaml"
+    cfg = parse.load(path, base)
+    piped = parse.load(path, [*base, "parallel.pipeline_collectives=true"])
+    f = steptime.features(cfg, H100, 8)
+    gathers = sum(lk.seconds(b, steptime.ULTRAJAX, lk.size - 1) for lk, b in f.gathers)
+    assert gathers > 0 and not f.gathers_overlap
+    exposed, hidden = (steptime.predict(c, H100) for c in (cfg, piped))
+    assert exposed.context == pytest.approx(f.m * gathers)
+    assert hidden.context == 0.0 < exposed.context  # the compute covers it
+    assert steptime.features(cfg, H100, 8, balanced=True).gathers_overlap
