@@ -15,16 +15,10 @@ from ultrajax.parallel.axes import FSDP
 # --------------------------------------------------------------------------- sharding
 
 
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _ways(cfg: Config, entry, ignore=()) -> int:
     """How many ways a rules-table entry splits a dimension on this mesh."""
     sizes = cfg.mesh.sizes() if hasattr(cfg.mesh, "sizes") else vars(cfg.mesh)
-    return math.prod(sizes[a] for a in _axes(entry) if a not in ignore)
+    return math.prod(sizes[a] for a in mesh_lib.entry_axes(entry) if a not in ignore)
 
 
 def _rules(cfg: Config):

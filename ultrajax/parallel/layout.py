@@ -24,7 +24,7 @@ from ultrajax.parallel.axes import (
 )
 from ultrajax.parallel.context import Context, pair_kernel
 from ultrajax.parallel.grads import Gradients
-from ultrajax.parallel.mesh import Rules, only_axes
+from ultrajax.parallel.mesh import Rules, entry_axes, only_axes
 from ultrajax.parallel.partitioned import Partitioned
 from ultrajax.parallel.tensor import TensorParallel
 from ultrajax.parallel.zero import Zero
@@ -95,11 +95,12 @@ class Layout:
             if self.gspmd
             else TensorParallel(mesh.shape[TENSOR], cfg.parallel.sequence_parallel)
         )
-        grad_kind = "stored"  # without ZeRO the same as compute, but a pipeline's tables
         auto_specs = None
         if self.gspmd:  # the partitioner gives each reduced gradient its final layout
             auto = frozenset(AXES) - self.manual
-            flat = _flat_specs(self.specs[grad_kind])
+            # the state's layout (ZeRO: this rank's shard; a pipeline's embedding and head:
+            # this stage's split of the vocabulary)
+            flat = _flat_specs(self.specs["stored"])
             auto_specs = {
                 k: only_axes(PartitionSpec(*s[1:]) if k.startswith("layers/") else s, auto)
                 for k, s in flat.items()
@@ -220,13 +221,9 @@ def _gather_pipeline(w, stored: PartitionSpec, compute: PartitionSpec):
     """Per-device code: the weight gathered over `pipeline` along each dimension it is
     stored split over `pipeline` but computed whole over it (the vocabulary)."""
     for dim, (s, c) in enumerate(zip(stored, compute, strict=True)):
-        if PIPELINE in _entry(s) and PIPELINE not in _entry(c):
+        if PIPELINE in entry_axes(s) and PIPELINE not in entry_axes(c):
             w = jax.lax.all_gather(w, PIPELINE, axis=dim, tiled=True)
     return w
-
-
-def _entry(e) -> tuple:
-    return () if e is None else (e,) if isinstance(e, str) else tuple(e)
 
 
 def _flat_specs(specs: dict) -> dict:

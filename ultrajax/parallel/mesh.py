@@ -182,15 +182,17 @@ def manual_free(manual) -> tuple[str, ...]:
     return tuple(a for a in AXES if a not in manual)
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one entry of a PartitionSpec names (None, one axis, or several)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def only_axes(spec: PartitionSpec, axes) -> PartitionSpec:
     """The part of a spec over the given mesh axes (shard_map's in/out specs name only
     its manual axes; the others stay with the partitioner)."""
 
     def keep(entry):
-        if entry is None:
-            return None
-        entry = (entry,) if isinstance(entry, str) else tuple(entry)
-        kept = tuple(a for a in entry if a in axes)
+        kept = tuple(a for a in entry_axes(entry) if a in axes)
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
     return PartitionSpec(*(keep(e) for e in spec))

@@ -85,15 +85,14 @@ def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
 
     if layout.pipeline > 1:
         per_device = _pipelined(cfg, layout)
-    # the gradients leave in the state's layout (ZeRO: this rank's shard; a pipeline's
-    # embedding and head: this stage's vocabulary split, reduce-scattered there)
-    grad_kind = "stored"
     batch_spec = batch_specs()
     if layout.gspmd:  # the compute copy is laid out by the partitioner, outside
         fn, in_specs = per_device, (layout.specs["stored"], layout.specs["compute"], batch_spec)
     else:
         fn, in_specs = (lambda p, b: per_device(p, None, b)), (layout.specs["stored"], batch_spec)
-    out_specs = (layout.specs[grad_kind], PartitionSpec(), PartitionSpec())
+    # the gradients leave in the state's layout (ZeRO: this rank's shard; a pipeline's
+    # embedding and head: this stage's vocabulary split, reduce-scattered there)
+    out_specs = (layout.specs["stored"], PartitionSpec(), PartitionSpec())
     sharded = layout.shard_map(fn, in_specs=in_specs, out_specs=out_specs)
 
     def gradients(params, batch):

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from ultrajax.config.schema import Config
 from ultrajax.kernels.varying import vma
 from ultrajax.model.ops import Reduce, finish
+from ultrajax.parallel.mesh import entry_axes
 from ultrajax.parallel.pipeline.device import AXIS, Device
 from ultrajax.parallel.pipeline.plan import TickPlan
 from ultrajax.parallel.pipeline.stage import Stage
@@ -113,8 +114,7 @@ def _pipeline_dim(names, stored) -> int | None:
     """The dimension a stage-shared weight is stored split over `pipeline` along (the
     vocabulary), or None (the layers are a stage's own; the final norm is replicated)."""
     for d, (n, e) in enumerate(zip(names, stored, strict=True)):
-        axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
-        if n != "layers" and AXIS in axes:
+        if n != "layers" and AXIS in entry_axes(e):
             return d
     return None
 
