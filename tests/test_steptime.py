@@ -185,20 +185,25 @@ def test_a_remat_backward_recomputes_its_forward_in_the_lockstep_ticks():
     assert steptime.features(cfg, H100, 8).bubble > plain  # the forward ticks wait longer
 
 
-def test_zero3_gathers_are_exposed_unless_the_collective_pipeliner_may_move_them():
-    """ultrajax's layer scan gathers a layer in its own iteration, before the compute that
-    reads it: the planner adds the whole gather time to the step. With
-    parallel.pipeline_collectives (XLA may start it an iteration early) and for a
-    prefetching framework (`balanced`) it hides behind compute, as before issue 28."""
+def test_zero3_gathers_hide_where_the_program_prefetches_them():
+    """ultrajax's layer scan gathers the next layer while this one computes
+    (parallel.prefetch, model/prefetch.py): the gathers hide behind compute. Without the
+    prefetch a layer is gathered in its own iteration, before the compute that reads it:
+    the planner adds the whole gather time to the step, unless
+    parallel.pipeline_collectives lets XLA start it an iteration early; a prefetching
+    framework (`balanced`) hides it."""
     base = ["mesh.data=8", "mesh.fsdp=8", "parallel.zero=3", "train.micro_batch_size=1",
             "train.grad_accum=8", "model.remat=full"]  # fmt: skip
     path = ROOT / "configs" / "llama-8b.yaml"
-    cfg = parse.load(path, base)
-    piped = parse.load(path, [*base, "parallel.pipeline_collectives=true"])
+    cfg = parse.load(path, [*base, "parallel.prefetch=false"])
+    piped = parse.load(
+        path, [*base, "parallel.prefetch=false", "parallel.pipeline_collectives=true"]
+    )
+    fetched = parse.load(path, base)
     f = steptime.features(cfg, H100, 8)
     gathers = sum(lk.seconds(b, steptime.ULTRAJAX, lk.size - 1) for lk, b in f.gathers)
     assert gathers > 0 and not f.gathers_overlap
-    exposed, hidden = (steptime.predict(c, H100) for c in (cfg, piped))
+    exposed, hidden, ahead = (steptime.predict(c, H100) for c in (cfg, piped, fetched))
     assert exposed.context == pytest.approx(f.m * gathers)
-    assert hidden.context == 0.0 < exposed.context  # the compute covers it
+    assert hidden.context == 0.0 == ahead.context < exposed.context  # the compute covers it
     assert steptime.features(cfg, H100, 8, balanced=True).gathers_overlap

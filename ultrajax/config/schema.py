@@ -163,6 +163,9 @@ class ParallelConfig:
     # GPU: let XLA pipeline a layer loop's collectives across iterations (train/overlap.py).
     # Off by default: not yet measured on several GPUs (see docs/parallelism.md).
     pipeline_collectives: bool = False
+    # ZeRO-3: gather layer i+1's weights while layer i computes, forward and backward
+    # (model/prefetch.py); one more gathered layer held
+    prefetch: bool = True
     all_reduce_bucket_mib: int = 64
     all_gather_bucket_mib: int = 64
     reduce_scatter_bucket_mib: int = 64

@@ -17,6 +17,7 @@ from ultrajax.model.attention import blocked, tiled
 from ultrajax.parallel.context import pair_kernel
 from ultrajax.parallel.pipeline import plan as plan_lib
 from ultrajax.parallel.pipeline import schedules
+from ultrajax.parallel.zero import prefetches
 
 # One layer's backward working set, in copies of (per device):
 #   S  b·a·s² fp32 attention scores     F  b·s·d_ff MLP hidden
@@ -51,6 +52,9 @@ KERNEL_WORK = {"T": 1.46, "P": 4.16, "M": 1.55}
 # scores its attention backward holds; fitted on XLA:CPU, fp32 (scripts/fit_memory.py)
 PIPE_WORK = {"none": 0.5, "full": 1.05, "selective": 1.0}
 PIPE_ATTN_S = 3.0
+# the copies of the fp32 scores XLA hoists out of a layer loop for plain attention's mask
+# (two fp32 arrays and a bool one: memory.py `_hoisted`), live in the layer backward too
+HOISTED_S = 2.25
 
 
 # --------------------------------------------------------------------------- activations
@@ -162,6 +166,12 @@ def layer_work(cfg: Config, share: float = 1.0, attn_s: float = ATTN_S) -> float
     """
     pol, common, mlp = work_features(cfg)
     coef = WORK[pol]
+    if prefetches(cfg):  # ZeRO-3's prefetch: its own backward loop (model/prefetch.py)
+        # hoists no mask out of it: the MLP's moment holds no hoisted masks' copies of
+        # the scores, the attention's those of a pipeline's tick (fp32, 512-2048 tokens:
+        # predicted/compiled 1.08-1.11 -> 0.99-1.01 with remat, `none` unchanged)
+        coef = dict(coef, S=max(0.0, coef["S"] - HOISTED_S))
+        attn_s = PIPE_ATTN_S
     d = dims(cfg)
     attn = 0.0 if _flash(cfg) else attn_s * 4 * d.S
     if cfg.mesh.sequence > 1:  # context parallelism: one pair of chunks' fp32 scores at a
@@ -184,13 +194,16 @@ def weight_work(cfg: Config) -> float:
     them, and transposes one MLP matrix for its matmul), one MLP matrix's fp32 weight
     gradient as its matmul writes it and XLA:CPU's transposed copy of it, and, with a
     whole fp32 running sum (grad_accum > 1 below ZeRO-2), the layer's fp32 gradient
-    slices its backward rules add into the sum."""
+    slices its backward rules add into the sum. ZeRO-3's prefetch holds the next layer's
+    gathered weights besides (model/prefetch.py)."""
     d = dims(cfg)
     lw = layer_weight_elements(cfg)
     matrix = lw[llama.MLP] / 3
     out = d.c * sum(lw.values()) + 2 * 4 * matrix
     if cfg.parallel.zero >= 3 and cfg.mesh.fsdp > 1:
         out += d.c * matrix
+    if prefetches(cfg):
+        out += d.c * sum(lw.values())
     whole_sum = cfg.parallel.zero < 2 or cfg.mesh.fsdp == 1
     if cfg.train.grad_accum > 1 and whole_sum and cfg.mesh.pipeline == 1:
         out += 4 * sum(lw.values())

@@ -27,6 +27,7 @@ from ultrajax.cost.units import dtype_bytes
 from ultrajax.parallel import mesh as mesh_lib
 from ultrajax.parallel.axes import FSDP
 from ultrajax.parallel.pipeline import schedules as schedule
+from ultrajax.parallel.zero import prefetches
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -130,19 +131,24 @@ def _zero3_gathers(cfg: Config, psi: int) -> list[Term]:
     (recomputing) backward, every micro-batch. The embedding, final norm and LM head are
     gathered outside it: the gather is loop-invariant, so XLA hoists it out of the
     micro-batch loop and the backward reuses it (the embedding's backward needs no
-    weights at all): once per step. The playbook's 2Ψ counts every weight twice."""
+    weights at all): once per step. The playbook's 2Ψ counts every weight twice; the
+    prefetch (parallel.prefetch) gathers one layer more per micro-batch (2 + 1/L)."""
     fs, accum = cfg.mesh.fsdp, cfg.train.grad_accum
     c = units.dtype_bytes(cfg.model.dtype)
     psi_layers = sizes.param_elements(
         cfg, kind="compute", ignore=(FSDP,), where=lambda p: p.layered
     )
     rest = psi - psi_layers
+    # the prefetch's backward loop gathers one layer nobody reads (model/prefetch.py)
+    extra = 1 / cfg.model.n_layers if prefetches(cfg) else 0
+    times = f"({2 * accum}+{accum}/L)" if extra else f"{2 * accum}"
     return [
         Term(
             "all-gather",
-            "layer weights over fsdp (forward and backward, every micro-batch)",
-            f"{2 * accum}·Ψ_layers(N-1)/N",
-            2 * accum * _ring(c * psi_layers, fs),
+            "layer weights over fsdp (forward and backward, every micro-batch"
+            + (", one layer ahead)" if extra else ")"),
+            f"{times}·Ψ_layers(N-1)/N",
+            (2 + extra) * accum * _ring(c * psi_layers, fs),
             "fsdp",
             "gathers",
         ),

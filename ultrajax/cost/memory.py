@@ -41,6 +41,7 @@ from enum import StrEnum
 from ultrajax.config.schema import Config
 from ultrajax.config.validate import auto_loss_chunk
 from ultrajax.cost.activations import (
+    HOISTED_S,
     PIPE_ATTN_S,
     PIPE_WORK,
     SOFTMAX_ROWS_SPLIT,
@@ -61,7 +62,7 @@ from ultrajax.cost.units import dtype_bytes, fmt_bytes
 from ultrajax.model import llama
 from ultrajax.parallel.axes import FSDP
 from ultrajax.parallel.mesh import vocab_over_pipeline
-from ultrajax.parallel.zero import Zero
+from ultrajax.parallel.zero import Zero, prefetches
 
 HEAD_WORK_V = 2.0  # exp(logits) and d logits: fp32 b·s·v each
 HEAD_WORK_X = 3.0  # final norm input, output and their gradient: b·s·h
@@ -319,11 +320,15 @@ def _phases(cfg, saved, kept, work, head_work, head_copy) -> dict[Phase, float]:
 def _forward_work(cfg: Config) -> float:
     """The layer forward's own temporaries: one layer's weights as the scan slices them
     out of the stack (or ZeRO-3 gathers them; XLA:CPU then also transposes one gathered
-    MLP matrix for its matmul), and plain attention's hoisted masks (`_hoisted`)."""
+    MLP matrix for its matmul; with the prefetch the next layer's arrive besides), and
+    plain attention's hoisted masks (`_hoisted`), which the prefetch's layer loop, its
+    backward residuals taken inside the loop (model/prefetch.py), never hoists."""
     lw = layer_weight_elements(cfg)
     weights = dims(cfg).c * sum(lw.values())
     if Zero(cfg.parallel.zero, cfg.mesh.fsdp).active >= 3:
         weights += dims(cfg).c * lw[llama.MLP] / 3
+    if prefetches(cfg):
+        return 2 * weights
     return weights + (0 if _flash(cfg) else _hoisted(cfg))
 
 
@@ -335,7 +340,7 @@ def _hoisted(cfg: Config) -> int:
     SOFTMAX_ROWS_SPLIT rows."""
     d = dims(cfg)
     recompute = _policy(cfg.model) != "none"
-    hoisted = (2 * 4 + 1) * d.S + (2 * 4 * d.S if recompute else 0)
+    hoisted = HOISTED_S * 4 * d.S + (2 * 4 * d.S if recompute else 0)
     if recompute and d.b * d.a * d.s >= SOFTMAX_ROWS_SPLIT:
         hoisted += 4 * d.S
     return hoisted

@@ -20,10 +20,10 @@ bubble, and what communication the playbook says cannot hide:
   pipeline     m micro-batches of the slowest stage / (1 - bubble), the bubble the
     schedule's own (parallel/pipeline/schedules.py `formula`: (p-1)/(m+p-1) for 1F1B).
   data         the gradient reduction overlaps the last micro-batch's backward (a
-    fitted share of it); ZeRO-3's layer gathers are exposed in ultrajax's layer scan
-    (a layer is gathered in its own iteration) unless parallel.pipeline_collectives
-    lets XLA's collective pipeliner move them an iteration early, when they overlap the
-    previous layer's compute (as a prefetching framework's do);
+    fitted share of it); ZeRO-3's layer gathers overlap the previous layer's compute
+    (parallel.prefetch, on by default: model/prefetch.py, as a prefetching framework's
+    do); without it they are exposed (a layer gathered in its own iteration) unless
+    parallel.pipeline_collectives lets XLA's collective pipeliner move them early;
     ZeRO-1/2's gather of the updated weights and everything once per step outside the
     layers are exposed.
   optimizer    the AdamW update reads and writes ~36 bytes per stored parameter at the
@@ -181,10 +181,11 @@ class Features:
     attention_share: float = 0.0  # of a micro-batch's compute: what the K/V ring hides behind
     hidden: list = field(default_factory=list)  # (Link, bytes) per step, behind the backward
     gathers: list = field(default_factory=list)  # (Link, bytes) per micro-batch, ZeRO-3's
-    # whether a layer's gather can run during the previous layer's compute: ultrajax's layer
-    # scan gathers a layer inside its own iteration, before its compute needs it (exposed),
-    # unless XLA's collective pipeliner moves it an iteration early
-    # (parallel.pipeline_collectives); a framework that prefetches (`balanced`) hides it
+    # whether a layer's gather can run during the previous layer's compute: ultrajax's
+    # layer scan gathers a layer one iteration ahead (parallel.prefetch); without it, in
+    # its own iteration, before its compute needs it (exposed), unless XLA's collective
+    # pipeliner moves it early (parallel.pipeline_collectives); a framework that
+    # prefetches (`balanced`) hides it
     gathers_overlap: bool = True
     exposed: list = field(default_factory=list)  # (Link, bytes) per step, on the critical path
     optimizer_bytes: float = 0.0
@@ -294,7 +295,7 @@ def features(
         peak=acc.flops(m.dtype),
         hbm_bw=acc.hbm_bw or 2e12,
         nodes=max(1, -(-n // gpus_per_node)),
-        gathers_overlap=balanced or cfg.parallel.pipeline_collectives,
+        gathers_overlap=balanced or cfg.parallel.prefetch or cfg.parallel.pipeline_collectives,
     )
     link = links(sizes, acc, gpus_per_node, order)
     if "data+pipeline" not in link:

@@ -8,10 +8,12 @@ import jax
 import jax.numpy as jnp
 
 from ultrajax.config.schema import ModelConfig
+from ultrajax.model import prefetch
 from ultrajax.model.boundaries import LOCAL, SINGLE, AttentionBoundary, TensorBoundary
 from ultrajax.model.llama import block
 from ultrajax.model.nn import rms_norm
 from ultrajax.model.ops import dense
+from ultrajax.model.prefetch import Prefetch
 from ultrajax.model.remat import all_but_gathered_weights, layers_per_iteration, remat_policy
 
 
@@ -49,13 +51,18 @@ def layers(
     dtype = jnp.dtype(cfg.dtype)
     prepare = prepare or (lambda p: cast(p, dtype))
 
-    def layer(p, x):
-        p = prepare(p)
-        return block(p, x, positions, segment_ids, cfg=cfg, tp=tp, cp=cp)
+    def apply(p, x, aux):
+        return block(p, x, *aux, cfg=cfg, tp=tp, cp=cp)
 
     policy = remat_policy(cfg.remat)
     if policy is None and gathered_over is not None:
         policy = all_but_gathered_weights(gathered_over)
+    if isinstance(prepare, Prefetch):  # ZeRO-3 (parallel/zero.py `prefetches`)
+        return prefetch.layers(apply, prepare, x, stack, (positions, segment_ids), policy)
+
+    def layer(p, x):
+        return apply(prepare(p), x, (positions, segment_ids))
+
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     n = jax.tree.leaves(stack)[0].shape[0]

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from ultrajax.kernels.varying import vary, vma, zeros, zeros32
 from ultrajax.model.ops import Reduce, Weight, finish
+from ultrajax.model.prefetch import Prefetch
 from ultrajax.parallel.axes import FSDP, TOKEN_AXES  # the batch's tokens are split over these
 from ultrajax.parallel.zero import Zero
 
@@ -54,6 +55,7 @@ class Gradients:
     # weights whose gradient is completed only after the backward pass, and reduced
     # there: the embedding (read twice when tied), the LM head when the loss is chunked
     after: tuple[str, ...] = ("embed",)
+    prefetch: bool = True  # ZeRO-3: gather each layer one iteration ahead (model/prefetch.py)
 
     @property
     def deferred(self) -> tuple[str, ...]:
@@ -125,21 +127,25 @@ class Gradients:
         }
         layer_names = {k: n[1:] for k, n in self.names["layers"].items()}
 
-        def prepare(p):
-            # no stop_gradient on the weights: they are not differentiated (the sinks
-            # are), and its staged identity would hide from the layer scan that the
-            # backward rules' saved weights are its own inputs, so every forward pass
-            # would stack a copy of all the layers' weights
+        def bind(p, values):
             out = {}
-            for k, value in p["w"].items():
-                if gather is not None:
-                    value = gather(value, k)
+            for k, value in values.items():
                 red = self.reduce(f"layers/{k}", layer_names[k], last)
                 acc_k = None if p["acc"] is None else p["acc"][k]
                 out[k] = Weight.make(value, p["sink"][k], acc_k, red)
             return out
 
-        return w, prepare
+        # no stop_gradient on the weights: they are not differentiated (the sinks are),
+        # and its staged identity would hide from the layer scan that the backward
+        # rules' saved weights are its own inputs, so every forward pass would stack a
+        # copy of all the layers' weights
+        if gather is None:
+            return w, lambda p: bind(p, p["w"])
+        if not self.prefetch:
+            return w, lambda p: bind(p, {k: gather(v, k) for k, v in p["w"].items()})
+        # ZeRO-3: the gathers can run a layer ahead (model/prefetch.py)
+        fetch = lambda p: {k: gather(v, k) for k, v in p["w"].items()}  # noqa: E731
+        return w, Prefetch(fetch, bind, wrt="sink", source="w")
 
     def finish(self, g: dict, acc, sinks, last: bool) -> dict:
         """Reduce the gradients of `after` (see `attach`); `acc` their running sum or None."""

@@ -27,7 +27,7 @@ from ultrajax.parallel.grads import Gradients
 from ultrajax.parallel.mesh import Rules, entry_axes, only_axes
 from ultrajax.parallel.partitioned import Partitioned
 from ultrajax.parallel.tensor import TensorParallel
-from ultrajax.parallel.zero import Zero
+from ultrajax.parallel.zero import Zero, prefetches
 
 
 def unsupported(cfg: Config, backend: str) -> str | None:
@@ -115,6 +115,7 @@ class Layout:
             after=("embed", "lm_head")
             if 0 < (cfg.model.loss_chunk or 0) < cfg.model.seq_len
             else ("embed",),
+            prefetch=prefetches(cfg),
         )
 
     def _specs(self, kind, drop=None):

@@ -7,7 +7,8 @@
   2      sharded                   sharded: scattered whole (gathered once a step)
                                    every micro-batch
   3      sharded                   sharded, likewise  sharded: each layer gathered in
-                                                      the forward and again backward
+                                                      the forward and again backward,
+                                                      one layer ahead (`prefetches`)
 
 Every array is sharded along its `embed` dimension (present in every weight).
 This file is the one place that knows what a stage means; the rules table, the
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import jax
 
+from ultrajax.model.prefetch import MIN_LAYERS
 from ultrajax.parallel.axes import FSDP
 
 AXIS = FSDP
@@ -60,3 +62,16 @@ class Zero:
         if self.size == 1:
             return w
         return jax.lax.all_gather(w, AXIS, axis=names.index("embed"), tiled=True)
+
+
+def prefetches(cfg) -> bool:
+    """Whether the layer scan gathers each layer one iteration ahead (model/prefetch.py):
+    ZeRO-3 on a wider-than-one fsdp axis, parallel.prefetch, and a layer to fetch ahead.
+    The step, the memory model and the planner ask here."""
+    z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
+    return (
+        z.shards_params
+        and bool(z.active)
+        and cfg.parallel.prefetch
+        and (cfg.model.n_layers >= MIN_LAYERS)
+    )
