@@ -182,6 +182,9 @@ def run_identity(cfg: Config) -> str:
     tree = {k: dataclasses.asdict(getattr(cfg, k)) for k in IDENTITY}
     for how in HOW:
         tree["model"].pop(how)
+    if not cfg.model.moe_experts:  # a dense model: the MoE keys mean nothing (and runs
+        for key in [k for k in tree["model"] if k.startswith("moe_")]:  # from before keep
+            tree["model"].pop(key)  # their identity)
     tree["seed"] = cfg.train.seed
     tree["optim"].pop("schedule_steps")  # checked on resume, like train.steps
     tree["data"].pop("prefetch")  # how far ahead batches are made, not which

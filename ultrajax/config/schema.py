@@ -57,10 +57,32 @@ class ModelConfig:
     # layers per iteration of the layer loop (lax.scan's unroll): 1 keeps one compiled
     # layer; more lets XLA slice the stacked weights statically (faster on a CPU)
     scan_unroll: int = 1
+    # mixture of experts (model/moe.py, docs/moe.md): experts per MoE layer (0: dense)
+    moe_experts: int = 0
+    moe_top_k: int = 2  # experts each token goes to
+    moe_d_ff: int | None = None  # an expert's hidden size; null: d_ff
+    moe_shared_experts: int = 0  # experts every token goes to, one MLP of n x moe_d_ff
+    moe_every: int = 1  # an MoE layer every n-th layer (1: all)
+    moe_router: Literal["softmax", "sigmoid"] = "softmax"
+    moe_norm_topk: bool = True  # the chosen experts' gates sum to one
+    # load balance: Switch/GShard's auxiliary loss, DeepSeek-V3's bias, or none
+    moe_balance: Literal["aux", "bias", "none"] = "aux"
+    moe_aux_coef: float = 0.01
+    moe_bias_rate: float = 0.001  # bias: the step's move of each expert's bias
+    moe_z_coef: float = 0.0  # router z-loss (ST-MoE), 0: off
+    moe_capacity: float = 0.0  # 0: dropless; else a capacity factor (tokens beyond drop)
 
     @property
     def hd(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def moe(self) -> bool:
+        return self.moe_experts > 0
+
+    @property
+    def expert_ff(self) -> int:
+        return self.moe_d_ff or self.d_ff
 
 
 @dataclass

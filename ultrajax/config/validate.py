@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ultrajax.config.schema import Config, ConfigError, ParallelConfig
+from ultrajax.config.schema import Config, ConfigError, ModelConfig, ParallelConfig
 from ultrajax.model import remat
 from ultrajax.model.attention import backends as attention
 from ultrajax.parallel.pipeline import schedules as schedule
@@ -101,6 +101,8 @@ def _validate_model(m) -> None:
             f"model.attention_blocks must be four powers of two >= 16 [q, k, q_bwd, k_bwd], "
             f"got {m.attention_blocks}",
         )
+    if m.moe_experts:
+        _validate_moe(m)
     if isinstance(m.remat, str):
         _check(
             m.remat in remat.POLICIES,
@@ -113,6 +115,28 @@ def _validate_model(m) -> None:
                 name in remat.TAGS,
                 f"model.remat: {name!r} is not a checkpoint name; use {', '.join(remat.TAGS)}",
             )
+
+
+def _validate_moe(m) -> None:
+    _check(m.moe_experts >= 2, f"model.moe_experts must be 0 (dense) or >= 2, got {m.moe_experts}")
+    _check(
+        1 <= m.moe_top_k <= m.moe_experts,
+        f"model.moe_top_k must be between 1 and model.moe_experts ({m.moe_experts}), "
+        f"got {m.moe_top_k}",
+    )
+    _check(m.moe_d_ff is None or m.moe_d_ff > 0, "model.moe_d_ff must be positive or null")
+    _check(m.moe_shared_experts >= 0, "model.moe_shared_experts must be >= 0")
+    _check(
+        m.moe_every == 1,
+        f"model.moe_every={m.moe_every}: only 1 (every layer an MoE layer) runs yet (issue 29)",
+    )
+    _check(m.moe_aux_coef >= 0, "model.moe_aux_coef must be >= 0")
+    _check(m.moe_bias_rate >= 0, "model.moe_bias_rate must be >= 0")
+    _check(m.moe_z_coef >= 0, "model.moe_z_coef must be >= 0")
+    _check(
+        m.moe_capacity == 0 or m.moe_capacity >= 1,
+        f"model.moe_capacity must be 0 (dropless) or a factor >= 1, got {m.moe_capacity}",
+    )
 
 
 def _validate_data(d) -> None:
@@ -238,6 +262,14 @@ def validate_layout(cfg: Config, *, build_schedule: bool = True) -> None:
             m.loss_chunk == 0 or (m.seq_len // cp) % m.loss_chunk == 0,
             f"model.loss_chunk ({m.loss_chunk}) must divide the tokens per device along the "
             f"sequence (model.seq_len / mesh.sequence = {m.seq_len // cp})",
+        )
+    if m.moe_experts:
+        apart = [f"mesh.{k}" for k in ("tensor", "sequence", "pipeline") if getattr(mesh, k) > 1]
+        _check(
+            not apart,
+            f"model.moe_experts with {', '.join(apart)} > 1: mixture of experts runs with "
+            "mesh.data and mesh.fsdp (any ZeRO stage) so far; expert parallelism and the "
+            "other axes come next (issue 29)",
         )
     _validate_pipeline(cfg, build_schedule)
     _validate_ramp(cfg)
@@ -404,6 +436,15 @@ def no_effect(cfg: Config) -> list[str]:
             "each layer's recomputation with its forward and keeps every layer's activations "
             "(and ZeRO-3's gathered weights), so the layers run one per loop iteration "
             "(model/remat.py): drop it, or set model.scan_unroll=1"
+        )
+    dense = ModelConfig()
+    moe_keys = [f.name for f in dataclasses.fields(ModelConfig) if f.name.startswith("moe_")]
+    changed = [k for k in moe_keys if k != "moe_experts" and getattr(m, k) != getattr(dense, k)]
+    if not m.moe_experts and changed:
+        out.append(
+            f"model.{', model.'.join(changed)} {'has' if len(changed) == 1 else 'have'} no "
+            "effect with model.moe_experts=0 (a dense model): set model.moe_experts, or drop "
+            f"{'it' if len(changed) == 1 else 'them'}"
         )
     default = ParallelConfig()
     axis_keys = {

@@ -1,4 +1,4 @@
-"""The two places where a layer may meet other devices, as the block calls them, with
+"""The places where a layer may meet other devices, as the block calls them, with
 their one-device versions: the model never imports parallel/.
 
 - Tensor boundaries: a tensor-parallel region (attention, MLP, LM head) starts with
@@ -7,6 +7,8 @@ their one-device versions: the model never imports parallel/.
   parallel/partitioned.py (sharding constraints for XLA's partitioner).
 - The attention boundary: `attend` sees this device's queries and may need other
   devices' keys (context parallelism: parallel/context.py).
+- The expert boundary: an MoE layer's balance losses are over the micro-batch's tokens
+  on every data-parallel rank (`tokens`: a sum over them; parallel/layout.py).
 
 On one device each boundary is the identity, and `attend` is the attention interface.
 """
@@ -71,5 +73,17 @@ class AttentionBoundary:
         return attend(q, k, v, segment_ids, implementation=implementation, blocks=self.blocks)
 
 
+@dataclass(frozen=True)
+class ExpertBoundary:
+    """An MoE layer's reach beyond this device's tokens: none here."""
+
+    micro_batches: int = 1  # the step's, over which a balance loss is averaged
+
+    def tokens(self, x):
+        """Sum of a per-device count over the ranks that split the micro-batch's tokens."""
+        return x
+
+
 SINGLE = TensorBoundary()
 LOCAL = AttentionBoundary()
+ONE_DEVICE = ExpertBoundary()

@@ -25,7 +25,15 @@ from jax.ad_checkpoint import checkpoint_name
 from ultrajax.config.schema import ModelConfig
 from ultrajax.model import remat
 from ultrajax.model.attention.backends import attend
-from ultrajax.model.boundaries import LOCAL, SINGLE, AttentionBoundary, TensorBoundary
+from ultrajax.model.boundaries import (
+    LOCAL,
+    ONE_DEVICE,
+    SINGLE,
+    AttentionBoundary,
+    ExpertBoundary,
+    TensorBoundary,
+)
+from ultrajax.model.moe import moe_mlp
 from ultrajax.model.nn import rms_norm, rope
 from ultrajax.model.ops import dense, dense_joined
 
@@ -41,9 +49,11 @@ def block(
     cfg: ModelConfig,
     tp: TensorBoundary = SINGLE,
     cp: AttentionBoundary = LOCAL,
+    ep: ExpertBoundary = ONE_DEVICE,
     cache=None,
 ):
     """One decoder layer: x (batch, length, embed) -> same. `p` holds one layer's weights.
+    (`block_stats` also returns an MoE layer's statistics.)
 
     `tp` is the layout: under explicit tensor parallelism `p` holds this rank's heads
     and d_ff slice and `enter`/`exit` are the only places where ranks talk
@@ -53,8 +63,16 @@ def block(
     are written into the cache at `start` and its queries attend to everything cached
     so far; the layer then returns (x, (k_cache, v_cache)).
     `cp` is context parallelism: the sequence is split over devices and attention alone
-    sees other devices' tokens (parallel/context.py).
+    sees other devices' tokens (parallel/context.py). `ep`: an MoE layer's reach over
+    the data-parallel ranks (model/moe.py).
     """
+    out, _ = block_stats(p, x, positions, segment_ids, cfg=cfg, tp=tp, cp=cp, ep=ep, cache=cache)
+    return out
+
+
+def block_stats(p, x, positions, segment_ids, *, cfg, tp=SINGLE, cp=LOCAL, ep=ONE_DEVICE,
+                cache=None):  # fmt: skip
+    """`block`'s output and the layer's MoE statistics (model/moe.py STATS; {}: dense)."""
     heads = ("batch", "length", "heads", "head_dim")
     kv_heads = ("batch", "length", "kv_heads", "head_dim")
     h = tp.enter(rms_norm(x, p["attn_norm"], cfg.norm_eps))
@@ -88,6 +106,10 @@ def block(
     x = x + tp.exit(dense(o, p["wo"], "btnh,nhd->btd"))  # row-parallel: partial sums
 
     h = tp.enter(rms_norm(x, p["mlp_norm"], cfg.norm_eps))
+    if cfg.moe:
+        out, stats = moe_mlp(p, h, cfg=cfg, ep=ep)
+        x = x + tp.exit(checkpoint_name(out, remat.MLP_OUT))
+        return (x if cache is None else (x, (k, v))), stats
     hidden = ("batch", "length", "mlp")
     if tp.join_inputs:
         d, f = p["w_up"].shape
@@ -98,14 +120,19 @@ def block(
     up = checkpoint_name(tp.constrain(up, hidden), remat.MLP_IN)
     out = dense(jax.nn.silu(gate) * up, p["w_down"], "btf,fd->btd")
     x = x + tp.exit(checkpoint_name(out, remat.MLP_OUT))
-    return x if cache is None else (x, (k, v))
+    return (x if cache is None else (x, (k, v))), {}
 
 
 # --------------------------------------------------------------------------- the parameters
 
 # what part of the model a parameter belongs to: the memory and communication models
 # group by it, the optimizer decays all but the norms, the planner counts the head apart
-ATTENTION, MLP, NORM, EMBEDDING, HEAD = PARTS = ("attention", "mlp", "norm", "embedding", "head")
+ATTENTION, MLP, NORM, EMBEDDING, HEAD, ROUTER, EXPERTS = PARTS = (
+    "attention", "mlp", "norm", "embedding", "head", "router", "experts"
+)  # fmt: skip
+# which configs have a parameter: every one, dense ones (the MLP), MoE ones (the router
+# and experts), MoE ones with shared experts
+ALWAYS, DENSE, MOE, SHARED = "always", "dense", "moe", "shared"
 # the config keys the parameter shapes read (head_dim through `hd`): a checkpoint whose
 # keys differ cannot be restored into this config
 SHAPE_KEYS = (
@@ -116,6 +143,9 @@ SHAPE_KEYS = (
     "n_kv_heads",
     "d_ff",
     "tie_embeddings",
+    "moe_experts",
+    "moe_d_ff",
+    "moe_shared_experts",
 )
 EMBED_STD = 0.02  # GPT-2's embedding initialisation
 
@@ -130,6 +160,9 @@ def axis_sizes(cfg: ModelConfig) -> dict[str, int]:
         "kv_heads": cfg.n_kv_heads,
         "head_dim": cfg.hd,
         "mlp": cfg.d_ff,
+        "experts": cfg.moe_experts,
+        "moe_mlp": cfg.expert_ff,
+        "shared_mlp": cfg.moe_shared_experts * cfg.expert_ff,
     }
 
 
@@ -145,6 +178,8 @@ class Param:
     hf: str  # its Hugging Face Llama tensor name, `{i}` the layer
     fan_in: tuple[str, ...] = ()  # the axes its matmul contracts; none: a lookup or a scale
     residual: bool = False  # its output joins the residual stream: scaled at init
+    when: str = ALWAYS  # which configs have it: ALWAYS, DENSE, MOE, SHARED
+    zero: bool = False  # starts at zero (a bias)
 
     @property
     def layered(self) -> bool:
@@ -156,8 +191,16 @@ class Param:
         return self.part == NORM
 
     def present(self, cfg: ModelConfig) -> bool:
-        """Whether this config has it: a tied LM head is the embedding, not a leaf."""
-        return not (self.part == HEAD and cfg.tie_embeddings)
+        """Whether this config has it: a tied LM head is the embedding, not a leaf; a dense
+        model has the MLP, an MoE model the router, experts and shared experts it asks for."""
+        if self.part == HEAD and cfg.tie_embeddings:
+            return False
+        return {
+            ALWAYS: True,
+            DENSE: not cfg.moe,
+            MOE: cfg.moe,
+            SHARED: cfg.moe and cfg.moe_shared_experts > 0,
+        }[self.when]
 
     def shape(self, cfg: ModelConfig) -> tuple[int, ...]:
         sizes = axis_sizes(cfg)
@@ -169,6 +212,8 @@ class Param:
     def init(self, cfg: ModelConfig):
         """Norm scales start at one; a matmul weight at 1/sqrt(fan-in), residual branches'
         also divided by sqrt(2L) (GPT-2); the embedding at EMBED_STD."""
+        if self.zero:
+            return jax.nn.initializers.zeros
         if self.norm:
             return jax.nn.initializers.ones
         if not self.fan_in:
@@ -181,6 +226,7 @@ class Param:
 
 
 _LAYER = "model.layers.{i}."
+_MOE = _LAYER + "block_sparse_moe."
 # in the order the parameters are initialised (each draws the next key)
 PARAMS = (
     Param("embed", ("vocab", "embed"), EMBEDDING, "model.embed_tokens.weight"),
@@ -195,15 +241,34 @@ PARAMS = (
           _LAYER + "self_attn.o_proj.weight", fan_in=("heads", "head_dim"), residual=True),
     Param("mlp_norm", ("layers", "embed"), NORM, _LAYER + "post_attention_layernorm.weight"),
     Param("w_gate", ("layers", "embed", "mlp"), MLP, _LAYER + "mlp.gate_proj.weight",
-          fan_in=("embed",)),
+          fan_in=("embed",), when=DENSE),
     Param("w_up", ("layers", "embed", "mlp"), MLP, _LAYER + "mlp.up_proj.weight",
-          fan_in=("embed",)),
+          fan_in=("embed",), when=DENSE),
     Param("w_down", ("layers", "mlp", "embed"), MLP, _LAYER + "mlp.down_proj.weight",
-          fan_in=("mlp",), residual=True),
+          fan_in=("mlp",), residual=True, when=DENSE),
+    # mixture of experts (model/moe.py): Mixtral's names, `{e}` the expert
+    Param("router", ("layers", "embed", "experts"), ROUTER, _MOE + "gate.weight",
+          fan_in=("embed",), when=MOE),
+    Param("router_bias", ("layers", "experts"), ROUTER, _MOE + "gate.e_score_correction_bias",
+          when=MOE, zero=True),
+    Param("moe_gate", ("layers", "experts", "embed", "moe_mlp"), EXPERTS,
+          _MOE + "experts.{e}.w1.weight", fan_in=("embed",), when=MOE),
+    Param("moe_up", ("layers", "experts", "embed", "moe_mlp"), EXPERTS,
+          _MOE + "experts.{e}.w3.weight", fan_in=("embed",), when=MOE),
+    Param("moe_down", ("layers", "experts", "moe_mlp", "embed"), EXPERTS,
+          _MOE + "experts.{e}.w2.weight", fan_in=("moe_mlp",), residual=True, when=MOE),
+    Param("shared_gate", ("layers", "embed", "shared_mlp"), MLP,
+          _LAYER + "mlp.shared_expert.gate_proj.weight", fan_in=("embed",), when=SHARED),
+    Param("shared_up", ("layers", "embed", "shared_mlp"), MLP,
+          _LAYER + "mlp.shared_expert.up_proj.weight", fan_in=("embed",), when=SHARED),
+    Param("shared_down", ("layers", "shared_mlp", "embed"), MLP,
+          _LAYER + "mlp.shared_expert.down_proj.weight", fan_in=("shared_mlp",),
+          residual=True, when=SHARED),
     Param("final_norm", ("embed",), NORM, "model.norm.weight"),
     Param("lm_head", ("embed", "vocab"), HEAD, "lm_head.weight", fan_in=("embed",)),
 )  # fmt: skip
-NORMS = tuple(p.key for p in PARAMS if p.norm)  # excluded from weight decay
+NORMS = tuple(p.key for p in PARAMS if p.norm)
+NO_DECAY = NORMS + tuple(p.key for p in PARAMS if p.zero)  # the norm scales and biases
 
 
 def params_of(cfg: ModelConfig) -> tuple[Param, ...]:
@@ -252,15 +317,38 @@ def logical_axes(cfg: ModelConfig) -> dict:
 def param_count(cfg: ModelConfig) -> int:
     """Closed form, derived in the README ("Parameter count"); tested against the model.
 
-    N = V·h·(1 if tied else 2) + L·(2h + h·hd·(2a + 2a_kv) + 3·h·d_ff) + h
+    N = V·h·(1 if tied else 2) + L·(2h + h·hd·(2a + 2a_kv) + M) + h, with the MLP
+    M = 3·h·d_ff dense, or with E experts of hidden size f and S shared ones
+    M = (h + 1)·E + 3·E·h·f + 3·h·S·f (router and its bias, experts, shared experts).
     """
     h, hd, a, akv = cfg.d_model, cfg.hd, cfg.n_heads, cfg.n_kv_heads
-    per_layer = 2 * h + h * hd * (2 * a + 2 * akv) + 3 * h * cfg.d_ff
+    per_layer = 2 * h + h * hd * (2 * a + 2 * akv) + _mlp_params(cfg, cfg.moe_experts)
     heads = 1 if cfg.tie_embeddings else 2
     return cfg.vocab_size * h * heads + cfg.n_layers * per_layer + h
 
 
-def matmul_param_count(cfg: ModelConfig) -> int:
+def _mlp_params(cfg: ModelConfig, experts: float) -> float:
+    """One layer's MLP parameters, counting `experts` of the routed experts."""
+    h = cfg.d_model
+    if not cfg.moe:
+        return 3 * h * cfg.d_ff
+    f, e, s = cfg.expert_ff, cfg.moe_experts, cfg.moe_shared_experts
+    return (h + 1) * e + 3 * experts * h * f + 3 * h * s * f
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters one token goes through: `param_count` with each MoE layer's routed
+    experts counted moe_top_k times instead of moe_experts times (dense: param_count)."""
+    if not cfg.moe:
+        return param_count(cfg)
+    drop = _mlp_params(cfg, cfg.moe_experts) - _mlp_params(cfg, cfg.moe_top_k)
+    return int(param_count(cfg) - cfg.n_layers * drop)
+
+
+def matmul_param_count(cfg: ModelConfig) -> float:
     """Parameters that take part in a matmul per token: those with a fan-in, i.e. all but
-    the embedding lookup and the norm scales (the LM head counts even when tied)."""
-    return sum(p.size(cfg) for p in PARAMS if p.fan_in)
+    the embedding lookup and the norm scales (the LM head counts even when tied); of an
+    MoE layer's routed experts, the moe_top_k a token goes to."""
+    share = {EXPERTS: cfg.moe_top_k / cfg.moe_experts} if cfg.moe else {}
+    used = [p for p in PARAMS if p.fan_in and (p.when == ALWAYS or p.present(cfg))]
+    return sum(p.size(cfg) * share.get(p.part, 1) for p in used)

@@ -12,20 +12,28 @@ import jax.numpy as jnp
 
 from ultrajax.config.schema import Config
 from ultrajax.kernels.varying import vma, zeros
-from ultrajax.model.boundaries import LOCAL, SINGLE
+from ultrajax.model.boundaries import LOCAL, ONE_DEVICE, SINGLE
 from ultrajax.model.stack import embed, final_norm, layers, logits
 
 
-def loss_sum(cfg: Config, params, mb, *, tp=SINGLE, cp=LOCAL, prepare=None, gathered_over=None):
+def loss_sum(cfg: Config, params, mb, **kw):
     """(sum of token NLLs, count of target tokens) for one micro-batch (rows, seq_len)."""
+    return loss_and_stats(cfg, params, mb, **kw)[:2]
+
+
+def loss_and_stats(
+    cfg: Config, params, mb, *, tp=SINGLE, cp=LOCAL, ep=ONE_DEVICE, prepare=None,
+    gathered_over=None,
+):  # fmt: skip
+    """`loss_sum` and every layer's MoE statistics (model/moe.py; {} for a dense model)."""
     m = cfg.model
     segments = mb.segment_ids if cfg.data.cross_doc_mask else None
     x = embed(m, params, mb.inputs, tp=tp)
-    x = layers(m, params["layers"], x, mb.positions, segments, tp=tp, cp=cp, prepare=prepare,
-               gathered_over=gathered_over)  # fmt: skip
+    x, stats = layers(m, params["layers"], x, mb.positions, segments, tp=tp, cp=cp, ep=ep,
+                      prepare=prepare, gathered_over=gathered_over)  # fmt: skip
     x = final_norm(m, params, x, tp=tp)
     mask = mb.loss_mask
-    return head_nll(cfg, params, x, mb.targets, mask, tp), mask.sum()
+    return head_nll(cfg, params, x, mb.targets, mask, tp), mask.sum(), stats
 
 
 def head_nll(cfg: Config, params, x, targets, mask, tp):

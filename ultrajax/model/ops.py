@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
-from ultrajax.kernels.varying import vma, zeros
+from ultrajax.kernels.varying import vary, vma, zeros
 
 
 @dataclass(frozen=True)
@@ -335,3 +335,45 @@ def lookup(table, idx, dtype):
     if isinstance(table, Weight):
         return _lookup(idx, table.value.astype(dtype), table.sink, table.acc, table.reduce)
     return table.astype(dtype)[idx]
+
+
+# --------------------------------------------------------------------------- grouped matmul
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ragged(x, value, sizes, sink, acc, red):
+    return jax.lax.ragged_dot(x, value, sizes, preferred_element_type=x.dtype)
+
+
+def _ragged_fwd(x, value, sizes, sink, acc, red):
+    return _ragged(x, value, sizes, sink, acc, red), (x, value, sizes, acc)
+
+
+def _ragged_dw(x, g, sizes, value, red):
+    """Each group's x^T g, (groups, k, n): the transpose of ragged_dot in its weight,
+    local like the other rules' (the weight typed as varying like x and g: JAX would
+    otherwise sum the transpose over the axes they vary over, and `finish` again)."""
+    dt = jnp.dtype(red.dtype)
+    w = vary(value.astype(dt), tuple(sorted(vma(x) | vma(g))))
+    _, back = jax.vjp(lambda w: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=dt), w)
+    return back(g.astype(dt))[0]
+
+
+def _ragged_bwd(red, res, g):
+    x, value, sizes, acc = res
+    g = g.astype(x.dtype)
+    dx = jax.lax.ragged_dot(g, jnp.swapaxes(value, 1, 2), sizes, preferred_element_type=x.dtype)
+    dw = finish(_ragged_dw(x, g, sizes, value, red), acc, red)
+    return dx, None, None, dw, None
+
+
+_ragged.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def ragged_dense(x, w, sizes):
+    """jax.lax.ragged_dot(x, w, sizes) in x's dtype: x's rows (m, k) in consecutive
+    groups of `sizes`, group i multiplied by w[i] (groups, k, n). A grouped GEMM: the
+    experts of an MoE layer (model/moe.py), each on the tokens sorted to it."""
+    if isinstance(w, Weight):
+        return _ragged(x, w.value.astype(x.dtype), sizes, w.sink, w.acc, w.reduce)
+    return jax.lax.ragged_dot(x, w.astype(x.dtype), sizes, preferred_element_type=x.dtype)

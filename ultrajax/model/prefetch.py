@@ -68,8 +68,9 @@ def _fetch(pre: Prefetch, fixed, i, after):
 
 
 def layers(layer, pre: Prefetch, x, stack, aux, policy):
-    """`layer(weights, x, aux) -> x` over every layer of `stack`, each layer's weights
-    fetched one iteration ahead; `aux` what every layer reads besides (positions...);
+    """`layer(weights, x, aux) -> (x, stats)` over every layer of `stack`, each layer's
+    weights fetched one iteration ahead: (x, the stats stacked, never differentiated);
+    `aux` what every layer reads besides (positions...);
     `policy` the layer's remat policy (it never keeps the fetched weights: they are not
     even in the residuals it chooses from)."""
     n = jax.tree.leaves(stack)[0].shape[0]
@@ -89,12 +90,12 @@ def layers(layer, pre: Prefetch, x, stack, aux, policy):
         def f(x, s):
             return step(pre.bind(dict(p, **{pre.wrt: s}), values), x, aux)
 
-        y, back = jax.vjp(f, x, s)
+        y, back, stats = jax.vjp(f, x, s, has_aux=True)
         leaves, tree = jax.tree.flatten(back)
         where = {id(v): k for k, v in enumerate(jax.tree.leaves(have))}
         slots = [where.get(id(leaf)) for leaf in leaves]
         kept = [leaf for leaf, s in zip(leaves, slots, strict=True) if s is None]
-        return y, kept, (tree, slots)
+        return y, stats, kept, (tree, slots)
 
     layout = {}  # the residuals' tree and slots, found while tracing the forward
 
@@ -102,13 +103,13 @@ def layers(layer, pre: Prefetch, x, stack, aux, policy):
         def body(carry, i):
             x, values = carry
             ahead = _fetch(pre, fixed, jnp.minimum(i + 1, n - 1), x)
-            y, kept, layout["res"] = vjp(x, i, values, sinks, fixed, aux)
-            return (y, ahead), kept
+            y, stats, kept, layout["res"] = vjp(x, i, values, sinks, fixed, aux)
+            return (y, ahead), (kept, stats)
 
         first = _fetch(pre, fixed, 0, x)
-        (y, last), kept = jax.lax.scan(body, (x, first), jnp.arange(n))
+        (y, last), (kept, stats) = jax.lax.scan(body, (x, first), jnp.arange(n))
         # the last iteration fetched layer n-1 again: the backward starts with it
-        return y, (kept, last, sinks, fixed, aux)
+        return (y, stats), (kept, last, sinks, fixed, aux)
 
     def backward(i, g, values, res):
         kept, _, sinks, fixed, aux = res
@@ -122,7 +123,8 @@ def layers(layer, pre: Prefetch, x, stack, aux, policy):
     def run(x, sinks, fixed, aux):
         return forward(x, sinks, fixed, aux)[0]
 
-    def run_bwd(res, g):
+    def run_bwd(res, cotangents):
+        g, _ = cotangents  # the statistics are not differentiated
         kept, last, sinks, fixed, aux = res
         grads = jax.tree.map(lambda s: zeros(s.shape, s.dtype, vma(s)), sinks)
 

@@ -9,8 +9,15 @@ import jax.numpy as jnp
 
 from ultrajax.config.schema import ModelConfig
 from ultrajax.model import prefetch
-from ultrajax.model.boundaries import LOCAL, SINGLE, AttentionBoundary, TensorBoundary
-from ultrajax.model.llama import block
+from ultrajax.model.boundaries import (
+    LOCAL,
+    ONE_DEVICE,
+    SINGLE,
+    AttentionBoundary,
+    ExpertBoundary,
+    TensorBoundary,
+)
+from ultrajax.model.llama import block_stats
 from ultrajax.model.nn import rms_norm
 from ultrajax.model.ops import dense
 from ultrajax.model.prefetch import Prefetch
@@ -36,11 +43,13 @@ def layers(
     *,
     tp: TensorBoundary = SINGLE,
     cp: AttentionBoundary = LOCAL,
+    ep: ExpertBoundary = ONE_DEVICE,
     prepare=None,
     gathered_over: str | None = None,
 ):
     """Apply every layer of `stack` (any slice of the stacked layers: a pipeline stage
-    is one) to the residual stream, with one `lax.scan`.
+    is one) to the residual stream, with one `lax.scan`: (the stream, each layer's MoE
+    statistics stacked along a leading layer axis, {} for a dense model).
 
     `prepare(p) -> p`, if given, turns one layer's slice of `stack` (any pytree with a
     leading layer axis) into the weights `block` reads, inside the scan: the step uses
@@ -52,7 +61,7 @@ def layers(
     prepare = prepare or (lambda p: cast(p, dtype))
 
     def apply(p, x, aux):
-        return block(p, x, *aux, cfg=cfg, tp=tp, cp=cp)
+        return block_stats(p, x, *aux, cfg=cfg, tp=tp, cp=cp, ep=ep)
 
     policy = remat_policy(cfg.remat)
     if policy is None and gathered_over is not None:
@@ -67,8 +76,7 @@ def layers(
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     n = jax.tree.leaves(stack)[0].shape[0]
     unroll = layers_per_iteration(cfg.scan_unroll, n, recomputes=policy is not None)
-    x, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), x, stack, unroll=unroll)
-    return x
+    return jax.lax.scan(lambda x, p: layer(p, x), x, stack, unroll=unroll)
 
 
 def final_norm(cfg: ModelConfig, params, x, *, tp: TensorBoundary = SINGLE):
@@ -114,7 +122,7 @@ def forward(
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     x = embed(cfg, params, tokens, tp=tp)
-    x = layers(
+    x, _ = layers(
         cfg,
         params["layers"],
         x,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from ultrajax.kernels.varying import vary, vma, zeros, zeros32
+from ultrajax.kernels.varying import vary, vma, zeros32
 from ultrajax.model.ops import Reduce, Weight, finish
 from ultrajax.model.prefetch import Prefetch
 from ultrajax.parallel.axes import FSDP, TOKEN_AXES  # the batch's tokens are split over these
@@ -180,25 +180,28 @@ class Gradients:
             k: acc[k] + g[k] if k in self.after else jax.tree.map(jax.freeze, refs[k]) for k in wrt
         }, aux
 
-    def accumulate(self, micro, acc, batch):
-        """Run `micro(acc, mb, last) -> (acc, loss)` over the micro-batches (axis 0) from
-        the zero running sum `acc`; one micro-batch: `micro(None, ...)`, no sum at all."""
+    def accumulate(self, micro, acc, batch, zero):
+        """Run `micro(acc, mb, last) -> (acc, aux)` over the micro-batches (axis 0) from
+        the zero running sum `acc`, summing the aux trees (the loss, statistics) from
+        `zero`; one micro-batch: `micro(None, ...)`, no sum at all."""
         if jax.tree.leaves(batch)[0].shape[0] == 1:
             return micro(None, jax.tree.map(lambda a: a[0], batch), True)
 
+        def add(a, b):
+            return jax.tree.map(jnp.add, a, b)
+
         def body(last: bool):
             def one(carry, mb):
-                acc, loss = carry
+                acc, total = carry
                 acc, part = micro(acc, mb, last)
-                return (acc, loss + part), None
+                return (acc, add(total, part)), None
 
             return one
 
-        zero = zeros((), jnp.float32, vma(batch.inputs))
         if not self.splits_last:  # every micro-batch reduces alike
-            (acc, loss), _ = jax.lax.scan(body(True), (acc, zero), batch)
-            return acc, loss
+            (acc, total), _ = jax.lax.scan(body(True), (acc, zero), batch)
+            return acc, total
         first = jax.tree.map(lambda a: a[:-1], batch)
-        (acc, loss), _ = jax.lax.scan(body(False), (acc, zero), first)
+        (acc, total), _ = jax.lax.scan(body(False), (acc, zero), first)
         acc, part = micro(acc, jax.tree.map(lambda a: a[-1], batch), True)
-        return acc, loss + part
+        return acc, add(total, part)

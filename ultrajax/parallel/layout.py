@@ -23,6 +23,7 @@ from ultrajax.parallel.axes import (
     TOKEN_AXES,
 )
 from ultrajax.parallel.context import Context, pair_kernel
+from ultrajax.parallel.expert import Experts
 from ultrajax.parallel.grads import Gradients
 from ultrajax.parallel.mesh import Rules, entry_axes, only_axes
 from ultrajax.parallel.partitioned import Partitioned
@@ -151,6 +152,12 @@ class Layout:
     def psum(self, x):
         axes = tuple(a for a in TOKEN_AXES if a in self.manual)
         return jax.lax.psum(x, axes) if axes else x
+
+    @property
+    def ep(self) -> Experts:
+        """The MoE layers' boundary: counts summed over the ranks that split the tokens."""
+        axes = tuple(a for a in TOKEN_AXES if a in self.manual)
+        return Experts(micro_batches=self.cfg.train.grad_accum, token_axes=axes)
 
     # ---------------------------------------------------------------- compute copy
 

@@ -35,6 +35,9 @@ LOGICAL_NAMES = (
     "mlp",
     "vocab",
     "layers",
+    "experts",  # an MoE layer's experts
+    "moe_mlp",  # an expert's hidden size
+    "shared_mlp",  # the shared experts' hidden size
 )
 
 
@@ -144,6 +147,9 @@ def rules(cfg: Config) -> Rules:
         "heads": TENSOR,
         "kv_heads": TENSOR,
         "mlp": TENSOR,
+        "moe_mlp": TENSOR,
+        "shared_mlp": TENSOR,
+        "experts": None,
         "embed": None,
         "head_dim": None,
         "layers": PIPELINE if cfg.mesh.pipeline > 1 else None,  # a stage: a slice of them

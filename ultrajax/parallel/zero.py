@@ -10,7 +10,8 @@
                                                       the forward and again backward,
                                                       one layer ahead (`prefetches`)
 
-Every array is sharded along its `embed` dimension (present in every weight).
+Every array is sharded along its `embed` dimension (present in every weight but an MoE
+router's bias, E numbers a layer, which stays whole).
 This file is the one place that knows what a stage means; the rules table, the
 step, the memory model and the analyzer ask it.
 """
@@ -55,11 +56,13 @@ class Zero:
         logical names, or None: every micro-batch from stage 2, the last from stage 1."""
         if self.size == 1 or self.stage == 0 or (self.stage == 1 and not last):
             return None
+        if "embed" not in names:
+            return None
         return (AXIS, names.index("embed"))
 
     def gather(self, w, names):
         """Per-device code: the whole weight from this rank's shard (compute dtype)."""
-        if self.size == 1:
+        if self.size == 1 or "embed" not in names:
             return w
         return jax.lax.all_gather(w, AXIS, axis=names.index("embed"), tiled=True)
 

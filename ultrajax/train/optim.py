@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from ultrajax.config.schema import Config
-from ultrajax.model.llama import NORMS
+from ultrajax.model.llama import NO_DECAY
 
 
 def schedule_steps(cfg: Config) -> int:
@@ -43,10 +43,11 @@ def lr_schedule(cfg: Config) -> optax.Schedule:
 
 
 def decay_mask(params: dict) -> dict:
-    """True where weight decay applies: everything but the norm scales (llama.NORMS)."""
+    """True where weight decay applies: everything but the norm scales and biases
+    (llama.NO_DECAY)."""
 
     def keep(path, _):
-        return not any(getattr(k, "key", None) in NORMS for k in path)
+        return not any(getattr(k, "key", None) in NO_DECAY for k in path)
 
     return jax.tree_util.tree_map_with_path(keep, params)
 

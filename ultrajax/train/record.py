@@ -93,7 +93,26 @@ def step_record(
     }
     if b_simple is not None:
         record["b_simple"] = b_simple  # the critical batch, in tokens
+    if "moe" in out:
+        record.update(moe_record(out["moe"]))
     return record
+
+
+def moe_record(stats: dict) -> dict:
+    """An MoE step's statistics (model/moe.py; loads and drops summed over its
+    micro-batches and ranks, the losses their mean over micro-batches) as metrics: each
+    layer's expert load max/mean (1: balanced), the share of the assignments dropped
+    (capacity mode), and the balance losses (mean over layers)."""
+    load = np.asarray(stats["load"], np.float64)  # (layers, experts)
+    assigned = np.maximum(load.sum(-1), 1.0)
+    imbalance = load.max(-1) / np.maximum(load.mean(-1), 1e-9)
+    dropped = np.asarray(stats["dropped"], np.float64) / assigned
+    return {
+        "moe_load_max_mean": {f"layer{i}": float(v) for i, v in enumerate(imbalance)},
+        "moe_dropped": {f"layer{i}": float(v) for i, v in enumerate(dropped)},
+        "moe_aux": float(np.mean(stats["aux"])),
+        "moe_z": float(np.mean(stats["z"])),
+    }
 
 
 def log_line(record: dict) -> str:

@@ -17,7 +17,7 @@ from ultrajax.config.schema import Config
 from ultrajax.config.validate import no_effect
 from ultrajax.cost import flops, units
 from ultrajax.cost import memory as memory_lib
-from ultrajax.model.llama import param_count
+from ultrajax.model.llama import active_param_count, param_count
 from ultrajax.parallel import mesh as mesh_lib
 from ultrajax.train import checkpoint as checkpoint_lib
 from ultrajax.train import optim, peaks
@@ -94,8 +94,11 @@ def announce(cfg: Config, parts: RunParts, run_dir: Path, say) -> None:
     )
     n_params = param_count(m)
     chunk = m.loss_chunk or 0
+    active = active_param_count(m)
     say(
-        f"model: {units.human(n_params)} parameters ({n_params:,}); "
+        f"model: {units.human(n_params)} parameters ({n_params:,}"
+        + (f"; {units.human(active)} active per token" if m.moe else "")
+        + "); "
         f"{units.human(flops.flops_per_token(m))} FLOPs per token"
         + (f"; LM head and loss in chunks of {chunk} tokens, its forward recomputed in the "
            "backward (model.loss_chunk; 0: whole logits, faster, more memory)"

@@ -26,8 +26,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ultrajax.config.schema import Config
 from ultrajax.kernels.varying import vma, zeros
+from ultrajax.model import moe
 from ultrajax.model.llama import init_params, logical_axes
-from ultrajax.model.loss import loss_sum
+from ultrajax.model.loss import loss_and_stats, loss_sum
 from ultrajax.parallel.layout import Layout, unsupported
 from ultrajax.parallel.mesh import Rules, make_mesh, tree_shardings
 from ultrajax.parallel.mesh import rules as mesh_rules
@@ -72,16 +73,20 @@ def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
         def micro(acc, mb, last):
             def loss_fn(wrt, inside):
                 w, prepare = grad_plan.attach(cparams, wrt, inside, last, gather)
-                total, _ = loss_sum(cfg, w, mb, tp=layout.tp, cp=layout.cp, prepare=prepare,
-                                    gathered_over=layout.gathered_over)  # fmt: skip
-                return total * scale, total * scale
+                total, _, stats = loss_and_stats(
+                    cfg, w, mb, tp=layout.tp, cp=layout.cp, ep=layout.ep, prepare=prepare,
+                    gathered_over=layout.gathered_over,
+                )  # fmt: skip
+                return total * scale, (total * scale, stats)
 
             sinks = grad_plan.sinks(params, cparams, last)
             return grad_plan.backward(loss_fn, sinks, cparams, acc, last)
 
         acc0 = grad_plan.sinks(params, cparams, last=not grad_plan.splits_last)
-        grads, loss = grad_plan.accumulate(micro, acc0, batch)
-        return grads, layout.psum(loss), n_targets
+        axes = vma(batch.inputs)
+        zero = (zeros((), jnp.float32, axes), moe.zero_stats(cfg.model, axes))
+        grads, (loss, stats) = grad_plan.accumulate(micro, acc0, batch, zero)
+        return grads, layout.psum(loss), n_targets, layout.psum(stats)
 
     if layout.pipeline > 1:
         per_device = _pipelined(cfg, layout)
@@ -92,7 +97,7 @@ def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
         fn, in_specs = (lambda p, b: per_device(p, None, b)), (layout.specs["stored"], batch_spec)
     # the gradients leave in the state's layout (ZeRO: this rank's shard; a pipeline's
     # embedding and head: this stage's vocabulary split, reduce-scattered there)
-    out_specs = (layout.specs["stored"], PartitionSpec(), PartitionSpec())
+    out_specs = (layout.specs["stored"], PartitionSpec(), PartitionSpec(), PartitionSpec())
     sharded = layout.shard_map(fn, in_specs=in_specs, out_specs=out_specs)
 
     def gradients(params, batch):
@@ -111,16 +116,20 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
 
     def train_step(state, batch, position=None):
         params = state["params"]
-        grads, loss, n_targets = gradients(params, batch)
+        grads, loss, n_targets, stats = gradients(params, batch)
         grad_norm = optax.tree.norm(grads)
         lr = schedule(state["step"] if position is None else position)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new = {
-            "step": state["step"] + 1,
-            "params": optax.apply_updates(params, optim.scale(updates, lr)),
-            "opt_state": opt_state,
-        }
+        params = optax.apply_updates(params, optim.scale(updates, lr))
+        if stats:  # MoE: the router biases move against the step's load (bias balance)
+            layers = params["layers"]
+            bias = moe.update_bias(cfg.model, layers["router_bias"], stats["load"])
+            params = dict(params, layers=dict(layers, router_bias=bias))
+        new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "n_targets": n_targets}
+        if stats:  # the losses as their mean over the micro-batches
+            m = jax.tree.leaves(batch)[0].shape[0]
+            metrics["moe"] = dict(stats, aux=stats["aux"] / m, z=stats["z"] / m)
         return new, metrics
 
     return train_step
@@ -132,7 +141,7 @@ def jit_grad_norm(cfg: Config, mesh, rules: Rules, shardings: dict, batch_sh):
     gradients = make_gradients(cfg, mesh, rules)
 
     def grad_norm(params, batch):
-        grads, _, n_targets = gradients(params, batch)
+        grads, _, n_targets, _ = gradients(params, batch)
         return optax.tree.norm(grads), n_targets
 
     return jax.jit(grad_norm, in_shardings=(shardings["params"], batch_sh))
@@ -165,7 +174,8 @@ def _pipelined(cfg: Config, layout: Layout):
         grads = pipeline.reduce(cfg, layout, grads, params)
         v = cfg.parallel.virtual_stages
         grads = dict(grads, layers=pipeline.to_model(grads["layers"], layout.pipeline, v))
-        return grads, jax.lax.psum(layout.psum(loss), pipeline.AXIS), n_targets
+        # no MoE statistics: mixture of experts does not pipeline yet (config/validate.py)
+        return grads, jax.lax.psum(layout.psum(loss), pipeline.AXIS), n_targets, {}
 
     return per_device
 

@@ -225,4 +225,5 @@ class ForwardTick:
         chunk = jax.tree.map(
             lambda a: jax.lax.dynamic_index_in_dim(a, r["chunk"], 0, False), dev.chunks
         )
-        return dev.stream.residual(layers(dev.cfg.model, chunk, x, mb.positions, seg, tp=dev.tp))
+        x, _ = layers(dev.cfg.model, chunk, x, mb.positions, seg, tp=dev.tp)  # dense only
+        return dev.stream.residual(x)

@@ -1,0 +1,178 @@
+"""Mixture of experts: the MLP of an MoE layer, in logical axis names.
+
+A router (fp32) scores every expert for every token; each token goes to its `moe_top_k`
+best experts, whose SwiGLU outputs are summed with the gates; shared experts, if any,
+see every token. Dropless by default: the token-expert assignments are sorted by expert
+and each expert multiplies its own rows (`jax.lax.ragged_dot`, a grouped GEMM), so no
+token is ever dropped and no padding is computed. With `moe_capacity = c` each expert
+takes at most ceil(c · tokens · k / experts) assignments (GShard's capacity factor):
+those beyond are dropped (their share of the output is zero; the residual carries the
+token) and counted.
+
+Load balance (`moe_balance`): `aux` adds Switch/GShard's auxiliary loss
+coef · E · Σ_e f_e · P_e (f_e the share of assignments expert e got, P_e its mean
+router probability), `bias` adds a per-expert bias to the scores for the choice only
+(DeepSeek-V3's auxiliary-loss-free balance; the step moves it against the load after
+every optimizer step), `none` neither. The router z-loss (`moe_z_coef`) penalises
+large logits. Both losses are computed over the micro-batch's tokens on every
+data-parallel rank (`tokens.sum`) and enter the backward pass where they are computed
+(`_attach`): the reported loss stays the language-model loss.
+
+`moe_mlp` returns the layer's output and its statistics, sums over this device's
+tokens that the step adds over micro-batches and ranks: each expert's load (the
+assignments the router made to it), the dropped assignments, and the two losses.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from ultrajax.config.schema import ModelConfig
+from ultrajax.kernels.varying import zeros
+from ultrajax.model import remat
+from ultrajax.model.ops import dense, ragged_dense
+
+STATS = ("load", "dropped", "aux", "z")  # per layer; load per expert
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _attach(x, loss, weight: float):
+    """x, with d(total loss)/d(loss) = weight: a loss term that joins the backward pass
+    here without being returned (Megatron's MoEAuxLossAutoScaler)."""
+    return x
+
+
+def _attach_fwd(x, loss, weight):
+    return x, jnp.zeros_like(loss) * loss  # zero, typed as the loss (varying axes)
+
+
+def _attach_bwd(weight, zero, g):
+    return g, zero + jnp.float32(weight)
+
+
+_attach.defvjp(_attach_fwd, _attach_bwd)
+
+
+def route(cfg: ModelConfig, logits, bias):
+    """(chosen experts (T, k), their gates (T, k) fp32, every expert's score (T, E)).
+
+    softmax: probabilities over all experts (Mixtral); sigmoid: independent affinities
+    (DeepSeek-V3). `bias` shifts the choice only, never the gates."""
+    if cfg.moe_router == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
+    choice = scores + jax.lax.stop_gradient(bias)
+    _, experts = jax.lax.top_k(choice, cfg.moe_top_k)
+    gates = jnp.take_along_axis(scores, experts, axis=-1)
+    if cfg.moe_norm_topk:
+        gates = gates / (gates.sum(-1, keepdims=True) + 1e-20)
+    return experts, gates, scores
+
+
+def capacity(cfg: ModelConfig, tokens: int) -> int:
+    """Assignments one expert takes per micro-batch on one device (capacity mode)."""
+    return max(1, math.ceil(cfg.moe_capacity * tokens * cfg.moe_top_k / cfg.moe_experts))
+
+
+def _swiglu_ragged(p, xs, sizes):
+    gate = ragged_dense(xs, p["moe_gate"], sizes)
+    up = ragged_dense(xs, p["moe_up"], sizes)
+    gate = checkpoint_name(gate, remat.MLP_IN)
+    up = checkpoint_name(up, remat.MLP_IN)
+    return ragged_dense(jax.nn.silu(gate) * up, p["moe_down"], sizes)
+
+
+def _swiglu_grouped(p, buf):
+    gate = dense(buf, p["moe_gate"], "ecd,edf->ecf")
+    up = dense(buf, p["moe_up"], "ecd,edf->ecf")
+    gate = checkpoint_name(gate, remat.MLP_IN)
+    up = checkpoint_name(up, remat.MLP_IN)
+    return dense(jax.nn.silu(gate) * up, p["moe_down"], "ecf,efd->ecd")
+
+
+def experts_out(cfg: ModelConfig, p, x, experts):
+    """Each assignment's expert output (T, k, d), and the dropped count.
+
+    The assignments sorted by expert (stable: a token's order is kept within an expert);
+    dropless: one grouped matmul per weight over the sorted rows; capacity: each
+    expert's first C rows in an (E, C, d) buffer, the rest dropped."""
+    t, k = experts.shape
+    e = cfg.moe_experts
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    xs = x[token]  # (T·k, d) in expert order
+    sorted_e = flat[order]
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    if not cfg.moe_capacity:
+        ys = _swiglu_ragged(p, xs, sizes)
+        dropped = jnp.zeros((), jnp.float32)
+    else:
+        c = capacity(cfg, t)
+        starts = jnp.cumsum(sizes) - sizes
+        pos = jnp.arange(t * k) - starts[sorted_e]
+        keep = pos < c
+        slot = jnp.where(keep, pos, c)  # c: out of the buffer, dropped
+        buf = jnp.zeros((e, c, x.shape[-1]), x.dtype).at[sorted_e, slot].set(xs, mode="drop")
+        out = _swiglu_grouped(p, buf)
+        ys = out.at[sorted_e, jnp.minimum(slot, c - 1)].get() * keep[:, None].astype(x.dtype)
+        dropped = jnp.sum(~keep).astype(jnp.float32)
+    back = jnp.argsort(order)  # unsort: assignment i of the (T, k) layout
+    return ys[back].reshape(t, k, -1), dropped, sizes
+
+
+def moe_mlp(p, h, *, cfg: ModelConfig, ep):
+    """h (batch, length, embed), normalised -> (the MoE MLP's output, its statistics).
+
+    `ep` (model/boundaries.py) sums over the micro-batch's tokens on every data-parallel
+    rank (the balance losses are over those) and says how many micro-batches the step
+    averages them over."""
+    b, s, d = h.shape
+    x = h.reshape(b * s, d)
+    logits = dense(x.astype(jnp.float32), p["router"], "td,de->te", jnp.float32)
+    bias = p["router_bias"]
+    experts, gates, scores = route(cfg, logits, getattr(bias, "value", bias))
+    ys, dropped, sizes = experts_out(cfg, p, x, experts)
+    out = jnp.einsum("tkd,tk->td", ys.astype(jnp.float32), gates).astype(h.dtype)
+    if cfg.moe_shared_experts:
+        gate = dense(x, p["shared_gate"], "td,df->tf")
+        up = dense(x, p["shared_up"], "td,df->tf")
+        out = out + dense(jax.nn.silu(gate) * up, p["shared_down"], "tf,fd->td")
+    load = sizes.astype(jnp.float32)
+    n = ep.tokens(jnp.float32(b * s))  # the micro-batch's tokens on all the ranks
+    # this device's share of each loss: the shares sum over the ranks to the micro-batch's
+    f = jax.lax.stop_gradient(ep.tokens(load) / (n * cfg.moe_top_k))
+    aux = cfg.moe_experts * jnp.sum(f * scores.sum(0)) / n
+    z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2) / n
+    if cfg.moe_balance == "aux" and cfg.moe_aux_coef:
+        out = _attach(out, aux, cfg.moe_aux_coef / ep.micro_batches)
+    if cfg.moe_z_coef:
+        out = _attach(out, z, cfg.moe_z_coef / ep.micro_batches)
+    stats = {"load": load, "dropped": dropped, "aux": aux, "z": z}
+    return out.reshape(b, s, d), jax.tree.map(jax.lax.stop_gradient, stats)
+
+
+def zero_stats(cfg: ModelConfig, axes=()) -> dict:
+    """Zeros shaped like a micro-batch's statistics of every layer ({} for a dense model),
+    typed as varying over `axes`: the running sum's start."""
+    if not cfg.moe:
+        return {}
+    n, e = cfg.n_layers, cfg.moe_experts
+    shapes = {"load": (n, e), "dropped": (n,), "aux": (n,), "z": (n,)}
+    return {k: zeros(s, jnp.float32, axes) for k, s in shapes.items()}
+
+
+def update_bias(cfg: ModelConfig, bias, load):
+    """DeepSeek-V3's auxiliary-loss-free balance, once per optimizer step: each layer's
+    overloaded experts' bias down by moe_bias_rate, the underloaded ones' up. `load`:
+    the step's assignments per expert (layers, experts), over all ranks."""
+    if cfg.moe_balance != "bias" or not cfg.moe_bias_rate:
+        return bias
+    step = cfg.moe_bias_rate * jnp.sign(load.mean(-1, keepdims=True) - load)
+    return (bias + step).astype(bias.dtype)
