@@ -1,4 +1,5 @@
-"""Hugging Face Llama <-> ultrajax checkpoints, and a logit check between the two.
+"""Hugging Face Llama and Mixtral <-> ultrajax checkpoints, and a logit check between
+the two.
 
   python -m ultrajax.convert hf-to-orbax --hf DIR --out DIR [--param-dtype auto|float32|bfloat16]
   python -m ultrajax.convert orbax-to-hf --checkpoint DIR --out DIR [--dtype auto|float32|...]
@@ -22,6 +23,14 @@ names and shapes are model/llama.py's PARAMS table; `_layout` turns one into the
   layers.i.mlp.down_proj.weight       (d, d_ff)     -> w_down      (L, d_ff, d)
   model.norm.weight                   (d,)          -> final_norm  (d,)
   lm_head.weight                      (V, d)        -> lm_head     (d, V)  (absent when tied)
+
+Mixtral (model_type mixtral, docs/moe.md): the MLP is an MoE layer, each expert its own
+tensors, stacked along our `experts` axis; Mixtral has no router bias (ours: zero; a
+checkpoint whose bias balance moved it is refused on the way out):
+
+  layers.i.block_sparse_moe.gate.weight          (E, d)  -> router   (L, d, E)
+  layers.i.block_sparse_moe.experts.e.w1/w3      (f, d)  -> moe_gate/moe_up (L, E, d, f)
+  layers.i.block_sparse_moe.experts.e.w2.weight  (d, f)  -> moe_down (L, E, f, d)
 
 Rotary convention. `model.rope` rotates the two halves of each head, pairing
 dimension i with i + hd/2 (Hugging Face Llama's `rotate_half`), with frequencies
@@ -62,6 +71,9 @@ from ultrajax.model.stack import forward
 from ultrajax.train import checkpoint as checkpoint_lib
 
 ARCHITECTURE = "LlamaForCausalLM"
+# model_type -> transformers class: Llama, and Mixtral (a Llama with an MoE MLP: softmax
+# router, top-k with renormalised gates, SwiGLU experts; docs/moe.md)
+ARCHITECTURES = {"llama": ARCHITECTURE, "mixtral": "MixtralForCausalLM"}
 # transformers rope_type values we compute exactly; "dynamic" depends on the run-time length
 ROPE_TYPES = ("default", "linear", "llama3")
 ROPE_KEYS = (
@@ -95,9 +107,11 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     """Our ModelConfig for a Llama config.json; anything that changes the math and that we
     do not implement is an error naming the field."""
     archs = hf.get("architectures") or []
-    if hf.get("model_type") != "llama" or any(a != ARCHITECTURE for a in archs):
+    arch = ARCHITECTURES.get(hf.get("model_type"))
+    if arch is None or any(a != arch for a in archs):
         name = ", ".join(archs) or f"model_type {hf.get('model_type')!r}"
-        raise ConfigError(f"{where}: architecture {name} is not supported (only {ARCHITECTURE})")
+        known = " and ".join(ARCHITECTURES.values())
+        raise ConfigError(f"{where}: architecture {name} is not supported (only {known})")
 
     def need(key):
         if hf.get(key) is None:
@@ -120,6 +134,7 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     if head_dim is not None and d % heads == 0 and head_dim == d // heads:
         head_dim = None  # the default: keep the YAML minimal
     dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    moe = _moe_from_hf(hf, where, need) if hf.get("model_type") == "mixtral" else {}
     return ModelConfig(
         vocab_size=need("vocab_size"),
         d_model=d,
@@ -133,6 +148,28 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dtype="float32" if dtype == "float32" else "bfloat16",
+        **moe,
+    )
+
+
+def _moe_from_hf(hf: dict, where: str, need) -> dict:
+    """The MoE fields of a Mixtral config.json (its experts' hidden size is
+    intermediate_size). A sliding window shorter than the context changes the attention,
+    which we do not implement: refused."""
+    window, context = hf.get("sliding_window"), hf.get("max_position_embeddings") or 2048
+    if window is not None and window < context:
+        raise ConfigError(
+            f"{where}: sliding_window={window} (shorter than max_position_embeddings={context}) "
+            "is not supported: ultrajax's attention sees the whole context"
+        )
+    return dict(
+        moe_experts=need("num_local_experts"),
+        moe_top_k=need("num_experts_per_tok"),
+        moe_d_ff=need("intermediate_size"),
+        moe_router="softmax",
+        moe_norm_topk=True,
+        moe_balance="aux",
+        moe_aux_coef=float(hf.get("router_aux_loss_coef", 0.001)),
     )
 
 
@@ -192,9 +229,10 @@ def hf_config(m: ModelConfig, dtype: str, tokenizer=None) -> dict:
     `rope_scaling` for transformers 4, `rope_parameters` for 5), so either loads it."""
     rope = _rope_to_hf(m)
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    model_type = "mixtral" if m.moe else "llama"
     tree = {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
         "vocab_size": m.vocab_size,
         "hidden_size": m.d_model,
         "intermediate_size": m.d_ff,
@@ -214,6 +252,15 @@ def hf_config(m: ModelConfig, dtype: str, tokenizer=None) -> dict:
         "dtype": dtype,
         "torch_dtype": dtype,
     }
+    if m.moe:
+        tree.update(
+            intermediate_size=m.expert_ff,
+            num_local_experts=m.moe_experts,
+            num_experts_per_tok=m.moe_top_k,
+            router_aux_loss_coef=m.moe_aux_coef,
+            sliding_window=None,
+            output_router_logits=False,
+        )
     for key, value in (
         ("bos", getattr(tokenizer, "BOS", None)),
         ("eos", getattr(tokenizer, "EOS", None)),
@@ -234,27 +281,47 @@ def _layout(p: llama.Param, m: ModelConfig):
     embedding (a lookup, no fan-in) are stored alike."""
     if not p.fan_in:
         return (lambda w: w), (lambda a: a)
-    shape = p.shape(m)[1:] if p.layered else p.shape(m)
+    shape = p.shape(m)[_stacked(p) :]
     fan_in = math.prod(llama.axis_sizes(m)[n] for n in p.fan_in)
     if len(shape) == 2:  # only transposed: a tensor of the wrong shape is refused, not reshaped
         return (lambda w: w.T), (lambda a: a.T)
     return (lambda w: w.T.reshape(shape)), (lambda a: a.reshape(fan_in, -1).T)
 
 
+def _stacked(p: llama.Param) -> int:
+    """Leading axes ours stacks that Hugging Face keeps as separate tensors: the layers,
+    and an MoE layer's experts (one tensor each, `{e}` in the name)."""
+    return int(p.layered) + int("experts" in p.names and "{e}" in p.hf)
+
+
+def _in_hf(p: llama.Param) -> bool:
+    """Whether Hugging Face's files hold it: Mixtral has no router bias (ours: zero)."""
+    return p.key != "router_bias"
+
+
 def _split(m: ModelConfig) -> tuple[list[llama.Param], list[llama.Param]]:
-    """The parameters whole in one tensor (embedding, final norm, LM head), and a layer's."""
-    present = llama.params_of(m)
+    """The parameters whole in one tensor (embedding, final norm, LM head), and a layer's,
+    as Hugging Face's files hold them."""
+    present = [p for p in llama.params_of(m) if _in_hf(p)]
     return [p for p in present if not p.layered], [p for p in present if p.layered]
 
 
+def _hf_slices(p: llama.Param, m: ModelConfig, i: int):
+    """(HF name, index into our stacked array) of layer i's tensors of `p`."""
+    if _stacked(p) == 2:
+        return [(p.hf.format(i=i, e=e), (i, e)) for e in range(m.moe_experts)]
+    return [(p.hf.format(i=i), i)]
+
+
 def hf_names(m: ModelConfig) -> dict[str, tuple]:
-    """HF tensor name -> (our key, layer index or None, HF -> ours): the whole-model
-    tensors first, then layer by layer."""
+    """HF tensor name -> (our key, index into the stacked array or None, HF -> ours): the
+    whole-model tensors first, then layer by layer."""
     top, layer = _split(m)
     names = {p.hf: (p.key, None, _layout(p, m)[0]) for p in top}
     to_ours = {p.key: _layout(p, m)[0] for p in layer}
     for i in range(m.n_layers):
-        names.update({p.hf.format(i=i): (p.key, i, to_ours[p.key]) for p in layer})
+        for p in layer:
+            names.update({n: (p.key, at, to_ours[p.key]) for n, at in _hf_slices(p, m, i)})
     return names
 
 
@@ -301,6 +368,9 @@ def hf_to_orbax(hf_dir: str | Path, out: str | Path, param_dtype: str = "auto") 
     dtype = np.dtype(DTYPES[param_dtype])
     abstract = checkpoint_lib.abstract_params(m)
     params = jax.tree.map(lambda a: np.empty(a.shape, dtype), abstract)
+    for p in llama.params_of(m):  # not in Hugging Face's files: zero (the router bias)
+        if not _in_hf(p):
+            (params["layers"] if p.layered else params)[p.key][...] = 0
     names = hf_names(m)
     tied = {p.hf for p in llama.PARAMS if not p.present(m)}  # the embedding is the head
     seen = set()
@@ -313,12 +383,13 @@ def hf_to_orbax(hf_dir: str | Path, out: str | Path, param_dtype: str = "auto") 
                     continue
                 if name not in names:
                     raise ConfigError(
-                        f"{path.name}: tensor {name!r} has no place in a {ARCHITECTURE} with "
+                        f"{path.name}: tensor {name!r} has no place in a "
+                        f"{ARCHITECTURES['mixtral' if m.moe else 'llama']} with "
                         f"this config.json (n_layers={m.n_layers})"
                     )
                 key, layer, to_ours = names[name]
                 dest = params["layers"][key] if layer is not None else params[key]
-                want = dest.shape[1:] if layer is not None else dest.shape
+                want = dest[layer].shape if layer is not None else dest.shape
                 w = f.get_tensor(name)  # one tensor in memory at a time
                 try:
                     value = to_ours(w)
@@ -368,6 +439,7 @@ def orbax_to_hf(checkpoint: str | Path, out: str | Path, dtype: str = "auto") ->
         raise ConfigError(f"--out: {out} is not empty; choose a new directory")
     cfg = checkpoint_lib.read_config(checkpoint)
     m = cfg.model
+    _check_expressible(m)
     if dtype == "auto":
         dtype = m.param_dtype
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
@@ -390,9 +462,16 @@ def orbax_to_hf(checkpoint: str | Path, out: str | Path, dtype: str = "auto") ->
     top, layer = _split(m)
     to_hf = {p.key: _layout(p, m)[1] for p in top + layer}
     write(0, {p.hf: to_hf[p.key](np.asarray(params[p.key])) for p in top})
+    if m.moe and np.any(np.asarray(params["layers"]["router_bias"]) != 0):
+        raise ConfigError(
+            f"{checkpoint}: the router biases are not zero (model.moe_balance=bias moved them) "
+            "and a Mixtral checkpoint has none: its routing would differ"
+        )
     for i in range(m.n_layers):  # one layer's copies at a time
         tensors = {
-            p.hf.format(i=i): to_hf[p.key](np.asarray(params["layers"][p.key][i])) for p in layer
+            name: to_hf[p.key](np.asarray(params["layers"][p.key][at]))
+            for p in layer
+            for name, at in _hf_slices(p, m, i)
         }
         write(i + 1, tensors)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -405,6 +484,26 @@ def orbax_to_hf(checkpoint: str | Path, out: str | Path, dtype: str = "auto") ->
     (out / "config.json").write_text(json.dumps(hf_config(m, dtype, tokenizer), indent=2) + "\n")
     write_hf_tokenizer(cfg.data.tokenizer, out, m.seq_len)
     return out
+
+
+def _check_expressible(m: ModelConfig) -> None:
+    """An MoE model that Mixtral's config cannot describe is refused, naming the key."""
+    if not m.moe:
+        return
+    default = ModelConfig()
+    apart = {
+        "moe_shared_experts": m.moe_shared_experts != 0,
+        "moe_router": m.moe_router != "softmax",
+        "moe_norm_topk": not m.moe_norm_topk,
+        "moe_every": m.moe_every != 1,
+    }
+    bad = [f"model.{k}={getattr(m, k)}" for k, off in apart.items() if off]
+    if bad:
+        raise ConfigError(
+            f"{', '.join(bad)}: a Mixtral checkpoint cannot hold this MoE model (only "
+            f"Mixtral's: softmax router, renormalised top-k, no shared experts; the default "
+            f"moe_router is {default.moe_router})"
+        )
 
 
 def new_file_mode() -> int:
@@ -509,10 +608,11 @@ def verify(hf_dir, checkpoint, tokens: int = 32, batch: int = 2, seed: int = 0) 
     with jax.default_device(jax.devices("cpu")[0]), jax.default_matmul_precision("highest"):
         ours = np.asarray(jax.jit(lambda p, t: forward(m, p, t))(params, ids))
     del params
+    arch = getattr(transformers, ARCHITECTURES["mixtral" if m.moe else "llama"])
     try:
-        model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        model = arch.from_pretrained(hf_dir, dtype=torch.float32)
     except TypeError:  # transformers < 4.56 spells it torch_dtype
-        model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+        model = arch.from_pretrained(hf_dir, torch_dtype=torch.float32)
     model.eval()
     with torch.no_grad():
         ref = model(torch.from_numpy(ids)).logits.float().numpy()
