@@ -1,0 +1,224 @@
+"""A Hugging Face config.json <-> our ModelConfig: which families we hold (Llama,
+Mixtral), the fields each maps to, the ones we refuse, and config.json written back
+(ultrajax/tools/convert.py moves the tensors)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ultrajax.config.schema import ConfigError, ModelConfig
+
+ARCHITECTURE = "LlamaForCausalLM"
+# model_type -> transformers class: Llama, and Mixtral (a Llama with an MoE MLP: softmax
+# router, top-k with renormalised gates, SwiGLU experts; docs/moe.md)
+ARCHITECTURES = {"llama": ARCHITECTURE, "mixtral": "MixtralForCausalLM"}
+# transformers rope_type values we compute exactly; "dynamic" depends on the run-time length
+ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_KEYS = (
+    "rope_scaling",
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_len",
+)
+
+
+def read_hf_config(hf_dir: str | Path) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"--hf: {path} does not exist (a Hugging Face model directory has one)")
+    try:
+        tree = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON (line {e.lineno})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return tree
+
+
+def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
+    """Our ModelConfig for a Llama config.json; anything that changes the math and that we
+    do not implement is an error naming the field."""
+    archs = hf.get("architectures") or []
+    arch = ARCHITECTURES.get(hf.get("model_type"))
+    if arch is None or any(a != arch for a in archs):
+        name = ", ".join(archs) or f"model_type {hf.get('model_type')!r}"
+        known = " and ".join(ARCHITECTURES.values())
+        raise ConfigError(f"{where}: architecture {name} is not supported (only {known})")
+
+    def need(key):
+        if hf.get(key) is None:
+            raise ConfigError(f"{where}: the field {key!r} is missing")
+        return hf[key]
+
+    def refuse(key, ok, allowed):
+        if key in hf and hf[key] is not None and hf[key] not in ok:
+            raise ConfigError(
+                f"{where}: {key}={json.dumps(hf[key])} is not supported (only {allowed})"
+            )
+
+    refuse("hidden_act", ("silu", "swish"), "silu")
+    refuse("attention_bias", (False,), "false")
+    refuse("mlp_bias", (False,), "false")
+    refuse("partial_rotary_factor", (1, 1.0), "1.0")
+    rope = _rope_from_hf(hf, where)
+    d, heads = need("hidden_size"), need("num_attention_heads")
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and d % heads == 0 and head_dim == d // heads:
+        head_dim = None  # the default: keep the YAML minimal
+    dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    moe = _moe_from_hf(hf, where, need) if hf.get("model_type") == "mixtral" else {}
+    return ModelConfig(
+        vocab_size=need("vocab_size"),
+        d_model=d,
+        n_layers=need("num_hidden_layers"),
+        n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        d_ff=need("intermediate_size"),
+        seq_len=hf.get("max_position_embeddings") or 2048,
+        head_dim=head_dim,
+        **rope,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype="float32" if dtype == "float32" else "bfloat16",
+        **moe,
+    )
+
+
+def _moe_from_hf(hf: dict, where: str, need) -> dict:
+    """The MoE fields of a Mixtral config.json (its experts' hidden size is
+    intermediate_size). A sliding window shorter than the context changes the attention,
+    which we do not implement: refused."""
+    window, context = hf.get("sliding_window"), hf.get("max_position_embeddings") or 2048
+    if window is not None and window < context:
+        raise ConfigError(
+            f"{where}: sliding_window={window} (shorter than max_position_embeddings={context}) "
+            "is not supported: ultrajax's attention sees the whole context"
+        )
+    return dict(
+        moe_experts=need("num_local_experts"),
+        moe_top_k=need("num_experts_per_tok"),
+        moe_d_ff=need("intermediate_size"),
+        moe_router="softmax",
+        moe_norm_topk=True,
+        moe_balance="aux",
+        moe_aux_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+    )
+
+
+def _rope_from_hf(hf: dict, where: str) -> dict:
+    """The ModelConfig rope fields of a config.json, read as transformers reads it: a
+    `rope_scaling` object (transformers 4, and Llama 3.x's own files) wins over
+    `rope_parameters` (transformers 5); `type` is the old spelling of `rope_type`."""
+    params = hf.get("rope_parameters") or {}
+    source = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    tree = hf.get("rope_scaling") or params
+    if not isinstance(tree, dict) or any(isinstance(v, dict) for v in tree.values()):
+        raise ConfigError(f"{where}: {source} must be one flat JSON object (not per layer type)")
+    theta = tree.get("rope_theta", hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    kind = tree.get("rope_type", tree.get("type", "default"))
+    out = {"rope_theta": float(theta)}
+    if kind == "default":
+        return out
+    if kind not in ROPE_TYPES:
+        raise ConfigError(
+            f"{where}: {source} type {kind!r} is not supported (only {', '.join(ROPE_TYPES)})"
+        )
+    # transformers' fallback when a llama3 file leaves the pretraining length out
+    tree = {"original_max_position_embeddings": hf.get("max_position_embeddings"), **tree}
+
+    def need(key):
+        value = tree.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ConfigError(f"{where}: {source} type {kind!r} needs a number {key!r}")
+        return value
+
+    out.update(rope_scaling=kind, rope_factor=float(need("factor")))
+    if kind == "llama3":
+        out.update(
+            rope_low_freq_factor=float(need("low_freq_factor")),
+            rope_high_freq_factor=float(need("high_freq_factor")),
+            rope_original_max_len=int(need("original_max_position_embeddings")),
+        )
+    return out
+
+
+def _rope_to_hf(m: ModelConfig) -> dict:
+    """rope_parameters for config.json (rope_scaling is the same, without rope_theta)."""
+    tree = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling != "none":
+        tree.update(rope_type=m.rope_scaling, factor=m.rope_factor)
+    if m.rope_scaling == "llama3":
+        tree.update(
+            low_freq_factor=m.rope_low_freq_factor,
+            high_freq_factor=m.rope_high_freq_factor,
+            original_max_position_embeddings=m.rope_original_max_len,
+        )
+    return tree
+
+
+def hf_config(m: ModelConfig, dtype: str, tokenizer=None) -> dict:
+    """config.json for transformers.LlamaConfig: rope written both ways (`rope_theta` and
+    `rope_scaling` for transformers 4, `rope_parameters` for 5), so either loads it."""
+    rope = _rope_to_hf(m)
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    model_type = "mixtral" if m.moe else "llama"
+    tree = {
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "intermediate_size": m.d_ff,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.hd,
+        "hidden_act": "silu",
+        "max_position_embeddings": m.seq_len,
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "rope_parameters": rope,
+        "rope_scaling": scaling if m.rope_scaling != "none" else None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": m.tie_embeddings,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+    if m.moe:
+        tree.update(
+            intermediate_size=m.expert_ff,
+            num_local_experts=m.moe_experts,
+            num_experts_per_tok=m.moe_top_k,
+            router_aux_loss_coef=m.moe_aux_coef,
+            sliding_window=None,
+            output_router_logits=False,
+        )
+    for key, value in (
+        ("bos", getattr(tokenizer, "BOS", None)),
+        ("eos", getattr(tokenizer, "EOS", None)),
+    ):
+        if value is not None and value < m.vocab_size:
+            tree[f"{key}_token_id"] = value
+    return tree
+
+
+def check_expressible(m: ModelConfig) -> None:
+    """An MoE model that Mixtral's config cannot describe is refused, naming the key."""
+    if not m.moe:
+        return
+    default = ModelConfig()
+    apart = {
+        "moe_shared_experts": m.moe_shared_experts != 0,
+        "moe_router": m.moe_router != "softmax",
+        "moe_norm_topk": not m.moe_norm_topk,
+        "moe_every": m.moe_every != 1,
+    }
+    bad = [f"model.{k}={getattr(m, k)}" for k, off in apart.items() if off]
+    if bad:
+        raise ConfigError(
+            f"{', '.join(bad)}: a Mixtral checkpoint cannot hold this MoE model (only "
+            f"Mixtral's: softmax router, renormalised top-k, no shared experts; the default "
+            f"moe_router is {default.moe_router})"
+        )
