@@ -182,9 +182,13 @@ def run_identity(cfg: Config) -> str:
     tree = {k: dataclasses.asdict(getattr(cfg, k)) for k in IDENTITY}
     for how in HOW:
         tree["model"].pop(how)
-    if not cfg.model.moe_experts:  # a dense model: the MoE keys mean nothing (and runs
-        for key in [k for k in tree["model"] if k.startswith("moe_")]:  # from before keep
-            tree["model"].pop(key)  # their identity)
+    # keys added since runs existed, at the value that means the model they had, stay
+    # out: a run from before keeps its identity (and its directory)
+    if not cfg.model.moe_experts:  # a dense model: the MoE keys mean nothing
+        for key in [k for k in tree["model"] if k.startswith("moe_")]:
+            tree["model"].pop(key)
+    if not cfg.model.qk_norm:
+        tree["model"].pop("qk_norm")
     tree["seed"] = cfg.train.seed
     tree["optim"].pop("schedule_steps")  # checked on resume, like train.steps
     tree["data"].pop("prefetch")  # how far ahead batches are made, not which

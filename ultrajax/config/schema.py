@@ -57,6 +57,8 @@ class ModelConfig:
     # layers per iteration of the layer loop (lax.scan's unroll): 1 keeps one compiled
     # layer; more lets XLA slice the stacked weights statically (faster on a CPU)
     scan_unroll: int = 1
+    # RMSNorm over each head's queries and keys before the rotation (Qwen3, OLMo 2)
+    qk_norm: bool = False
     # mixture of experts (model/moe.py, docs/moe.md): experts per MoE layer (0: dense)
     moe_experts: int = 0
     moe_top_k: int = 2  # experts each token goes to

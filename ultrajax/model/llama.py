@@ -83,6 +83,9 @@ def block_stats(p, x, positions, segment_ids, *, cfg, tp=SINGLE, cp=LOCAL, ep=ON
         q, k, v = dense_joined(h, [p["wq"], p["wk"], p["wv"]], groups, 2)
     else:
         q, k, v = (dense(h, p[n], e) for n, e in QKV)
+    if cfg.qk_norm:  # over each head's own dimensions, before the rotation
+        q = rms_norm(q, p["q_norm"], cfg.norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.norm_eps)
     q = checkpoint_name(tp.constrain(q, heads), remat.QUERY)
     k = checkpoint_name(tp.constrain(k, kv_heads), remat.KEY)
     v = checkpoint_name(tp.constrain(v, kv_heads), remat.VALUE)
@@ -132,7 +135,7 @@ ATTENTION, MLP, NORM, EMBEDDING, HEAD, ROUTER, EXPERTS = PARTS = (
 )  # fmt: skip
 # which configs have a parameter: every one, dense ones (the MLP), MoE ones (the router
 # and experts), MoE ones with shared experts
-ALWAYS, DENSE, MOE, SHARED = "always", "dense", "moe", "shared"
+ALWAYS, DENSE, MOE, SHARED, QK = "always", "dense", "moe", "shared", "qk"
 # the config keys the parameter shapes read (head_dim through `hd`): a checkpoint whose
 # keys differ cannot be restored into this config
 SHAPE_KEYS = (
@@ -146,6 +149,7 @@ SHAPE_KEYS = (
     "moe_experts",
     "moe_d_ff",
     "moe_shared_experts",
+    "qk_norm",
 )
 EMBED_STD = 0.02  # GPT-2's embedding initialisation
 
@@ -200,6 +204,7 @@ class Param:
             DENSE: not cfg.moe,
             MOE: cfg.moe,
             SHARED: cfg.moe and cfg.moe_shared_experts > 0,
+            QK: cfg.qk_norm,
         }[self.when]
 
     def shape(self, cfg: ModelConfig) -> tuple[int, ...]:
@@ -237,6 +242,8 @@ PARAMS = (
           _LAYER + "self_attn.k_proj.weight", fan_in=("embed",)),
     Param("wv", ("layers", "embed", "kv_heads", "head_dim"), ATTENTION,
           _LAYER + "self_attn.v_proj.weight", fan_in=("embed",)),
+    Param("q_norm", ("layers", "head_dim"), NORM, _LAYER + "self_attn.q_norm.weight", when=QK),
+    Param("k_norm", ("layers", "head_dim"), NORM, _LAYER + "self_attn.k_norm.weight", when=QK),
     Param("wo", ("layers", "heads", "head_dim", "embed"), ATTENTION,
           _LAYER + "self_attn.o_proj.weight", fan_in=("heads", "head_dim"), residual=True),
     Param("mlp_norm", ("layers", "embed"), NORM, _LAYER + "post_attention_layernorm.weight"),
@@ -317,12 +324,14 @@ def logical_axes(cfg: ModelConfig) -> dict:
 def param_count(cfg: ModelConfig) -> int:
     """Closed form, derived in the README ("Parameter count"); tested against the model.
 
-    N = V·h·(1 if tied else 2) + L·(2h + h·hd·(2a + 2a_kv) + M) + h, with the MLP
+    N = V·h·(1 if tied else 2) + L·(2h + h·hd·(2a + 2a_kv) + M) + h (+ 2·L·hd with
+    qk_norm), with the MLP
     M = 3·h·d_ff dense, or with E experts of hidden size f and S shared ones
     M = (h + 1)·E + 3·E·h·f + 3·h·S·f (router and its bias, experts, shared experts).
     """
     h, hd, a, akv = cfg.d_model, cfg.hd, cfg.n_heads, cfg.n_kv_heads
     per_layer = 2 * h + h * hd * (2 * a + 2 * akv) + _mlp_params(cfg, cfg.moe_experts)
+    per_layer += 2 * hd if cfg.qk_norm else 0
     heads = 1 if cfg.tie_embeddings else 2
     return cfg.vocab_size * h * heads + cfg.n_layers * per_layer + h
 

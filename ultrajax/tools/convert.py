@@ -72,7 +72,9 @@ from ultrajax.tools.hf_config import (
     ARCHITECTURES,
     ROPE_KEYS,
     check_expressible,
+    family,
     hf_config,
+    hf_name,
     model_config_from_hf,
     read_hf_config,
 )
@@ -93,17 +95,17 @@ def _layout(p: llama.Param, m: ModelConfig):
     embedding (a lookup, no fan-in) are stored alike."""
     if not p.fan_in:
         return (lambda w: w), (lambda a: a)
-    shape = p.shape(m)[_stacked(p) :]
+    shape = p.shape(m)[_stacked(p, m) :]
     fan_in = math.prod(llama.axis_sizes(m)[n] for n in p.fan_in)
     if len(shape) == 2:  # only transposed: a tensor of the wrong shape is refused, not reshaped
         return (lambda w: w.T), (lambda a: a.T)
     return (lambda w: w.T.reshape(shape)), (lambda a: a.reshape(fan_in, -1).T)
 
 
-def _stacked(p: llama.Param) -> int:
+def _stacked(p: llama.Param, m: ModelConfig) -> int:
     """Leading axes ours stacks that Hugging Face keeps as separate tensors: the layers,
     and an MoE layer's experts (one tensor each, `{e}` in the name)."""
-    return int(p.layered) + int("experts" in p.names and "{e}" in p.hf)
+    return int(p.layered) + int("experts" in p.names and "{e}" in hf_name(p, m))
 
 
 def _in_hf(p: llama.Param) -> bool:
@@ -120,9 +122,10 @@ def _split(m: ModelConfig) -> tuple[list[llama.Param], list[llama.Param]]:
 
 def _hf_slices(p: llama.Param, m: ModelConfig, i: int):
     """(HF name, index into our stacked array) of layer i's tensors of `p`."""
-    if _stacked(p) == 2:
-        return [(p.hf.format(i=i, e=e), (i, e)) for e in range(m.moe_experts)]
-    return [(p.hf.format(i=i), i)]
+    name = hf_name(p, m)
+    if _stacked(p, m) == 2:
+        return [(name.format(i=i, e=e), (i, e)) for e in range(m.moe_experts)]
+    return [(name.format(i=i), i)]
 
 
 def hf_names(m: ModelConfig) -> dict[str, tuple]:
@@ -196,7 +199,7 @@ def hf_to_orbax(hf_dir: str | Path, out: str | Path, param_dtype: str = "auto") 
                 if name not in names:
                     raise ConfigError(
                         f"{path.name}: tensor {name!r} has no place in a "
-                        f"{ARCHITECTURES['mixtral' if m.moe else 'llama']} with "
+                        f"{ARCHITECTURES[family(m)]} with "
                         f"this config.json (n_layers={m.n_layers})"
                     )
                 key, layer, to_ours = names[name]
@@ -400,7 +403,7 @@ def verify(hf_dir, checkpoint, tokens: int = 32, batch: int = 2, seed: int = 0) 
     with jax.default_device(jax.devices("cpu")[0]), jax.default_matmul_precision("highest"):
         ours = np.asarray(jax.jit(lambda p, t: forward(m, p, t))(params, ids))
     del params
-    arch = getattr(transformers, ARCHITECTURES["mixtral" if m.moe else "llama"])
+    arch = getattr(transformers, ARCHITECTURES[family(m)])
     try:
         model = arch.from_pretrained(hf_dir, dtype=torch.float32)
     except TypeError:  # transformers < 4.56 spells it torch_dtype

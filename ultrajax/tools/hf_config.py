@@ -1,6 +1,6 @@
 """A Hugging Face config.json <-> our ModelConfig: which families we hold (Llama,
-Mixtral), the fields each maps to, the ones we refuse, and config.json written back
-(ultrajax/tools/convert.py moves the tensors)."""
+Mixtral, Qwen3, Qwen3-MoE), the fields each maps to, the ones we refuse, and the
+config.json written back (ultrajax/tools/convert.py moves the tensors)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,22 @@ from ultrajax.config.schema import ConfigError, ModelConfig
 ARCHITECTURE = "LlamaForCausalLM"
 # model_type -> transformers class: Llama, and Mixtral (a Llama with an MoE MLP: softmax
 # router, top-k with renormalised gates, SwiGLU experts; docs/moe.md)
-ARCHITECTURES = {"llama": ARCHITECTURE, "mixtral": "MixtralForCausalLM"}
+ARCHITECTURES = {
+    "llama": ARCHITECTURE,
+    "mixtral": "MixtralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",  # a Llama with each head's queries and keys normalised
+    "qwen3_moe": "Qwen3MoeForCausalLM",  # Qwen3's attention, an MoE MLP
+}
+_L = "model.layers.{i}."
+# where a family's tensor names differ from the parameter table's (Llama's, Mixtral's)
+FAMILY_NAMES = {
+    "qwen3_moe": {
+        "router": _L + "mlp.gate.weight",
+        "moe_gate": _L + "mlp.experts.{e}.gate_proj.weight",
+        "moe_up": _L + "mlp.experts.{e}.up_proj.weight",
+        "moe_down": _L + "mlp.experts.{e}.down_proj.weight",
+    },
+}
 # transformers rope_type values we compute exactly; "dynamic" depends on the run-time length
 ROPE_TYPES = ("default", "linear", "llama3")
 ROPE_KEYS = (
@@ -22,6 +37,19 @@ ROPE_KEYS = (
     "rope_high_freq_factor",
     "rope_original_max_len",
 )
+
+
+def family(m: ModelConfig) -> str:
+    """The Hugging Face model_type that holds this model."""
+    if m.moe:
+        return "qwen3_moe" if m.qk_norm else "mixtral"
+    return "qwen3" if m.qk_norm else "llama"
+
+
+def hf_name(p, m: ModelConfig) -> str:
+    """A parameter's (model/llama.py `Param`) tensor name in this model's family (`{i}`
+    the layer, `{e}` the expert)."""
+    return FAMILY_NAMES.get(family(m), {}).get(p.key, p.hf)
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
@@ -44,7 +72,7 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     arch = ARCHITECTURES.get(hf.get("model_type"))
     if arch is None or any(a != arch for a in archs):
         name = ", ".join(archs) or f"model_type {hf.get('model_type')!r}"
-        known = " and ".join(ARCHITECTURES.values())
+        known = ", ".join(ARCHITECTURES.values())
         raise ConfigError(f"{where}: architecture {name} is not supported (only {known})")
 
     def need(key):
@@ -68,7 +96,11 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     if head_dim is not None and d % heads == 0 and head_dim == d // heads:
         head_dim = None  # the default: keep the YAML minimal
     dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
-    moe = _moe_from_hf(hf, where, need) if hf.get("model_type") == "mixtral" else {}
+    kind = hf.get("model_type")
+    moe = _moe_from_hf(hf, where, need) if kind in ("mixtral", "qwen3_moe") else {}
+    if kind in ("qwen3", "qwen3_moe"):
+        refuse("use_sliding_window", (False,), "false")
+        moe["qk_norm"] = True
     return ModelConfig(
         vocab_size=need("vocab_size"),
         d_model=d,
@@ -91,6 +123,23 @@ def _moe_from_hf(hf: dict, where: str, need) -> dict:
     intermediate_size). A sliding window shorter than the context changes the attention,
     which we do not implement: refused."""
     window, context = hf.get("sliding_window"), hf.get("max_position_embeddings") or 2048
+    if hf.get("model_type") == "qwen3_moe":
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise ConfigError(
+                f"{where}: dense layers between the MoE layers (decoder_sparse_step="
+                f"{hf.get('decoder_sparse_step', 1)}, mlp_only_layers={hf.get('mlp_only_layers')})"
+                " are not supported yet (model.moe_every=1 only)"
+            )
+        return dict(
+            # transformers 5 writes num_local_experts; the published configs num_experts
+            moe_experts=hf.get("num_experts") or need("num_local_experts"),
+            moe_top_k=need("num_experts_per_tok"),
+            moe_d_ff=need("moe_intermediate_size"),
+            moe_router="softmax",
+            moe_norm_topk=bool(hf.get("norm_topk_prob", False)),
+            moe_balance="aux",
+            moe_aux_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+        )
     if window is not None and window < context:
         raise ConfigError(
             f"{where}: sliding_window={window} (shorter than max_position_embeddings={context}) "
@@ -163,7 +212,7 @@ def hf_config(m: ModelConfig, dtype: str, tokenizer=None) -> dict:
     `rope_scaling` for transformers 4, `rope_parameters` for 5), so either loads it."""
     rope = _rope_to_hf(m)
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    model_type = "mixtral" if m.moe else "llama"
+    model_type = family(m)
     tree = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
@@ -186,7 +235,21 @@ def hf_config(m: ModelConfig, dtype: str, tokenizer=None) -> dict:
         "dtype": dtype,
         "torch_dtype": dtype,
     }
-    if m.moe:
+    if model_type in ("qwen3", "qwen3_moe"):
+        tree.update(use_sliding_window=False, sliding_window=None)
+    if model_type == "qwen3_moe":
+        tree.update(
+            num_experts=m.moe_experts,
+            num_local_experts=m.moe_experts,
+            num_experts_per_tok=m.moe_top_k,
+            moe_intermediate_size=m.expert_ff,
+            norm_topk_prob=m.moe_norm_topk,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=m.moe_aux_coef,
+            output_router_logits=False,
+        )
+    elif m.moe:
         tree.update(
             intermediate_size=m.expert_ff,
             num_local_experts=m.moe_experts,
@@ -209,16 +272,18 @@ def check_expressible(m: ModelConfig) -> None:
     if not m.moe:
         return
     default = ModelConfig()
+    qwen = family(m) == "qwen3_moe"  # Qwen3-MoE: its gates renormalised or not
     apart = {
         "moe_shared_experts": m.moe_shared_experts != 0,
         "moe_router": m.moe_router != "softmax",
-        "moe_norm_topk": not m.moe_norm_topk,
+        "moe_norm_topk": not m.moe_norm_topk and not qwen,
         "moe_every": m.moe_every != 1,
     }
     bad = [f"model.{k}={getattr(m, k)}" for k, off in apart.items() if off]
     if bad:
+        name = ARCHITECTURES[family(m)]
         raise ConfigError(
-            f"{', '.join(bad)}: a Mixtral checkpoint cannot hold this MoE model (only "
-            f"Mixtral's: softmax router, renormalised top-k, no shared experts; the default "
-            f"moe_router is {default.moe_router})"
+            f"{', '.join(bad)}: a {name} checkpoint cannot hold this MoE model (softmax "
+            f"router, top-k{'' if qwen else ' renormalised'}, no shared experts; the "
+            f"default moe_router is {default.moe_router})"
         )
