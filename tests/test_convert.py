@@ -414,13 +414,8 @@ def mixtral_model(path, seed=0):
         sliding_window=None,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**kw)).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(path, max_shard_size="100KB")
-    return model
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**kw))
+    return _random_save(model, path, seed)
 
 
 def test_mixtral_both_ways_matches_transformers(tmp_path, capsys):

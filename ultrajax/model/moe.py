@@ -123,7 +123,8 @@ def experts_out(cfg: ModelConfig, p, x, experts):
         out = _swiglu_grouped(p, buf)
         ys = out.at[sorted_e, jnp.minimum(slot, c - 1)].get() * keep[:, None].astype(x.dtype)
         dropped = jnp.sum(~keep).astype(jnp.float32)
-    back = jnp.argsort(order)  # unsort: assignment i of the (T, k) layout
+    # unsort: the inverse permutation, scattered (no second sort on every layer)
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
     return ys[back].reshape(t, k, -1), dropped, sizes
 
 
