@@ -36,10 +36,12 @@ BASE = [
 
 def child_env(**extra) -> dict[str, str]:
     """The environment for a run a test starts: CPU, devices from its own --cpu-devices,
-    and of XLA_FLAGS only conftest's collective timeout (a late thread on 2 loaded cores
-    is starvation, not a deadlock: without it a child aborts after XLA's 40 s)."""
+    and of XLA_FLAGS only conftest's: the collective timeout (a late thread on 2 loaded
+    cores is starvation, not a deadlock: without it a child aborts after XLA's 40 s) and
+    the fast compiles."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    keep = [f for f in env.pop("XLA_FLAGS", "").split() if "collective_call_terminate" in f]
+    ours = ("collective_call_terminate", "xla_backend_optimization_level")
+    keep = [f for f in env.pop("XLA_FLAGS", "").split() if any(o in f for o in ours)]
     if keep:
         env["XLA_FLAGS"] = " ".join(keep)
     env.update(extra)
@@ -47,7 +49,7 @@ def child_env(**extra) -> dict[str, str]:
 
 
 def make(*overrides, base=BASE, path=TINY):
-    """(config, its devices): the mesh sizes, all five axes, give the device count."""
+    """(config, its devices): the mesh sizes, all six axes, give the device count."""
     cfg = parse.load(path, list(base) + list(overrides))
     n = math.prod(cfg.mesh.sizes().values())
     validate.resolve_mesh(cfg, n)
@@ -62,3 +64,19 @@ def setup(cfg, devices=None):
     tx, schedule = optim.optimizer(cfg), optim.lr_schedule(cfg)
     shardings = step_lib.state_shardings(cfg, mesh, rules, tx)
     return mesh, rules, tx, schedule, shardings, batch_lib.sharding(mesh)
+
+
+def init_state(cfg, tx, shardings, seed: int = 0):
+    """The train state `step.init_state` gives `cfg` (key `seed`), placed with `shardings`.
+    Initialised once per model and optimizer, on one device, and placed: the values do
+    not depend on the layout (JAX's partitionable random bits), and a sharded
+    initialisation is a compile per layout (~3 s each, most of a small layout test)."""
+    key = (repr(cfg.model), repr(cfg.optim), seed)
+    if key not in _HOST_STATES:
+        k = jax.random.key(seed)
+        init = jax.jit(lambda k: step_lib.init_state(cfg, tx, k)).lower(k).compile(FAST)
+        _HOST_STATES[key] = jax.device_get(init(k))
+    return jax.device_put(_HOST_STATES[key], shardings)
+
+
+_HOST_STATES: dict = {}  # the session's initial states, by model, optimizer and seed

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from harness import FAST, make
+from harness import init_state as placed_state
 from jax.ad_checkpoint import print_saved_residuals
 
 from ultrajax.cost import activations, memory, sizes, units
@@ -23,7 +24,7 @@ from ultrajax.parallel import mesh as mesh_lib
 from ultrajax.tools import analyze, hlo
 from ultrajax.train import optim
 from ultrajax.train.batch import Batch
-from ultrajax.train.step import init_state, state_shardings
+from ultrajax.train.step import state_shardings
 
 # --------------------------------------------------------------------------- exact parts
 
@@ -476,7 +477,7 @@ def test_pipeline_splits_the_embedding_and_head_state_over_stages(overrides, p, 
     tx = optim.optimizer(cfg)
     sh = state_shardings(cfg, mesh, mesh_lib.rules(cfg), tx)
     with jax.set_mesh(mesh):
-        state = jax.jit(lambda k: init_state(cfg, tx, k), out_shardings=sh)(jax.random.key(0))
+        state = placed_state(cfg, tx, sh)
     adam = state["opt_state"][1][0]
     tables = {"params": state["params"], "mu": adam.mu, "nu": adam.nu}
     with monkeypatch.context() as mp:  # the layout before: replicated over `pipeline`

@@ -50,8 +50,7 @@ def run(layout: tuple, m: int, *model: str):
     cfg = grid.make_cfg(dict(layout), f"train.grad_accum={m}", *model)
     mesh, rules, tx, sched, shardings, batch_sh = harness.setup(cfg)
     with jax.set_mesh(mesh):
-        init = jax.jit(lambda k: step_lib.init_state(cfg, tx, k), out_shardings=shardings)
-        state = init(jax.random.key(0))
+        state = harness.init_state(cfg, tx, shardings)
         fn = step_lib.jit_train_step(cfg, mesh, rules, tx, sched, shardings, batch_sh)
         data = [batch_lib.place(b, batch_sh) for b in batches(m)]
         compiled = fn.lower(state, data[0]).compile(harness.FAST)

@@ -3,6 +3,7 @@ ranks' heads."""
 
 from __future__ import annotations
 
+import harness
 import jax
 import numpy as np
 from test_parallel import LAYOUTS, batches, make_cfg, setup
@@ -16,8 +17,7 @@ def _one_step_gradients(name, *extra):
     cfg = make_cfg(layout, *extra)
     mesh, rules, tx, _, shardings, batch_sh = setup(cfg)
     with jax.set_mesh(mesh):
-        init = jax.jit(lambda k: step_lib.init_state(cfg, tx, k), out_shardings=shardings)
-        params = init(jax.random.key(0))["params"]
+        params = harness.init_state(cfg, tx, shardings)["params"]
         gradients = jax.jit(step_lib.make_gradients(cfg, mesh, rules))
         grads = gradients(params, batch_lib.place(batches(1, cfg)[0], batch_sh))[0]
     return jax.device_get(grads)

@@ -118,7 +118,10 @@ def build_run(cfg: Config, *, fresh: bool = True) -> RunParts:
     with jax.set_mesh(mesh):
         init = jax.jit(lambda k: init_state(cfg, tx, k), out_shardings=shardings)
         if fresh:
-            state = init(jax.random.key(cfg.train.seed))
+            key = jax.random.key(cfg.train.seed)
+            # run once: on a CPU XLA's optimisations cost more compile time than they save
+            fast = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
+            state = init.lower(key).compile(fast or None)(key)
         else:
             state = jax.tree.map(
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
