@@ -210,12 +210,12 @@ def _hosts(n_hosts, per_host):
 def test_hybrid_mesh_puts_dcn_factors_across_hosts():
     cfg = load(None, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "mesh.dcn.data=2"])
     ids = np.vectorize(lambda d: d.id)(mesh_lib.hybrid_devices(cfg, _hosts(2, 4)))
-    assert ids.shape == (2, 2, 1, 1, 2)
+    assert ids.shape == (2, 2, 1, 1, 1, 2)
     assert set(ids[0].flat) == {0, 1, 2, 3} and set(ids[1].flat) == {4, 5, 6, 7}
     cfg = load(None, ["mesh.data=2", "mesh.fsdp=4", "mesh.dcn.fsdp=2"])
     ids = np.vectorize(lambda d: d.id)(mesh_lib.hybrid_devices(cfg, _hosts(2, 4)))
     # fsdp = 2 hosts (outer) x 2 devices (inner); data stays inside a host
-    assert ids[:, :, 0, 0, 0].tolist() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert ids[:, :, 0, 0, 0, 0].tolist() == [[0, 1, 4, 5], [2, 3, 6, 7]]
 
 
 def test_hybrid_mesh_errors_name_the_mismatch():

@@ -47,6 +47,22 @@ LAYOUTS = {
     },
 }
 
+# expert parallelism: an MoE model's layouts (tests/test_expert.py)
+EXPERT = {
+    "expert8": {"mesh.expert": 8},
+    "data2-expert4": {"mesh.data": 2, "mesh.expert": 4},
+    "expert2-fsdp4-zero1": {"mesh.expert": 2, "mesh.fsdp": 4, "parallel.zero": 1},
+    "expert4-tp2-sp": {"mesh.expert": 4, "mesh.tensor": 2, "parallel.sequence_parallel": True},
+    "cp2-expert2-data2": {"mesh.sequence": 2, "mesh.expert": 2, "mesh.data": 2},
+    "expert2-fsdp2-tp2-zero3-sp": {
+        "mesh.expert": 2,
+        "mesh.fsdp": 2,
+        "mesh.tensor": 2,
+        "parallel.zero": 3,
+        "parallel.sequence_parallel": True,
+    },
+}
+
 
 # context parallelism (documents cross the device boundaries: `batches` cuts at random)
 CONTEXT = {
@@ -78,7 +94,7 @@ CONTEXT = {
 
 def make_cfg(layout: dict, *extra: str) -> config.Config:
     sizes = {k.split(".")[1]: v for k, v in layout.items() if k.startswith("mesh.")}
-    dp = sizes.get("data", 1) * sizes.get("fsdp", 1)
+    dp = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1)
     base = [
         f"model.d_model={D}",
         f"model.n_layers={LAYERS}",
@@ -129,25 +145,27 @@ setup = harness.setup
 @functools.cache
 def run(name: str | None, mode: str = "explicit", *extra: str):
     """3 steps under a layout: (losses, grad norms, params, compiled HLO text, state
-    bytes, config, lowered step)."""
-    layout = dict({**LAYOUTS, **CONTEXT}[name] if name else {}, **{"parallel.collectives": mode})
+    bytes, config, lowered step, MoE assignments dropped per step)."""
+    layout = dict(
+        {**LAYOUTS, **CONTEXT, **EXPERT}[name] if name else {}, **{"parallel.collectives": mode}
+    )
     cfg = make_cfg(layout, *extra)
     mesh, rules, tx, schedule, shardings, batch_sh = setup(cfg)
     with jax.set_mesh(mesh):
-        init = jax.jit(lambda k: step_lib.init_state(cfg, tx, k), out_shardings=shardings)
-        state = init(jax.random.key(0))
+        state = harness.init_state(cfg, tx, shardings)
         state_bytes = per_device_bytes(state)
         fn = step_lib.jit_train_step(cfg, mesh, rules, tx, schedule, shardings, batch_sh)
         data = [batch_lib.place(b, batch_sh) for b in batches(cfg=cfg)]
         lowered = fn.lower(state, data[0])
         compiled = lowered.compile(harness.FAST)
-        losses, norms = [], []
+        losses, norms, dropped = [], [], []
         for b in data:
             state, m = compiled(state, b)
             losses.append(float(m["loss"]))
             norms.append(float(m["grad_norm"]))
+            dropped.append(float(m["moe"]["dropped"].sum()) if "moe" in m else 0.0)
     params = jax.device_get(state["params"])
-    return losses, norms, params, compiled.as_text(), state_bytes, cfg, lowered
+    return losses, norms, params, compiled.as_text(), state_bytes, cfg, lowered, dropped
 
 
 def per_device_bytes(tree) -> int:
@@ -542,8 +560,7 @@ def evaluate(name: str | None, mode: str = "explicit"):
     cfg = make_cfg(layout)
     mesh, rules, tx, _, shardings, batch_sh = setup(cfg)
     with jax.set_mesh(mesh):
-        init = jax.jit(lambda k: step_lib.init_state(cfg, tx, k), out_shardings=shardings)
-        params = init(jax.random.key(0))["params"]
+        params = harness.init_state(cfg, tx, shardings)["params"]
         fn = jax.jit(
             step_lib.make_eval_step(cfg, mesh, rules), in_shardings=(shardings["params"], batch_sh)
         )

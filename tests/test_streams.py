@@ -283,7 +283,8 @@ def test_mixture_weights_hold_and_resume():
 
 
 def test_rows_needed_and_place_rows_match_placing_the_whole_batch():
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "sequence"))
+    axes = ("data", "fsdp", "expert", "sequence")
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 1, 2), axes)
     sh = NamedSharding(mesh, batch_lib.SPEC)
     rng = np.random.default_rng(0)
     packed = batch_lib.random_packed(16, 8, 100, rng)

@@ -316,7 +316,7 @@ def test_print_config_prints_the_resolved_config_and_batch_then_exits(tmp_path):
         "# global batch: 128 sequences = 8 micro-batch x 2 grad accumulation x 8 dp",
         "# tokens per step: 32,768 = 128 sequences x 256 seq_len",
         "# dp: 8 = data 8 x fsdp 1",
-        "# mesh: data=8 fsdp=1 pipeline=1 sequence=1 tensor=1 (8 devices)",
+        "# mesh: data=8 fsdp=1 pipeline=1 expert=1 sequence=1 tensor=1 (8 devices)",
         "# devices: 8 (cpu, --cpu-devices)",
     ]
     # a mesh for another machine is shown, and the mismatch said, not refused

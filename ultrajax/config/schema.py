@@ -160,12 +160,13 @@ class MeshConfig:
     data: int = 1
     fsdp: int = 1
     pipeline: int = 1
+    expert: int = 1  # expert parallelism: needs model.moe_experts (docs/moe.md)
     sequence: int = 1
     tensor: int = 1
     dcn: DcnConfig = field(default_factory=DcnConfig)
 
     def sizes(self) -> dict[str, int]:
-        """The five axis sizes (without the dcn factors)."""
+        """The six axis sizes (without the dcn factors)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "dcn"}
 
 
@@ -216,8 +217,8 @@ class Config:
 
     @property
     def dp(self) -> int:
-        """Data-parallel degree: the batch is split over data x fsdp."""
-        return self.mesh.data * self.mesh.fsdp
+        """Data-parallel degree: the batch is split over data x fsdp x expert."""
+        return self.mesh.data * self.mesh.fsdp * self.mesh.expert
 
     @property
     def global_batch(self) -> int:

@@ -263,16 +263,36 @@ def validate_layout(cfg: Config, *, build_schedule: bool = True) -> None:
             f"model.loss_chunk ({m.loss_chunk}) must divide the tokens per device along the "
             f"sequence (model.seq_len / mesh.sequence = {m.seq_len // cp})",
         )
-    if m.moe_experts:
-        apart = [f"mesh.{k}" for k in ("tensor", "sequence", "pipeline") if getattr(mesh, k) > 1]
-        _check(
-            not apart,
-            f"model.moe_experts with {', '.join(apart)} > 1: mixture of experts runs with "
-            "mesh.data and mesh.fsdp (any ZeRO stage) so far; expert parallelism and the "
-            "other axes come next (issue 29)",
-        )
+    if m.moe_experts or mesh.expert > 1:
+        _validate_expert_layout(cfg)
     _validate_pipeline(cfg, build_schedule)
     _validate_ramp(cfg)
+
+
+def _validate_expert_layout(cfg: Config) -> None:
+    """mesh.expert and what an MoE model composes with so far."""
+    m, mesh = cfg.model, cfg.mesh
+    _check(
+        mesh.expert == 1 or m.moe_experts,
+        f"mesh.expert={mesh.expert} needs an MoE model (model.moe_experts > 0): expert "
+        "parallelism splits an MoE layer's experts; for a dense model use mesh.data",
+    )
+    _check(
+        m.moe_experts % mesh.expert == 0,
+        f"model.moe_experts ({m.moe_experts}) must be divisible by mesh.expert ({mesh.expert})",
+    )
+    _check(
+        mesh.pipeline == 1,
+        "model.moe_experts with mesh.pipeline > 1: mixture of experts does not pipeline yet "
+        "(issue 29); every other mesh axis composes with it",
+    )
+    _check(
+        not (m.moe_capacity and mesh.sequence > 1),
+        "model.moe_capacity with mesh.sequence > 1: capacity keeps each expert's first "
+        "assignments in the micro-batch's token order, and context parallelism puts a "
+        "row's tokens on several devices (not counted in that order yet); use dropless "
+        "(model.moe_capacity=0) or mesh.sequence=1",
+    )
 
 
 def auto_loss_chunk(cfg: Config) -> int:

@@ -61,7 +61,11 @@ class Candidate:
         """`base` with this layout (sections replaced, the rest shared with `base`)."""
         cfg = copy.copy(base)
         cfg.mesh = config_lib.MeshConfig(
-            self.data, self.fsdp, self.pipeline, self.sequence, self.tensor
+            data=self.data,
+            fsdp=self.fsdp,
+            pipeline=self.pipeline,
+            sequence=self.sequence,
+            tensor=self.tensor,
         )
         cfg.parallel = replace(
             base.parallel,

@@ -7,8 +7,9 @@ their one-device versions: the model never imports parallel/.
   parallel/partitioned.py (sharding constraints for XLA's partitioner).
 - The attention boundary: `attend` sees this device's queries and may need other
   devices' keys (context parallelism: parallel/context.py).
-- The expert boundary: an MoE layer's balance losses are over the micro-batch's tokens
-  on every data-parallel rank (`tokens`: a sum over them; parallel/layout.py).
+- The expert boundary: an MoE layer's balance losses and capacity are over the
+  micro-batch's tokens on every data-parallel rank (`tokens`, `before`), and its
+  experts may live on other devices (`experts`: expert parallelism, parallel/expert.py).
 
 On one device each boundary is the identity, and `attend` is the attention interface.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 from ultrajax.model.attention.backends import attend
 from ultrajax.model.nn import cross_entropy
@@ -75,13 +77,28 @@ class AttentionBoundary:
 
 @dataclass(frozen=True)
 class ExpertBoundary:
-    """An MoE layer's reach beyond this device's tokens: none here."""
+    """An MoE layer's reach beyond this device's tokens and experts: none here."""
 
     micro_batches: int = 1  # the step's, over which a balance loss is averaged
+    ranks: int = 1  # the devices that split the micro-batch's tokens (this one alone)
+    copies: int = 1  # the devices that hold these same tokens (tensor parallelism's)
+
+    def same(self, x):
+        """A statistic the `copies` computed alike, as one value."""
+        return x
 
     def tokens(self, x):
         """Sum of a per-device count over the ranks that split the micro-batch's tokens."""
         return x
+
+    def before(self, counts):
+        """Each expert's assignments on the ranks holding earlier tokens: none."""
+        return jnp.zeros_like(counts)
+
+    def experts(self, mlp, xs, sorted_e, sizes):
+        """mlp(rows, group sizes) over the assignments sorted by expert (`sorted_e` each
+        row's expert, `sizes` each expert's rows): every expert is here."""
+        return mlp(xs, sizes)
 
 
 SINGLE = TensorBoundary()

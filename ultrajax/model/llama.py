@@ -165,6 +165,7 @@ def axis_sizes(cfg: ModelConfig) -> dict[str, int]:
         "head_dim": cfg.hd,
         "mlp": cfg.d_ff,
         "experts": cfg.moe_experts,
+        "scores": cfg.moe_experts,
         "moe_mlp": cfg.expert_ff,
         "shared_mlp": cfg.moe_shared_experts * cfg.expert_ff,
     }
@@ -254,9 +255,9 @@ PARAMS = (
     Param("w_down", ("layers", "mlp", "embed"), MLP, _LAYER + "mlp.down_proj.weight",
           fan_in=("mlp",), residual=True, when=DENSE),
     # mixture of experts (model/moe.py): Mixtral's names, `{e}` the expert
-    Param("router", ("layers", "embed", "experts"), ROUTER, _MOE + "gate.weight",
+    Param("router", ("layers", "embed", "scores"), ROUTER, _MOE + "gate.weight",
           fan_in=("embed",), when=MOE),
-    Param("router_bias", ("layers", "experts"), ROUTER, _MOE + "gate.e_score_correction_bias",
+    Param("router_bias", ("layers", "scores"), ROUTER, _MOE + "gate.e_score_correction_bias",
           when=MOE, zero=True),
     Param("moe_gate", ("layers", "experts", "embed", "moe_mlp"), EXPERTS,
           _MOE + "experts.{e}.w1.weight", fan_in=("embed",), when=MOE),

@@ -5,9 +5,14 @@ best experts, whose SwiGLU outputs are summed with the gates; shared experts, if
 see every token. Dropless by default: the token-expert assignments are sorted by expert
 and each expert multiplies its own rows (`jax.lax.ragged_dot`, a grouped GEMM), so no
 token is ever dropped and no padding is computed. With `moe_capacity = c` each expert
-takes at most ceil(c · tokens · k / experts) assignments (GShard's capacity factor):
-those beyond are dropped (their share of the output is zero; the residual carries the
-token) and counted.
+takes at most ceil(c · tokens · k / experts) of a micro-batch's assignments (GShard's
+capacity factor), the first in token order: those beyond are dropped (their share of
+the output is zero; the residual carries the token) and counted. The rule reads the
+whole micro-batch, so a layout drops what one device drops; the dropped rows are still
+multiplied (the grouped matmul's cost is the dropless one).
+
+Expert parallelism (`mesh.expert`): the sorted assignments travel to the ranks that
+hold their experts and back (`ep.experts`, parallel/expert.py); the rest is per token.
 
 Load balance (`moe_balance`): `aux` adds Switch/GShard's auxiliary loss
 coef · E · Σ_e f_e · P_e (f_e the share of assignments expert e got, P_e its mean
@@ -76,11 +81,14 @@ def route(cfg: ModelConfig, logits, bias):
 
 
 def capacity(cfg: ModelConfig, tokens: int) -> int:
-    """Assignments one expert takes per micro-batch on one device (capacity mode)."""
+    """Assignments one expert takes per micro-batch (capacity mode): `tokens` the
+    micro-batch's, on every rank, so the drops do not depend on the layout."""
     return max(1, math.ceil(cfg.moe_capacity * tokens * cfg.moe_top_k / cfg.moe_experts))
 
 
-def _swiglu_ragged(p, xs, sizes):
+def _swiglu(p, xs, sizes):
+    """The experts' SwiGLU over rows grouped by expert: group i (sizes[i] rows) through
+    expert i's weights (p's experts: all of them, or this rank's share)."""
     gate = ragged_dense(xs, p["moe_gate"], sizes)
     up = ragged_dense(xs, p["moe_up"], sizes)
     gate = checkpoint_name(gate, remat.MLP_IN)
@@ -88,40 +96,27 @@ def _swiglu_ragged(p, xs, sizes):
     return ragged_dense(jax.nn.silu(gate) * up, p["moe_down"], sizes)
 
 
-def _swiglu_grouped(p, buf):
-    gate = dense(buf, p["moe_gate"], "ecd,edf->ecf")
-    up = dense(buf, p["moe_up"], "ecd,edf->ecf")
-    gate = checkpoint_name(gate, remat.MLP_IN)
-    up = checkpoint_name(up, remat.MLP_IN)
-    return dense(jax.nn.silu(gate) * up, p["moe_down"], "ecf,efd->ecd")
+def experts_out(cfg: ModelConfig, p, x, experts, ep):
+    """Each assignment's expert output (T, k, d), the dropped count and each expert's load.
 
-
-def experts_out(cfg: ModelConfig, p, x, experts):
-    """Each assignment's expert output (T, k, d), and the dropped count.
-
-    The assignments sorted by expert (stable: a token's order is kept within an expert);
-    dropless: one grouped matmul per weight over the sorted rows; capacity: each
-    expert's first C rows in an (E, C, d) buffer, the rest dropped."""
+    The assignments sorted by expert (stable: a token's order is kept within an expert),
+    one grouped matmul per weight over the sorted rows (`ep.experts`: here, or on the
+    ranks that hold the experts). Capacity mode keeps each expert's first C assignments
+    in the micro-batch's token order (`ep.before`: those on earlier ranks come first) and
+    zeroes the rest: the same drops on any layout."""
     t, k = experts.shape
-    e = cfg.moe_experts
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    token = order // k
-    xs = x[token]  # (T·k, d) in expert order
+    xs = x[order // k]  # (T·k, d) in expert order
     sorted_e = flat[order]
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    if not cfg.moe_capacity:
-        ys = _swiglu_ragged(p, xs, sizes)
-        dropped = jnp.zeros((), jnp.float32)
-    else:
-        c = capacity(cfg, t)
+    sizes = jnp.bincount(flat, length=cfg.moe_experts).astype(jnp.int32)
+    ys = ep.experts(functools.partial(_swiglu, p), xs, sorted_e, sizes)
+    dropped = jnp.zeros((), jnp.float32)
+    if cfg.moe_capacity:
         starts = jnp.cumsum(sizes) - sizes
-        pos = jnp.arange(t * k) - starts[sorted_e]
-        keep = pos < c
-        slot = jnp.where(keep, pos, c)  # c: out of the buffer, dropped
-        buf = jnp.zeros((e, c, x.shape[-1]), x.dtype).at[sorted_e, slot].set(xs, mode="drop")
-        out = _swiglu_grouped(p, buf)
-        ys = out.at[sorted_e, jnp.minimum(slot, c - 1)].get() * keep[:, None].astype(x.dtype)
+        pos = jnp.arange(t * k) - starts[sorted_e] + ep.before(sizes)[sorted_e]
+        keep = pos < capacity(cfg, t * ep.ranks)
+        ys = ys * keep[:, None].astype(ys.dtype)
         dropped = jnp.sum(~keep).astype(jnp.float32)
     # unsort: the inverse permutation, scattered (no second sort on every layer)
     back = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
@@ -139,7 +134,7 @@ def moe_mlp(p, h, *, cfg: ModelConfig, ep):
     logits = dense(x.astype(jnp.float32), p["router"], "td,de->te", jnp.float32)
     bias = p["router_bias"]
     experts, gates, scores = route(cfg, logits, getattr(bias, "value", bias))
-    ys, dropped, sizes = experts_out(cfg, p, x, experts)
+    ys, dropped, sizes = experts_out(cfg, p, x, experts, ep)
     out = jnp.einsum("tkd,tk->td", ys.astype(jnp.float32), gates).astype(h.dtype)
     if cfg.moe_shared_experts:
         gate = dense(x, p["shared_gate"], "td,df->tf")
@@ -151,12 +146,14 @@ def moe_mlp(p, h, *, cfg: ModelConfig, ep):
     f = jax.lax.stop_gradient(ep.tokens(load) / (n * cfg.moe_top_k))
     aux = cfg.moe_experts * jnp.sum(f * scores.sum(0)) / n
     z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2) / n
+    # each of the `ep.copies` ranks that hold these tokens (tensor parallelism) attaches
+    # its copy of a loss: together, once
     if cfg.moe_balance == "aux" and cfg.moe_aux_coef:
-        out = _attach(out, aux, cfg.moe_aux_coef / ep.micro_batches)
+        out = _attach(out, aux, cfg.moe_aux_coef / (ep.micro_batches * ep.copies))
     if cfg.moe_z_coef:
-        out = _attach(out, z, cfg.moe_z_coef / ep.micro_batches)
+        out = _attach(out, z, cfg.moe_z_coef / (ep.micro_batches * ep.copies))
     stats = {"load": load, "dropped": dropped, "aux": aux, "z": z}
-    return out.reshape(b, s, d), jax.tree.map(jax.lax.stop_gradient, stats)
+    return out.reshape(b, s, d), jax.tree.map(lambda v: ep.same(jax.lax.stop_gradient(v)), stats)
 
 
 def zero_stats(cfg: ModelConfig, axes=()) -> dict:

@@ -5,6 +5,8 @@ the gradient plan. The step composes what this hands it; nothing else asks the c
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
@@ -16,6 +18,7 @@ from ultrajax.parallel.axes import (
     AXES,
     DATA,
     DATA_AXES,
+    EXPERT,
     FSDP,
     PIPELINE,
     SEQUENCE_AXIS,
@@ -70,7 +73,9 @@ class Layout:
             # data reduction runs every micro-batch
             many = cfg.train.grad_accum > 1 and DATA in big and not {FSDP, TENSOR} <= big
             owed = frozenset(a for a in TOKEN_AXES if a != FSDP) if many else frozenset()
-        needed = big & owed if grads else frozenset()
+        if EXPERT in big:  # expert parallelism's all-to-all runs per device (expert.py)
+            owed = frozenset(TOKEN_AXES)
+        needed = big & owed if grads or EXPERT in big else frozenset()
         self.pipeline = mesh.shape[PIPELINE]
         if self.pipeline > 1:  # the schedule runs per device; its data reductions wait
             needed = big & frozenset((*TOKEN_AXES, PIPELINE))
@@ -90,6 +95,10 @@ class Layout:
         self.axis_names = self.manual if self.gspmd else frozenset(AXES)
         self.specs = {k: self._specs(k) for k in ("stored", "compute")}
         self.gathered = self._specs("compute", drop=FSDP)
+        if self.gspmd and FSDP in self.manual:
+            # ZeRO-3 under a step manual over fsdp (expert parallelism): the partitioner
+            # gathers all but the layers, which `gather_layer` gathers per device
+            self.specs["compute"] = dict(self.gathered, layers=self.specs["compute"]["layers"])
         inner = rules.inside(self.manual) if self.manual else rules
         self.tp = (
             Partitioned(inner, join_inputs=mesh.shape[TENSOR] > 1)
@@ -155,9 +164,17 @@ class Layout:
 
     @property
     def ep(self) -> Experts:
-        """The MoE layers' boundary: counts summed over the ranks that split the tokens."""
+        """The MoE layers' boundary: counts over the ranks that split the tokens, and the
+        experts over `expert` (manual wherever it is wider than one)."""
         axes = tuple(a for a in TOKEN_AXES if a in self.manual)
-        return Experts(micro_batches=self.cfg.train.grad_accum, token_axes=axes)
+        return Experts(
+            micro_batches=self.cfg.train.grad_accum,
+            ranks=math.prod(self.mesh.shape[a] for a in axes),
+            token_axes=axes,
+            expert_ranks=self.mesh.shape[EXPERT],
+            copies=self.mesh.shape[TENSOR] if TENSOR in self.manual else 1,
+            copy_axis=TENSOR if TENSOR in self.manual and self.mesh.shape[TENSOR] > 1 else None,
+        )
 
     # ---------------------------------------------------------------- compute copy
 
@@ -208,7 +225,7 @@ class Layout:
         if not self.zero.shards_params or not self.zero.active:
             return None
         layer_names = {k: n[1:] for k, n in self.names["layers"].items()}
-        if self.gspmd:
+        if self.gspmd and FSDP not in self.manual:
             specs = {k: PartitionSpec(*s[1:]) for k, s in self.gathered["layers"].items()}
 
             def gather(w, k):

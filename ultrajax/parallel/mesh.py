@@ -1,4 +1,4 @@
-"""The 5-axis device mesh and the one table that maps logical axis names to it.
+"""The 6-axis device mesh and the one table that maps logical axis names to it.
 
 The model only ever says "this dimension is `heads`" or "`batch`"; which mesh
 axes carry that dimension is decided here, from the parallel config. Turning on
@@ -17,7 +17,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ultrajax.config.schema import Config, ConfigError
-from ultrajax.parallel.axes import AXES, DATA_AXES, FSDP, PIPELINE, SEQUENCE, TENSOR
+from ultrajax.parallel.axes import AXES, DATA_AXES, EXPERT, FSDP, PIPELINE, SEQUENCE, TENSOR
 from ultrajax.parallel.zero import Zero
 
 # Logical names used by the model. Parameters and activations share the names;
@@ -35,7 +35,8 @@ LOGICAL_NAMES = (
     "mlp",
     "vocab",
     "layers",
-    "experts",  # an MoE layer's experts
+    "experts",  # an MoE layer's experts (their weights)
+    "scores",  # the router's output: a score per expert, for every token
     "moe_mlp",  # an expert's hidden size
     "shared_mlp",  # the shared experts' hidden size
 )
@@ -149,7 +150,8 @@ def rules(cfg: Config) -> Rules:
         "mlp": TENSOR,
         "moe_mlp": TENSOR,
         "shared_mlp": TENSOR,
-        "experts": None,
+        "experts": EXPERT,  # expert parallelism: each rank holds its share of the experts
+        "scores": None,
         "embed": None,
         "head_dim": None,
         "layers": PIPELINE if cfg.mesh.pipeline > 1 else None,  # a stage: a slice of them

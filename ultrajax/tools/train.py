@@ -37,7 +37,7 @@ def print_config(cfg: Config, devices: int | None, backend: str) -> None:
     if fill:
         lines.append(
             f"# global batch: {t.micro_batch_size} micro-batch x {t.grad_accum} grad accumulation"
-            f" x dp; dp (data x fsdp) waits for mesh.{fill[0]}=-1, filled at start"
+            f" x dp; dp (data x fsdp x expert) waits for mesh.{fill[0]}=-1, filled at start"
         )
     else:
         lines += [
@@ -45,7 +45,8 @@ def print_config(cfg: Config, devices: int | None, backend: str) -> None:
             f" x {t.grad_accum} grad accumulation x {cfg.dp} dp",
             f"# tokens per step: {cfg.tokens_per_step:,} = {cfg.global_batch} sequences x "
             f"{cfg.model.seq_len} seq_len",
-            f"# dp: {cfg.dp} = data {cfg.mesh.data} x fsdp {cfg.mesh.fsdp}",
+            f"# dp: {cfg.dp} = data {cfg.mesh.data} x fsdp {cfg.mesh.fsdp}"
+            + (f" x expert {cfg.mesh.expert}" if cfg.mesh.expert > 1 else ""),
         ]
     mesh = " ".join(f"{k}={v}" for k, v in sizes.items())
     lines.append(f"# mesh: {mesh}" + ("" if fill else f" ({need} device{'s' * (need > 1)})"))

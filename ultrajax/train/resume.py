@@ -137,7 +137,7 @@ def check_batch(saved: Config, cfg: Config, ramp_state, step: int, where: str) -
     raise ConfigError(
         f"{where} trained with a global batch of {was} sequences; resuming it at step {step} "
         f"would use {new} ({t.micro_batch_size} micro-batch x {now.grad_accum} accum x "
-        f"{cfg.dp} dp, dp = mesh.data {m.data} x mesh.fsdp {m.fsdp} on "
+        f"{cfg.dp} dp, dp = mesh.data {m.data} x mesh.fsdp {m.fsdp} x mesh.expert {m.expert} on "
         f"{jax.device_count()} devices): refused, a batch changed mid-run changes the "
         f"training. Keep {was} with {keep}; or train the new batch as a run of its own "
         "(train.run_dir=...)"
@@ -158,8 +158,8 @@ def _same_batch(batch: int, cfg: Config, old_dp: int) -> str:
     if ways:
         return " or ".join(ways)
     return (
-        f"the run's data-parallel size, mesh.data x mesh.fsdp = {old_dp} (mesh.data=-1 "
-        "takes it from the device count)"
+        f"the run's data-parallel size, mesh.data x mesh.fsdp x mesh.expert = {old_dp} "
+        "(mesh.data=-1 takes it from the device count)"
     )
 
 

@@ -217,15 +217,16 @@ def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
         return _pipelined_eval(cfg, layout)
     gather = layout.gather_layer()
 
-    def per_device(params, batch: Batch):
-        cparams = layout.compute_copy(params)
+    def per_device(params, cparams, batch: Batch):
+        if cparams is None:  # explicit: the compute copy is made per device
+            cparams = layout.compute_copy(params)
         prepare = None
         if gather is not None:
             prepare = lambda p: {k: gather(w, k) for k, w in p.items()}  # noqa: E731
 
         def micro(carry, mb):
-            s, _ = loss_sum(cfg, cparams, mb, tp=layout.tp, cp=layout.cp, prepare=prepare,
-                            gathered_over=layout.gathered_over)  # fmt: skip
+            s, _ = loss_sum(cfg, cparams, mb, tp=layout.tp, cp=layout.cp, ep=layout.ep,
+                            prepare=prepare, gathered_over=layout.gathered_over)  # fmt: skip
             return carry + s, None
 
         zero = zeros((), jnp.float32, vma(batch.inputs))
@@ -233,11 +234,18 @@ def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
         return layout.psum(total), layout.psum(batch.loss_mask.sum())
 
     batch_spec = batch_specs()
-    return layout.shard_map(
-        per_device,
-        in_specs=(layout.specs["stored"], batch_spec),
-        out_specs=(PartitionSpec(), PartitionSpec()),
-    )
+    if layout.gspmd:  # the compute copy is laid out by the partitioner, outside
+        fn, in_specs = per_device, (layout.specs["stored"], layout.specs["compute"], batch_spec)
+    else:
+        fn, in_specs = (lambda p, b: per_device(p, None, b)), (layout.specs["stored"], batch_spec)
+    sharded = layout.shard_map(fn, in_specs, (PartitionSpec(), PartitionSpec()))
+
+    def eval_step(params, batch):
+        if layout.gspmd:
+            return sharded(params, layout.compute_copy(params), batch)
+        return sharded(params, batch)
+
+    return eval_step
 
 
 def jit_train_step(

@@ -1,0 +1,77 @@
+"""An MoE model's training on 8 simulated devices against one device: data parallelism,
+ZeRO-1/3 and expert parallelism (parallel/expert.py), in both collectives modes, dropless
+and in capacity mode (fp32, 3 steps: losses, gradient norms and weights)."""
+
+from __future__ import annotations
+
+import harness
+import jax
+import numpy as np
+import pytest
+import test_parallel as tp
+
+from ultrajax.train import batch as batch_lib
+from ultrajax.train import step as step_lib
+
+# 8 experts (mesh.expert up to 8), top-2, the z-loss and the default auxiliary loss
+MOE = ("model.moe_experts=8", "model.moe_top_k=2", "model.moe_d_ff=32", "model.moe_z_coef=0.001")
+
+
+@pytest.mark.parametrize(
+    "name,mode",
+    [
+        ("hsdp-data2-fsdp4-zero3", "gspmd"),  # the partitioner's MoE layer, no expert axis
+        ("expert8", "explicit"),
+        ("data2-expert4", "explicit"),
+        ("data2-expert4", "gspmd"),
+        ("expert2-fsdp4-zero1", "gspmd"),
+        ("expert4-tp2-sp", "gspmd"),
+        ("expert2-fsdp2-tp2-zero3-sp", "explicit"),
+        ("cp2-expert2-data2", "gspmd"),  # context parallelism: ring attention beside it
+        ("cp2-fsdp2-tp2-zero3-sp", "explicit"),
+    ],
+)
+def test_moe_layouts_match_single_device(name, mode):
+    """Dropless: the balance losses are over each micro-batch's tokens on every rank, each
+    token's assignments reach the experts wherever they live (all-to-all over `expert`)
+    and come back to it, ZeRO-3 gathers the experts' shards layer by layer (prefetched),
+    and tensor parallelism's ranks, which hold the same tokens, count each balance loss
+    once (counted on each rank, the explicit tensor layout fails)."""
+    tp.assert_same_training(tp.run(name, mode, *MOE), tp.run(None, "explicit", *MOE))
+
+
+def test_capacity_mode_drops_what_one_device_drops():
+    """Capacity 1: each expert keeps the micro-batch's first assignments in token order,
+    counted across the ranks that split the tokens, so every layout drops the same ones
+    (one device drops some: the comparison is not of dropless runs)."""
+    capacity = (*MOE, "model.moe_capacity=1")
+    got, ref = tp.run("data2-expert4", "explicit", *capacity), tp.run(None, "explicit", *capacity)
+    assert all(d > 0 for d in ref[7]), ref[7]
+    assert got[7] == ref[7]
+    tp.assert_same_training(got, ref)
+
+
+@pytest.mark.parametrize(
+    "name,mode", [("data2-expert4", "explicit"), ("expert2-fsdp2-tp2-zero3-sp", "gspmd")]
+)
+def test_evaluation_matches_one_device(name, mode):
+    """The eval step routes, drops (capacity 1) and dispatches as the train step does: its
+    summed loss and target count are one device's."""
+    capacity = (*MOE, "model.moe_capacity=1")
+    got, want = _evaluate(name, mode, *capacity), _evaluate(None, "explicit", *capacity)
+    assert got[1] == want[1]
+    np.testing.assert_allclose(got[0], want[0], rtol=2e-6)
+
+
+def _evaluate(name, mode, *extra):
+    """(summed NLL, target count) of one batch at initialisation."""
+    layout = dict(
+        {**tp.LAYOUTS, **tp.EXPERT}[name] if name else {}, **{"parallel.collectives": mode}
+    )
+    cfg = tp.make_cfg(layout, *extra)
+    mesh, rules, tx, _, shardings, batch_sh = harness.setup(cfg)
+    with jax.set_mesh(mesh):
+        state = harness.init_state(cfg, tx, shardings)
+        fn = jax.jit(step_lib.make_eval_step(cfg, mesh, rules))
+        total, count = fn(state["params"], batch_lib.place(tp.batches(1, cfg)[0], batch_sh))
+    return float(total), float(count)
