@@ -82,46 +82,95 @@ def expected(cfg: Config, split_vocab: bool = True) -> list[Term]:
         terms = _pipeline_terms(cfg, grads, psi, split_vocab)
     else:
         terms = _data_terms(cfg, grads, psi)
-    return terms + _context_terms(cfg) + _tensor_terms(cfg)
+    return terms + _context_terms(cfg) + _tensor_terms(cfg) + _expert_terms(cfg)
 
 
 def _data_axes(cfg: Config) -> tuple[int, int, int]:
-    """(data x sequence, fsdp, the ZeRO stage in effect): context parallelism splits the
-    tokens like the data axes, so gradients sum over it too; ZeRO needs fsdp > 1."""
+    """(data x sequence x expert, fsdp, the ZeRO stage in effect): context and expert
+    parallelism split the tokens like the data axes, so gradients sum over them too;
+    ZeRO needs fsdp > 1."""
     mesh = cfg.mesh
     fs = mesh.fsdp
-    return mesh.data * mesh.sequence, fs, cfg.parallel.zero if fs > 1 else 0
+    return mesh.data * mesh.sequence * mesh.expert, fs, cfg.parallel.zero if fs > 1 else 0
+
+
+def _expert_share(cfg: Config, psi: int) -> float:
+    """The share of this device's weights (psi) that expert parallelism splits: the
+    experts' gradients are complete over `expert` (their rank saw every token sent to
+    them) and sum over the other data axes only."""
+    if cfg.mesh.expert == 1:
+        return 0.0
+    experts = sizes.param_elements(
+        cfg, kind="compute", ignore=(FSDP,), where=lambda p: "experts" in p.names
+    )
+    return experts / psi
 
 
 def _data_terms(cfg: Config, grads: float, psi: int) -> list[Term]:
     """Without a pipeline: DP's all-reduce of the gradients, or ZeRO's reduce-scatter (and
     an all-reduce of the shards over the data axes) and its gathers of the weights."""
     dp_d, fs, zero = _data_axes(cfg)
-    over_sequence = " x sequence" if cfg.mesh.sequence > 1 else ""
+    over = " x sequence" * (cfg.mesh.sequence > 1) + " x expert" * (cfg.mesh.expert > 1)
+    share, n_e = _expert_share(cfg, psi), cfg.mesh.expert
+    experts, grads = grads * share, grads * (1 - share)
     if zero == 0:
-        if dp_d * fs == 1:
-            return []
-        return [Term("all-reduce", "gradients over data x fsdp" + over_sequence, "2Ψ(N-1)/N",
-                     _ring(grads, dp_d * fs, 2.0), "data", "hidden")]  # fmt: skip
+        terms = []
+        if dp_d * fs > 1:
+            terms.append(Term("all-reduce", "gradients over data x fsdp" + over, "2Ψ(N-1)/N",
+                              _ring(grads, dp_d * fs, 2.0), "data", "hidden"))  # fmt: skip
+        if experts and dp_d // n_e * fs > 1:
+            terms.append(_expert_reduction(experts, dp_d // n_e * fs, "data x fsdp"))
+        return terms
     rs_times = cfg.train.grad_accum if zero >= 2 else 1
     terms = [
         Term(
             "reduce-scatter",
             f"gradients over fsdp (ZeRO-{zero})" + (", every micro-batch" if rs_times > 1 else ""),
             f"{rs_times}·Ψ(N-1)/N" if rs_times > 1 else "Ψ(N-1)/N",
-            rs_times * _ring(grads, fs),
+            rs_times * _ring(grads + experts, fs),
             "fsdp",
             "hidden",
         )
     ]
     if dp_d > 1:
         terms.append(
-            Term("all-reduce", "gradient shards over data" + over_sequence,
+            Term("all-reduce", "gradient shards over data" + over,
                  "2(Ψ/N_fsdp)(N_data-1)/N_data", _ring(grads / fs, dp_d, 2.0), "data", "hidden")
         )  # fmt: skip
+    if experts and dp_d // n_e > 1:
+        terms.append(_expert_reduction(experts / fs, dp_d // n_e, "data (shards)"))
+    grads = grads + experts
     if zero == 3:
         return terms + _zero3_gathers(cfg, psi)
     return terms + [_updated_gather(units.dtype_bytes(cfg.model.dtype) * psi, fs)]
+
+
+def _expert_reduction(nbytes: float, n: int, over: str) -> Term:
+    return Term("all-reduce", f"expert gradients over {over}, not expert", "2Ψ_experts(N-1)/N",
+                _ring(nbytes, n, 2.0), "data", "hidden")  # fmt: skip
+
+
+def _expert_terms(cfg: Config) -> list[Term]:
+    """Expert parallelism (parallel/expert.py): every MoE layer sends its assignments to
+    the experts' ranks and the outputs back, all-to-all over `expert` in slots of T·k rows
+    (T the tokens an MoE layer sees on a device: tensor ranks hold the same ones), twice
+    forward and twice backward per micro-batch, and the forward again where the backward
+    recomputes; each rows' local expert (int32) travels with the forward's."""
+    n, m, t = cfg.mesh.expert, cfg.model, cfg.train
+    if n == 1 or not m.moe:
+        return []
+    rows = t.micro_batch_size * (m.seq_len // cfg.mesh.sequence) * m.moe_top_k
+    forwards = 1 if m.remat == "none" else 2
+    times = m.n_layers * t.grad_accum
+    c = units.dtype_bytes(m.dtype)
+    again = ", forward again)" if forwards > 1 else ")"
+    return [
+        Term("all-to-all", "MoE rows to their experts' ranks and back (forward, backward" + again,
+             f"{2 * (forwards + 1)}·L·m·(n-1)·Tk·d",
+             times * 2 * (forwards + 1) * _ring(n * rows * m.d_model * c, n), "expert", "tp"),
+        Term("all-to-all", "each row's local expert (int32, with the forward's rows)",
+             f"{forwards}·L·m·(n-1)·Tk", times * forwards * _ring(n * rows * 4, n), "expert", "tp"),
+    ]  # fmt: skip
 
 
 def _zero3_gathers(cfg: Config, psi: int) -> list[Term]:
