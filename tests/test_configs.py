@@ -7,7 +7,7 @@ import pytest
 
 from ultrajax.config.parse import load
 from ultrajax.config.validate import resolve_mesh
-from ultrajax.model.llama import param_count
+from ultrajax.model.llama import active_param_count, param_count
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 
@@ -15,7 +15,9 @@ CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.ya
 RECIPES = {
     "llama-1b.yaml": (8, 1.24e9, 1_048_576),
     "llama-8b.yaml": (64, 8.03e9, 4_194_304),
+    "mixtral-8x7b.yaml": (64, 46.7e9, 4_194_304),
 }
+ACTIVE = {"mixtral-8x7b.yaml": 12.9e9}  # published parameters per token, an MoE's
 
 
 def test_configs_exist():
@@ -36,6 +38,8 @@ def test_recipe_sizes(name):
     cfg = load(path)
     resolve_mesh(cfg, devices)  # the mesh in the file fits the device count it names
     assert abs(param_count(cfg.model) - params) / params < 0.05
+    if name in ACTIVE:
+        assert abs(active_param_count(cfg.model) - ACTIVE[name]) / ACTIVE[name] < 0.01
     assert cfg.tokens_per_step == tokens
     assert f"{tokens:,} tokens" in path.read_text()  # the comment states the real batch
     assert cfg.model.dtype == "bfloat16"

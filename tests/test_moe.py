@@ -225,6 +225,11 @@ def test_bad_moe_settings_are_refused_and_idle_ones_warned():
     (line,) = no_effect(harness.make("model.moe_top_k=4", "model.moe_z_coef=0.1")[0])
     assert "model.moe_top_k, model.moe_z_coef have no effect" in line
     assert not no_effect(harness.make("model.moe_experts=4", "model.moe_top_k=4")[0])
+    # correct but slow: gspmd's tensor parallelism around the experts
+    tp2 = ("model.moe_experts=4", "mesh.tensor=2", "model.n_kv_heads=2")
+    assert not no_effect(harness.make(*tp2)[0])
+    (line,) = no_effect(harness.make(*tp2, "parallel.collectives=gspmd")[0])
+    assert "use parallel.collectives=explicit" in line
 
 
 MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_d_ff=32", "model.moe_z_coef=0.001")

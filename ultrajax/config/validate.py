@@ -406,8 +406,9 @@ def validate_schedule(kind: str, p: int, m: int, v: int) -> None:
 
 
 def no_effect(cfg: Config) -> list[str]:
-    """Settings that do nothing in this layout, one line each saying what to change:
-    valid, so not errors (a recipe may be meant for a larger mesh), but worth a warning."""
+    """Settings that do nothing in this layout (or cost far more than they should), one
+    line each saying what to change: valid, so not errors (a recipe may be meant for a
+    larger mesh), but worth a warning."""
     mesh, par = cfg.mesh, cfg.parallel
     out = []
     if par.zero > 0 and mesh.fsdp == 1:
@@ -456,6 +457,13 @@ def no_effect(cfg: Config) -> list[str]:
             "each layer's recomputation with its forward and keeps every layer's activations "
             "(and ZeRO-3's gathered weights), so the layers run one per loop iteration "
             "(model/remat.py): drop it, or set model.scan_unroll=1"
+        )
+    if m.moe_experts and mesh.tensor > 1 and par.collectives == "gspmd":
+        out.append(
+            "parallel.collectives=gspmd with model.moe_experts and mesh.tensor > 1 trains "
+            "correctly but slowly: the partitioner all-reduces the experts' partial outputs "
+            "over tensor where they are largest (3.5x to 25x the bytes of explicit on the "
+            "tests' shapes, docs/moe.md): use parallel.collectives=explicit"
         )
     dense = ModelConfig()
     moe_keys = [f.name for f in dataclasses.fields(ModelConfig) if f.name.startswith("moe_")]
