@@ -68,6 +68,34 @@ def test_saved_activations_equal_print_saved_residuals(remat, dtype, capsys):
     assert got == want, (activations.saved_per_layer(cfg), want / cfg.model.n_layers)
 
 
+MOE_OPTIONS = {
+    "default": (),  # softmax, normalised top-k gates, auxiliary loss, dropless
+    "sigmoid-raw-gates-z": ("model.moe_router=sigmoid", "model.moe_norm_topk=false",
+                            "model.moe_z_coef=0.01"),  # two losses attached
+    "capacity-shared": ("model.moe_capacity=1", "model.moe_shared_experts=1",
+                        "model.moe_balance=bias"),  # none attached
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("options", list(MOE_OPTIONS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("remat", ["none", "full", "selective"])
+def test_saved_activations_of_moe_layers(remat, dtype, options, capsys):
+    """An MoE layer (6 experts of hidden size 28, top-2: no two dimensions coincide) keeps
+    what activations.moe_saved counts: the router's fp32 arrays, the sorted rows and their
+    SwiGLU, the combine's fp32 outputs; selective keeps the experts' gate and up."""
+    over = [
+        "model.n_layers=3", "train.micro_batch_size=2", "model.seq_len=40", "model.d_model=48",
+        "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=56", "model.attention=xla",
+        "model.moe_experts=6", "model.moe_top_k=2", "model.moe_d_ff=28",
+        f"model.remat={remat}", f"model.dtype={dtype}", *MOE_OPTIONS[options],
+    ]  # fmt: skip
+    cfg, _ = make(base=over)
+    want = stacked_residuals(cfg, capsys)
+    got = cfg.model.n_layers * sum(activations.saved_per_layer(cfg).values())
+    assert got == want, (activations.saved_per_layer(cfg), want / cfg.model.n_layers)
+
+
 @pytest.mark.parametrize("remat", ["none", "selective"])
 @pytest.mark.parametrize("attention", ["tiled", "blocked"])
 def test_saved_activations_of_the_memory_efficient_attentions(attention, remat, capsys):

@@ -99,6 +99,8 @@ def saved_per_layer(cfg: Config) -> dict[str, float]:
                 attention -= 4 * d.a * d.N
         else:
             attention = c * (2 * d.Q + 2 * d.K) + (4 + c) * d.S + 8 * d.a * d.N
+        if m.moe:  # the router reads the normalised stream in fp32, not in c (below)
+            return {"attention": attention, "mlp": moe_saved(cfg), "norms": norms - c * d.X}
         return {"attention": attention, "mlp": 6 * c * d.F, "norms": norms}
     if pol in ("full", "offload"):
         return {"attention": 0.0, "mlp": 0.0, "norms": block_input}
@@ -109,8 +111,51 @@ def saved_per_layer(cfg: Config) -> dict[str, float]:
         + d.K * (remat.VALUE in names)
         + d.Q * (remat.ATTN_OUT in names)
     )
-    mlp = 2 * c * d.F * (remat.MLP_IN in names)
+    hidden = _moe_rows(cfg) * m.expert_ff // cfg.mesh.tensor if m.moe else d.F
+    mlp = 2 * c * hidden * (remat.MLP_IN in names)
     return {"attention": attention, "mlp": mlp, "norms": block_input}
+
+
+def _moe_rows(cfg: Config) -> int:
+    """An MoE layer's assignments on one device: its tokens (inside the TP region) x k."""
+    d = dims(cfg)
+    return d.N * cfg.model.moe_top_k
+
+
+def moe_saved(cfg: Config) -> float:
+    """Bytes one MoE layer keeps for the backward pass without recomputation (model/moe.py),
+    per device, one device's layer (expert parallelism's received rows: not yet counted):
+      router, fp32: its input (N·h), the router weight cast to fp32 (h·E, when the
+        compute dtype is not fp32), the logits (N·E), softmax's max and sum (2N), the
+        top-k's indices (int32 N·k), the normalised gates (their sum and the scores
+        before: N·k + 2N), the z-loss's logits, mask and log-sum-exp (N·E + 9N bytes/4)
+        the auxiliary loss's load share (E), and a scalar per loss that joins the
+        backward pass (`_attach`);
+      experts: the token of each sorted row and the inverse permutation (int32 2R), each
+        expert's rows (int32 E), the sorted rows (c·R·h), the SwiGLU's six hidden
+        arrays (6c·R·f, as the dense MLP's), capacity's keep mask (c·R), the gates
+        and the outputs in fp32 for the combine (N·k + N·k·h);
+      shared experts: a dense SwiGLU's six hidden arrays, and its input in c unless that
+        is the router's fp32 one.
+    R = N·k assignments, f = moe_d_ff / tensor. Checked against print_saved_residuals
+    (tests/test_memory.py)."""
+    m = cfg.model
+    d = dims(cfg)
+    c, n, e, k, h = d.c, d.N, m.moe_experts, m.moe_top_k, d.h
+    rows, f = _moe_rows(cfg), m.expert_ff // cfg.mesh.tensor
+    aux = m.moe_balance == "aux" and m.moe_aux_coef > 0
+    router = 4 * (n * h + n * e + n * k) + 4 * h * e * (c != 4)
+    router += 8 * n * (m.moe_router == "softmax")
+    router += (4 * n * k + 8 * n) * m.moe_norm_topk
+    router += (4 * n * e + 9 * n) * (m.moe_z_coef > 0)
+    router += 4 * e * aux
+    router += 4 * (aux + (m.moe_z_coef > 0))  # each attached loss's zero (moe._attach)
+    experts = 8 * rows + 4 * e + c * rows * h + 6 * c * rows * f + 4 * n * k * (1 + h)
+    experts += c * rows * (m.moe_capacity > 0)
+    shared = 0.0
+    if m.moe_shared_experts:
+        shared = 6 * c * n * m.moe_shared_experts * f + c * n * h * (c != 4)
+    return float(router + experts + shared)
 
 
 def offloaded_per_layer(cfg: Config) -> float:
