@@ -9,14 +9,14 @@
 #   bash scripts/gpu_check.sh [OUT_DIR]              # everything
 #   PARTS="numerics sweep" bash scripts/gpu_check.sh  # some parts only
 #
-# PARTS: any of numerics, sweep, norm, attention, step (default: all). BUDGET: seconds
+# PARTS: any of numerics, sweep, norm, attention, moe, step (default: all). BUDGET: seconds
 # (default 470). Wheels the GPU image lacks (grain, array-record, portpicker, jax-triton)
 # come from .whl/ (docs/kernels.md says how to fetch them); flax and jax are the image's.
 # Each part writes OUT_DIR/<name>.txt; bench_gpu.sh's table is OUT_DIR/step/.
 set -u
 OUT=${1:-${OUT:-/tmp/gpu_check}}
 BUDGET=${BUDGET:-470}
-PARTS=${PARTS:-numerics sweep norm attention step}
+PARTS=${PARTS:-numerics sweep norm attention moe step}
 mkdir -p "$OUT"
 start=$(date +%s)
 source "$(dirname "$0")/gpu_common.sh"
@@ -48,6 +48,9 @@ if want attention; then
   run attention-d64 60 python3 scripts/bench_attention.py --iters 5
   run attention-packed 50 python3 scripts/bench_attention.py --seqs 2048,8192 --packed --iters 5
   run attention-d128 60 python3 scripts/bench_attention.py --iters 5 --head-dim 128 --heads 16
+fi
+if want moe; then  # the MoE layer's native ragged_dot: numerics, time, compiled memory
+  run moe 120 python3 scripts/check_moe_gpu.py
 fi
 if want step; then
   left=$((BUDGET - ($(date +%s) - start)))
