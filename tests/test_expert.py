@@ -66,6 +66,19 @@ def test_the_compiled_step_moves_the_formulas_bytes(name, mode):
         assert traffic("all-reduce", tp.SMALL) == pytest.approx(want["all-reduce"], rel=0.015)
 
 
+def test_recomputation_runs_the_exchange_again_and_trains_alike():
+    """model.remat=full: the backward recomputes each MoE layer's forward, all-to-alls
+    included (six per layer and micro-batch, as the formula counts), and the training is
+    one device's."""
+    full = (*MOE, "model.remat=full")
+    got = tp.run("data2-expert4", "explicit", *full)
+    tp.assert_same_training(got, tp.run(None, "explicit", *full))
+    found, _ = hlo.collectives(got[3])
+    moved = sum(c.traffic * c.count for c in found if c.kind == "all-to-all")
+    assert moved == pytest.approx(comms.expected_by_kind(comms.expected(got[5]))["all-to-all"])
+    assert "forward again" in " ".join(t.what for t in comms.expected(got[5]))
+
+
 def test_capacity_mode_drops_what_one_device_drops():
     """Capacity 1: each expert keeps the micro-batch's first assignments in token order,
     counted across the ranks that split the tokens, so every layout drops the same ones
