@@ -170,12 +170,11 @@ def _pipelined(cfg: Config, layout: Layout):
         cparams = _stage_copy(cfg, layout, params, cparams)
         n_targets = layout.psum(batch.loss_mask.sum())
         scale = 1.0 / jnp.maximum(n_targets, 1).astype(jnp.float32)
-        grads, loss = pipeline.run(plan, cfg, layout, cparams, batch, scale)
+        grads, loss, stats = pipeline.run(plan, cfg, layout, cparams, batch, scale)
         grads = pipeline.reduce(cfg, layout, grads, params)
         v = cfg.parallel.virtual_stages
         grads = dict(grads, layers=pipeline.to_model(grads["layers"], layout.pipeline, v))
-        # no MoE statistics: mixture of experts does not pipeline yet (config/validate.py)
-        return grads, jax.lax.psum(layout.psum(loss), pipeline.AXIS), n_targets, {}
+        return grads, jax.lax.psum(layout.psum(loss), pipeline.AXIS), n_targets, layout.psum(stats)
 
     return per_device
 

@@ -63,6 +63,7 @@ def when(pred, update, *operands):
 
     def keep(*ops):
         out = jax.eval_shape(apply, *ops)
-        return (ops[0], *(zeros(s.shape, s.dtype, vma(s)) for s in out[1:]))
+        blank = lambda s: zeros(s.shape, s.dtype, vma(s))  # noqa: E731
+        return (ops[0], *(jax.tree.map(blank, o) for o in out[1:]))
 
     return jax.lax.cond(pred, apply, keep, *operands)

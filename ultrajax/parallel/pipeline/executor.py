@@ -64,7 +64,7 @@ def run(plan: TickPlan, cfg: Config, layout, cparams: dict, batch, scale):
     state = initial_state(stage, plan.slots)
     tick = Tick.make(stage, plan, template=state)
     state, _ = jax.lax.scan(tick, state, _ticks(plan))
-    return gradients(stage, state), state["loss"]
+    return gradients(stage, state), state["loss"], _model_order(state["stats"], plan.p)
 
 
 def evaluate(plan: TickPlan, cfg: Config, layout, cparams: dict, batch):
@@ -72,10 +72,24 @@ def evaluate(plan: TickPlan, cfg: Config, layout, cparams: dict, batch):
     stages run forwards only (`plan` is FORWARD_ONLY's): each device holds its own
     layers and the activations in flight, never the whole model."""
     dev = Device.make(cfg, layout, cparams, batch, plan.v)
-    tick = ForwardTick.make(dev, plan.p)
+    tick = ForwardTick.make(dev, plan.p, layout.ep)
     init = (dev.stream.zeros((plan.slots["act"] + 1,)), tick.zero_loss)
     (_, total), _ = jax.lax.scan(tick, init, _ticks(plan))
     return total
+
+
+def _model_order(stats: dict, p: int) -> dict:
+    """Every device's MoE statistics (v, layers per chunk, ...) -> every layer's, in the
+    model's order, on every device: chunk j of device s is virtual stage j·p + s."""
+
+    me = jax.lax.axis_index(AXIS)
+
+    def one(a):  # a psum of each device's rows in place: the same on every device
+        every = jnp.zeros((p, *a.shape), a.dtype).at[me].set(a)
+        every = jnp.swapaxes(jax.lax.psum(every, AXIS), 0, 1)  # (v, p, n, ...): stage order
+        return every.reshape(-1, *every.shape[3:])
+
+    return jax.tree.map(one, stats)
 
 
 def reduce(cfg: Config, layout, grads: dict, params: dict) -> dict:

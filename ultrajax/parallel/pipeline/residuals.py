@@ -27,14 +27,16 @@ class Split:
     treedef: object  # of the vjp closure (holds the backward's program, static)
     reuse: tuple[int, ...]  # per closure leaf: index into the given leaves, or -1 (stored)
     stored: tuple  # ShapeDtypeStructs of the stored leaves (with their varying axes)
+    aux: object = None  # ShapeDtypeStructs of fn's auxiliary output (an MoE layer's stats)
 
 
 def _split(fn, given, const, x):
-    out, pullback = jax.vjp(lambda c, x: fn(given, c, x), const, x)
+    """fn returns (output, aux): aux (statistics) is not differentiated."""
+    out, pullback, aux = jax.vjp(lambda c, x: fn(given, c, x), const, x, has_aux=True)
     leaves, treedef = jax.tree.flatten(pullback)
     known = jax.tree.leaves((given, const))  # under jax.checkpoint the inputs are residuals
     reuse = tuple(next((i for i, g in enumerate(known) if leaf is g), -1) for leaf in leaves)
-    return out, leaves, treedef, reuse
+    return out, leaves, treedef, reuse, aux
 
 
 def probe(fn, given, const, x) -> Split:
@@ -45,20 +47,20 @@ def probe(fn, given, const, x) -> Split:
     found = {}
 
     def run(given, const, x):
-        _, leaves, treedef, reuse = _split(fn, given, const, x)
+        _, leaves, treedef, reuse, aux = _split(fn, given, const, x)
         found.update(treedef=treedef, reuse=reuse)
-        return [leaf for leaf, r in zip(leaves, reuse, strict=True) if r < 0]
+        return [leaf for leaf, r in zip(leaves, reuse, strict=True) if r < 0], aux
 
-    stored = jax.eval_shape(run, given, const, x)
-    return Split(found["treedef"], found["reuse"], tuple(stored))
+    stored, aux = jax.eval_shape(run, given, const, x)
+    return Split(found["treedef"], found["reuse"], tuple(stored), aux)
 
 
 def forward(split: Split, fn, given, const, x):
-    """(fn's output, the residual arrays to store) for `backward`."""
-    out, leaves, _, reuse = _split(fn, given, const, x)
+    """(fn's output, the residual arrays to store for `backward`, fn's aux)."""
+    out, leaves, _, reuse, aux = _split(fn, given, const, x)
     if reuse != split.reuse:
         raise RuntimeError("the layer's residuals changed between two traces of it")
-    return out, [leaf for leaf, r in zip(leaves, reuse, strict=True) if r < 0]
+    return out, [leaf for leaf, r in zip(leaves, reuse, strict=True) if r < 0], aux
 
 
 def backward(split: Split, given, const, stored, cotangent):

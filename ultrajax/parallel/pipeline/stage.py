@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from ultrajax.config.schema import Config, ModelConfig
 from ultrajax.kernels.varying import vma, zeros
-from ultrajax.model.llama import block
+from ultrajax.model.llama import block_stats
 from ultrajax.model.loss import head_nll
 from ultrajax.model.ops import Deferred, Reduce, Weight
 from ultrajax.model.remat import layers_per_iteration, remat_policy
@@ -71,13 +71,15 @@ class Layer:
 
     m: ModelConfig
     tp: object  # layout.tp
+    ep: object  # layout.ep
     red: Reduce
     sinks: dict  # Sinks.layers
     deferred: dict | None  # zero bubble: per weight, its Deferred
 
     def __call__(self, given, diff, x):
+        """(the block's output, its MoE statistics: {} for a dense layer)."""
         w, pos, seg = given
-        return block(self.weights(w, diff), x, pos, seg, cfg=self.m, tp=self.tp)
+        return block_stats(self.weights(w, diff), x, pos, seg, cfg=self.m, tp=self.tp, ep=self.ep)
 
     def weights(self, w: dict, diff: dict) -> dict:
         """The layer's weights as the block reads them, each with its sink (and pair)."""
@@ -130,7 +132,7 @@ class Stage:
         sinks = Sinks.make(m, layout, dev.cparams, per_layer)
         split_backward = schedules.SCHEDULES[kind].splits_backward
         deferred = {k: Deferred() for k in per_layer} if split_backward else None
-        layer = Layer(m, dev.tp, red, sinks.layers, deferred)
+        layer = Layer(m, dev.tp, layout.ep, red, sinks.layers, deferred)
         policy = remat_policy(m.remat)
         fn = layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=False)
         mb0, seg0 = dev.micro(0)
@@ -154,12 +156,13 @@ class Stage:
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, False), chunks)
 
     def forward(self, j, x, mb, seg):
-        """(chunk j's output on x, per layer: the residuals its backward will read)."""
+        """(chunk j's output on x, per layer: (the residuals its backward will read, its
+        MoE statistics))."""
 
         def body(x, w):
             given = (w, mb.positions, seg)
-            y, res = residuals.forward(self.split, self.fn, given, self.layer.diff(), x)
-            return self.dev.stream.vary(y), res
+            y, res, stats = residuals.forward(self.split, self.fn, given, self.layer.diff(), x)
+            return self.dev.stream.vary(y), (res, stats)
 
         return jax.lax.scan(body, x, self.chunk(j), unroll=self.unroll)
 

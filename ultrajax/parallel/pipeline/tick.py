@@ -60,6 +60,8 @@ def initial_state(stage: Stage, slots: dict) -> dict:
         "head": sinks.head,  # a tied embedding's lookup adds into head["embed"] as well
         "embed": None if dev.cfg.model.tie_embeddings else sinks.embed,
         "loss": zeros((), jnp.float32, sinks.axes),
+        # an MoE layer's statistics, summed over micro-batches: per chunk, per layer
+        "stats": jax.tree.map(lambda s: buffer(s, vma(s) | {AXIS}, (v, n_per)), stage.split.aux),
     }
 
 
@@ -109,7 +111,9 @@ class Tick:
         r = dev.row(rows)
         b = r["branch"]
         st = dict(st)
-        st["res"], y = when(forwards(b), self.forward, st["res"], st["act"], r)
+        st["res"], y, stats = when(forwards(b), self.forward, st["res"], st["act"], r)
+        if stats:  # zeros where this tick runs no forward
+            st["stats"] = add(st["stats"], r["chunk"], stats)
         st["head"], dy, loss = when(b == FWD_LAST, self.head, st["head"], y, r)
         st["loss"] = st["loss"] + vary(loss, stage.sinks.axes)
         st["grad"] = write(st["grad"], jnp.where(b == FWD_LAST, r["grad"], self.junk_grad), dy)
@@ -140,8 +144,8 @@ class Tick:
         dev = self.stage.dev
         mb, seg = dev.micro(r["micro"])
         x = dev.stage_input(r["branch"], act_buf, r["act"], mb)
-        y, res = self.stage.forward(r["chunk"], x, mb, seg)
-        return write(res_buf, r["res"], res), y
+        y, (res, stats) = self.stage.forward(r["chunk"], x, mb, seg)
+        return write(res_buf, r["res"], res), y, stats
 
     def head(self, acc, y, r):
         """The last stage's FORWARD goes on into the loss: the head's gradients are
@@ -193,12 +197,13 @@ class ForwardTick:
     dev: Device
     down: list  # ppermute pairs: activations to the next stage
     zero_loss: jax.Array  # typed like every tick's NLL: both branches must agree
+    ep: object  # layout.ep: an MoE layer's reach (its statistics are not kept here)
 
     @classmethod
-    def make(cls, dev: Device, p: int) -> ForwardTick:
+    def make(cls, dev: Device, p: int, ep) -> ForwardTick:
         nll = jax.eval_shape(lambda y: _nll(dev, y, 0), dev.stream.zeros())
         zero_loss = vary(jnp.zeros((), jnp.float32), tuple(sorted(vma(nll) | {AXIS})))
-        return cls(dev, ring(p, 1), zero_loss)
+        return cls(dev, ring(p, 1), zero_loss, ep)
 
     def __call__(self, carry, xs):
         """((activation buffer, total), (rows, whether anyone sends)) -> (carry, None)."""
@@ -225,5 +230,5 @@ class ForwardTick:
         chunk = jax.tree.map(
             lambda a: jax.lax.dynamic_index_in_dim(a, r["chunk"], 0, False), dev.chunks
         )
-        x, _ = layers(dev.cfg.model, chunk, x, mb.positions, seg, tp=dev.tp)  # dense only
+        x, _ = layers(dev.cfg.model, chunk, x, mb.positions, seg, tp=dev.tp, ep=self.ep)
         return dev.stream.residual(x)
