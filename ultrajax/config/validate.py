@@ -407,6 +407,29 @@ def validate_schedule(kind: str, p: int, m: int, v: int) -> None:
         raise ConfigError(f"parallel.pipeline_schedule={kind}: {e}") from None
 
 
+def _moe_warnings(cfg: Config) -> list[str]:
+    """no_effect's lines about mixture of experts."""
+    m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
+    out = []
+    if m.moe_experts and mesh.tensor > 1 and par.collectives == "gspmd":
+        out.append(
+            "parallel.collectives=gspmd with model.moe_experts and mesh.tensor > 1 trains "
+            "correctly but slowly: the partitioner all-reduces the experts' partial outputs "
+            "over tensor where they are largest (3.5x to 25x the bytes of explicit on the "
+            "tests' shapes, docs/moe.md): use parallel.collectives=explicit"
+        )
+    dense = ModelConfig()
+    moe_keys = [f.name for f in dataclasses.fields(ModelConfig) if f.name.startswith("moe_")]
+    changed = [k for k in moe_keys if k != "moe_experts" and getattr(m, k) != getattr(dense, k)]
+    if not m.moe_experts and changed:
+        out.append(
+            f"model.{', model.'.join(changed)} {'has' if len(changed) == 1 else 'have'} no "
+            "effect with model.moe_experts=0 (a dense model): set model.moe_experts, or drop "
+            f"{'it' if len(changed) == 1 else 'them'}"
+        )
+    return out
+
+
 def no_effect(cfg: Config) -> list[str]:
     """Settings that do nothing in this layout (or cost far more than they should), one
     line each saying what to change: valid, so not errors (a recipe may be meant for a
@@ -460,22 +483,7 @@ def no_effect(cfg: Config) -> list[str]:
             "(and ZeRO-3's gathered weights), so the layers run one per loop iteration "
             "(model/remat.py): drop it, or set model.scan_unroll=1"
         )
-    if m.moe_experts and mesh.tensor > 1 and par.collectives == "gspmd":
-        out.append(
-            "parallel.collectives=gspmd with model.moe_experts and mesh.tensor > 1 trains "
-            "correctly but slowly: the partitioner all-reduces the experts' partial outputs "
-            "over tensor where they are largest (3.5x to 25x the bytes of explicit on the "
-            "tests' shapes, docs/moe.md): use parallel.collectives=explicit"
-        )
-    dense = ModelConfig()
-    moe_keys = [f.name for f in dataclasses.fields(ModelConfig) if f.name.startswith("moe_")]
-    changed = [k for k in moe_keys if k != "moe_experts" and getattr(m, k) != getattr(dense, k)]
-    if not m.moe_experts and changed:
-        out.append(
-            f"model.{', model.'.join(changed)} {'has' if len(changed) == 1 else 'have'} no "
-            "effect with model.moe_experts=0 (a dense model): set model.moe_experts, or drop "
-            f"{'it' if len(changed) == 1 else 'them'}"
-        )
+    out += _moe_warnings(cfg)
     default = ParallelConfig()
     axis_keys = {
         "pipeline": ("pipeline_schedule", "virtual_stages"),
