@@ -65,8 +65,6 @@ def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
     grad_plan, gather = layout.grads, layout.gather_layer()
 
     def per_device(params, cparams, batch: Batch):
-        if cparams is None:  # explicit: the compute copy is made per device
-            cparams = layout.compute_copy(params)
         n_targets = layout.psum(batch.loss_mask.sum())
         scale = 1.0 / jnp.maximum(n_targets, 1).astype(jnp.float32)
 
@@ -90,22 +88,23 @@ def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
 
     if layout.pipeline > 1:
         per_device = _pipelined(cfg, layout)
-    batch_spec = batch_specs()
-    if layout.gspmd:  # the compute copy is laid out by the partitioner, outside
-        fn, in_specs = per_device, (layout.specs["stored"], layout.specs["compute"], batch_spec)
-    else:
-        fn, in_specs = (lambda p, b: per_device(p, None, b)), (layout.specs["stored"], batch_spec)
     # the gradients leave in the state's layout (ZeRO: this rank's shard; a pipeline's
     # embedding and head: this stage's vocabulary split, reduce-scattered there)
     out_specs = (layout.specs["stored"], PartitionSpec(), PartitionSpec(), PartitionSpec())
-    sharded = layout.shard_map(fn, in_specs=in_specs, out_specs=out_specs)
+    return _over_batch(layout, per_device, out_specs)
 
-    def gradients(params, batch):
-        if layout.gspmd:
-            return sharded(params, layout.compute_copy(params), batch)
-        return sharded(params, batch)
 
-    return gradients
+def _over_batch(layout: Layout, per_device, out_specs):
+    """(params, batch) -> per_device(params, compute copy, batch) over the layout's manual
+    axes. gspmd: the partitioner lays the compute copy out, outside the shard_map;
+    explicit: each device makes its own (the ZeRO gathers written out)."""
+    stored, batch_spec = layout.specs["stored"], batch_specs()
+    if not layout.gspmd:
+        fn = lambda p, b: per_device(p, layout.compute_copy(p), b)  # noqa: E731
+        return layout.shard_map(fn, (stored, batch_spec), out_specs)
+    in_specs = (stored, layout.specs["compute"], batch_spec)
+    sharded = layout.shard_map(per_device, in_specs, out_specs)
+    return lambda params, batch: sharded(params, layout.compute_copy(params), batch)
 
 
 def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = None):
@@ -152,11 +151,9 @@ def _plan(cfg: Config, layout: Layout, kind: str):
     return plan_lib.make_plan(kind, layout.pipeline, cfg.train.grad_accum, par.virtual_stages)
 
 
-def _stage_copy(cfg: Config, layout: Layout, params, cparams):
+def _stage_copy(cfg: Config, layout: Layout, cparams):
     """This device's compute copy with its layers as its chunks (interleaved: moved from
     its slice of the model's order, in which the state keeps them)."""
-    if cparams is None:
-        cparams = layout.compute_copy(params)
     v = cfg.parallel.virtual_stages
     return dict(cparams, layers=pipeline.to_stages(cparams["layers"], layout.pipeline, v))
 
@@ -167,7 +164,7 @@ def _pipelined(cfg: Config, layout: Layout):
     plan = _plan(cfg, layout, cfg.parallel.pipeline_schedule)
 
     def per_device(params, cparams, batch: Batch):
-        cparams = _stage_copy(cfg, layout, params, cparams)
+        cparams = _stage_copy(cfg, layout, cparams)
         n_targets = layout.psum(batch.loss_mask.sum())
         scale = 1.0 / jnp.maximum(n_targets, 1).astype(jnp.float32)
         grads, loss, stats = pipeline.run(plan, cfg, layout, cparams, batch, scale)
@@ -185,26 +182,10 @@ def _pipelined_eval(cfg: Config, layout: Layout):
     plan = _plan(cfg, layout, plan_lib.FORWARD_ONLY)
 
     def per_device(params, cparams, batch: Batch):
-        total = pipeline.evaluate(
-            plan, cfg, layout, _stage_copy(cfg, layout, params, cparams), batch
-        )
+        total = pipeline.evaluate(plan, cfg, layout, _stage_copy(cfg, layout, cparams), batch)
         return jax.lax.psum(layout.psum(total), pipeline.AXIS), layout.psum(batch.loss_mask.sum())
 
-    batch_spec = batch_specs()
-    out_specs = (PartitionSpec(), PartitionSpec())
-    if layout.gspmd:
-        in_specs = (layout.specs["stored"], layout.specs["compute"], batch_spec)
-        sharded = layout.shard_map(per_device, in_specs=in_specs, out_specs=out_specs)
-    else:
-        fn = lambda p, b: per_device(p, None, b)  # noqa: E731
-        sharded = layout.shard_map(fn, (layout.specs["stored"], batch_spec), out_specs)
-
-    def eval_step(params, batch):
-        if layout.gspmd:
-            return sharded(params, layout.compute_copy(params), batch)
-        return sharded(params, batch)
-
-    return eval_step
+    return _over_batch(layout, per_device, (PartitionSpec(), PartitionSpec()))
 
 
 def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
@@ -217,8 +198,6 @@ def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
     gather = layout.gather_layer()
 
     def per_device(params, cparams, batch: Batch):
-        if cparams is None:  # explicit: the compute copy is made per device
-            cparams = layout.compute_copy(params)
         prepare = None
         if gather is not None:
             prepare = lambda p: {k: gather(w, k) for k, w in p.items()}  # noqa: E731
@@ -232,19 +211,7 @@ def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
         total, _ = jax.lax.scan(micro, zero, batch)
         return layout.psum(total), layout.psum(batch.loss_mask.sum())
 
-    batch_spec = batch_specs()
-    if layout.gspmd:  # the compute copy is laid out by the partitioner, outside
-        fn, in_specs = per_device, (layout.specs["stored"], layout.specs["compute"], batch_spec)
-    else:
-        fn, in_specs = (lambda p, b: per_device(p, None, b)), (layout.specs["stored"], batch_spec)
-    sharded = layout.shard_map(fn, in_specs, (PartitionSpec(), PartitionSpec()))
-
-    def eval_step(params, batch):
-        if layout.gspmd:
-            return sharded(params, layout.compute_copy(params), batch)
-        return sharded(params, batch)
-
-    return eval_step
+    return _over_batch(layout, per_device, (PartitionSpec(), PartitionSpec()))
 
 
 def jit_train_step(
