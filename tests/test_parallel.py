@@ -586,3 +586,16 @@ def test_chunked_loss_matches_single_device(name, mode):
     """model.loss_chunk under the vocabulary-parallel loss (TP, TP+SP) and with the LM
     head's gradient reduced after the backward pass (ZeRO-1): the single-device run."""
     assert_same_training(run(name, mode, "model.loss_chunk=16"), run(None))
+
+
+def test_chunked_loss_computes_each_chunks_logits_once():
+    """model.loss_chunk on trained weights: each chunk's logit gradient becomes the input's
+    and the weight's gradients in the forward pass (model/loss.py), so the compiled step
+    has one logits matmul, not a second one recomputing them for the backward pass."""
+
+    def logits(chunk: int, text: str) -> int:  # dots giving fp32 logits (..., chunk, vocab)
+        return len(re.findall(rf"= f32\[(?:\d+,)*{chunk},{VOCAB}\]\{{[^}}]*\}} dot\(", text))
+
+    whole = logits(SEQ, run("fsdp8-zero1", "explicit")[3])
+    assert whole >= 1  # one per micro-batch loop body XLA compiled
+    assert logits(16, run("fsdp8-zero1", "explicit", "model.loss_chunk=16")[3]) == whole

@@ -13,10 +13,11 @@ from ultrajax.parallel.pipeline import schedules as schedule
 
 # model.loss_chunk=null (auto) chunks the LM head and loss only where the fp32 logits of one
 # micro-batch on one device (b x s/cp x v/tp x 4 bytes; the loss's working set holds about
-# two such arrays, cost/memory.py) pass LOSS_CHUNK_AUTO_BYTES: a chunk's logits are
-# recomputed in the backward pass, 2·h·v FLOPs a token (about 6% of the 1B step), worth it
-# only where the memory is large. tiny.yaml's logits are 3 MiB; the 1B shape's (v = 128256,
-# s = 2048, b = 8) 7.8 GiB.
+# two such arrays, cost/memory.py) pass LOSS_CHUNK_AUTO_BYTES. Chunks recompute nothing
+# (model/loss.py makes their gradients in the forward pass; the 1B step on an H200 is as
+# fast chunked as whole), but they hold the head's whole fp32 gradient from the forward
+# pass on and run smaller matmuls: worth it where the logits are large. tiny.yaml's
+# logits are 3 MiB; the 1B shape's (v = 128256, s = 2048, b = 8) 7.8 GiB.
 LOSS_CHUNK_AUTO_BYTES = 2**30
 # The chunk: the largest divisor of the tokens per device up to LOSS_CHUNK_MAX whose own
 # logits fit LOSS_CHUNK_AUTO_BYTES too (the 1B shape: 256 tokens, 1 GiB; halves of 1024

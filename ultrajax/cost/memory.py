@@ -228,12 +228,19 @@ def _fixed(cfg: Config) -> _Fixed:
     )
     arguments = (2 * pb + 4) * stored + batch + 8  # + step counter and Adam's count
     copy, head_copy = _copies(cfg)
-    # model.loss_chunk: the logits of one chunk of the sequence at a time (ultrajax/model/loss.py);
-    # null in a config that skipped validation: what validation would resolve it to
-    c_loss = auto_loss_chunk(cfg) if m.loss_chunk is None else m.loss_chunk
-    chunk = c_loss / m.seq_len if 0 < c_loss < m.seq_len else 1.0
-    head_work = HEAD_WORK_V * 4 * d.V * chunk + HEAD_WORK_X * c * d.X
+    c_loss = _loss_chunk(cfg)
+    head_work = HEAD_WORK_V * 4 * d.V * (c_loss / m.seq_len if c_loss else 1.0)
+    head_work += HEAD_WORK_X * c * d.X
     return _Fixed(states, arguments, 4 * 4, copy, head_copy, head_work)
+
+
+def _loss_chunk(cfg: Config) -> int:
+    """model.loss_chunk, 0 where the head and loss run whole: the logits of one chunk of
+    the sequence at a time (ultrajax/model/loss.py); null in a config that skipped
+    validation is what validation would resolve it to."""
+    m = cfg.model
+    c = auto_loss_chunk(cfg) if m.loss_chunk is None else m.loss_chunk
+    return c if 0 < c < m.seq_len else 0
 
 
 def _whole(cfg: Config, parts: tuple[str, ...]) -> int:
@@ -297,6 +304,11 @@ def _gradients(cfg: Config) -> dict[str, float]:
     embed = _beyond_shard(cfg, llama.EMBEDDING, 4) if z.active >= 1 else 0.0
     if accum:
         embed = 4.0 * _whole(cfg, (llama.EMBEDDING,)) if z.active >= 2 else 0.0
+    if _loss_chunk(cfg) and not cfg.model.tie_embeddings and (z.active or accum):
+        # the chunked loss makes the head's gradient whole in the forward pass (the tied
+        # table's is the embedding's, above): held through the layer backward beside the
+        # reduced one, but where it is the gradient itself (no ZeRO, one micro-batch)
+        embed += 4.0 * _whole(cfg, (llama.HEAD,))
     acc_elems = stored if z.active >= 2 else whole
     return dict(
         gradients=4.0 * final,

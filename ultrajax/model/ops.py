@@ -81,7 +81,7 @@ class Deferred:
         op = self.seen[0]
         if op == "scale":
             return finish(_scale_dw(x, g), None, red)
-        return finish(_dense_dw(op, x, g, red), None, red)
+        return finish(dense_dw(op, x, g, red), None, red)
 
 
 def _struct(x):
@@ -147,7 +147,7 @@ def finish(dw, acc, red: Reduce):
 # --------------------------------------------------------------------------- matmul
 
 
-def _transposes(eq: str) -> tuple[str, str]:
+def transposes(eq: str) -> tuple[str, str]:
     """'A,B->C' -> ('C,B->A', 'A,C->B'): the einsums of dx and dw."""
     ins, out = eq.split("->")
     a, b = ins.split(",")
@@ -164,18 +164,18 @@ def _dense_fwd(eq, out_dtype, x, value, sink, acc, red):
     return _dense(eq, out_dtype, x, value, sink, acc, red), (x, value, keep)
 
 
-def _dense_dw(eq, x, g, red):
-    return jnp.einsum(_transposes(eq)[1], x, g, preferred_element_type=jnp.dtype(red.dtype))
+def dense_dw(eq, x, g, red):
+    return jnp.einsum(transposes(eq)[1], x, g, preferred_element_type=jnp.dtype(red.dtype))
 
 
 def _dense_bwd(eq, out_dtype, red, res, g):
     x, value, acc = res
-    eq_dx, _ = _transposes(eq)
+    eq_dx, _ = transposes(eq)
     g = g.astype(x.dtype)
     dx = jnp.einsum(eq_dx, g, value).astype(x.dtype)
     if red.defer is not None:
         return dx, None, None, (x, g)
-    return dx, None, finish(_dense_dw(eq, x, g, red), acc, red), None
+    return dx, None, finish(dense_dw(eq, x, g, red), acc, red), None
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
@@ -214,7 +214,7 @@ def _dense_joined_fwd(eq, shapes, axis, out_dtype, x, values, sinks, accs, reds)
 
 def _dense_joined_bwd(eq, shapes, axis, out_dtype, reds, res, g):
     x, values, accs = res
-    eq_dx, _ = _transposes(eq)
+    eq_dx, _ = transposes(eq)
     g = g.astype(x.dtype)
     dx = jnp.einsum(eq_dx, g, _joined(values, shapes, axis, x.dtype)).astype(x.dtype)
     # each weight's gradient from its own part of g: one matmul and reduction per weight,
@@ -224,7 +224,7 @@ def _dense_joined_bwd(eq, shapes, axis, out_dtype, reds, res, g):
     cuts = list(itertools.accumulate(s[axis] for s in shapes))[:-1]
     parts = jnp.split(g, cuts, out_axis)
     each = zip(parts, values, accs, reds, strict=True)
-    grads = tuple(finish(_dense_dw(eq, x, gi, r).reshape(v.shape), a, r) for gi, v, a, r in each)
+    grads = tuple(finish(dense_dw(eq, x, gi, r).reshape(v.shape), a, r) for gi, v, a, r in each)
     return dx, None, grads, None
 
 

@@ -23,6 +23,8 @@ from ultrajax.model.ops import dense
 from ultrajax.model.prefetch import Prefetch
 from ultrajax.model.remat import all_but_gathered_weights, layers_per_iteration, remat_policy
 
+LOGITS = ("batch", "length", "vocab")  # the LM head's output, by logical axis
+
 
 def cast(p, dtype):
     """One layer's weights in the compute dtype (the default `prepare`)."""
@@ -87,11 +89,15 @@ def final_norm(cfg: ModelConfig, params, x, *, tp: TensorBoundary = SINGLE):
 def logits(cfg: ModelConfig, params, x, *, tp: TensorBoundary = SINGLE):
     """LM head on normalised activations (any slice of the sequence): fp32 logits; under
     tensor parallelism this rank's slice of the vocabulary (the loss never gathers them)."""
+    w, eq = head_weight(cfg, params)
+    return tp.constrain(dense(x, w, eq, jnp.float32), LOGITS)
+
+
+def head_weight(cfg: ModelConfig, params):
+    """The LM head's weight and its einsum: the embedding's table when tied."""
     if cfg.tie_embeddings:
-        out = dense(x, params["embed"], "btd,vd->btv", jnp.float32)
-    else:
-        out = dense(x, params["lm_head"], "btd,dv->btv", jnp.float32)
-    return tp.constrain(out, ("batch", "length", "vocab"))
+        return params["embed"], "btd,vd->btv"
+    return params["lm_head"], "btd,dv->btv"
 
 
 def head_params(cfg: ModelConfig) -> tuple[str, str]:

@@ -100,8 +100,8 @@ def announce(cfg: Config, parts: RunParts, run_dir: Path, say) -> None:
         + (f"; {units.human(active)} active per token" if m.moe else "")
         + "); "
         f"{units.human(flops.flops_per_token(m))} FLOPs per token"
-        + (f"; LM head and loss in chunks of {chunk} tokens, its forward recomputed in the "
-           "backward (model.loss_chunk; 0: whole logits, faster, more memory)"
+        + (f"; LM head and loss in chunks of {chunk} tokens, their gradients made in the "
+           "forward (model.loss_chunk; 0: whole logits, more memory)"
            if 0 < chunk < m.seq_len else "")
     )  # fmt: skip
     say(parts.data.summary)
