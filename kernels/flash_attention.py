@@ -65,7 +65,7 @@ TUNED_BWD = {  # (head_dim, q_bwd, k_bwd): (warps, stages)
     (64, 64, 64): (4, 3), (64, 64, 128): (4, 3), (64, 128, 64): (4, 2), (64, 128, 128): (8, 3),
     (128, 64, 64): (4, 2), (128, 64, 128): (4, 3), (128, 128, 64): (8, 2), (128, 128, 128): (8, 2),
 }  # fmt: skip
-TILES = {64: (128, 64, 64, 64), 128: (128, 128, 64, 64)}  # head_dim: the fastest tiles
+TILES = {64: (128, 64, 128, 64), 128: (128, 128, 64, 64)}  # head_dim: the fastest tiles
 
 
 def _rule(head_dim: int, q: int, k: int) -> tuple[int, int]:

@@ -159,8 +159,8 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--packed", action="store_true", help="4 documents per row")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--block-q", type=int, default=128)
-    p.add_argument("--block-k", type=int, default=64)
+    p.add_argument("--block-q", type=int, help="forward tile (default: the model's, TILES)")
+    p.add_argument("--block-k", type=int)
     p.add_argument(
         "--sweep",
         nargs="?",
@@ -188,7 +188,9 @@ def main(argv=None) -> int:
             sweep(seq, args, args.sweep)
         return 0
     if args.sweep is None:
-        choices = [BlockSizes(q=args.block_q, k=args.block_k, q_bwd=64, k_bwd=64)]
+        tiles = BlockSizes.of(None, args.head_dim)  # what the model runs for this head_dim
+        q, k = args.block_q or tiles.q, args.block_k or tiles.k
+        choices = [BlockSizes(q=q, k=k, q_bwd=tiles.q_bwd, k_bwd=tiles.k_bwd)]
     else:
         given = [tuple(int(x) for x in c.split(",")) for c in args.sweep.split(";") if c]
         choices = [BlockSizes(*c) for c in (given or SWEEP)]
