@@ -17,6 +17,7 @@ model's MoE working set will be fitted on.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -129,13 +130,26 @@ def timing(small: bool) -> None:
 
 
 def memory(small: bool) -> None:
-    print(f"{'remat':10s} {'arguments':>10s} {'temp':>10s} {'peak':>10s} {'saved (model)':>14s}")
-    for remat in ("none", "selective", "full"):
-        cfg = config(small, "model.dtype=bfloat16", f"model.remat={remat}")
-        compiled = analyze.compiled_memory(analyze.compile_step(cfg, jax.devices()[:1]))
-        saved = cfg.model.n_layers * sum(activations.saved_per_layer(cfg).values())
-        mib = [v / 2**20 for v in (compiled["argument"], compiled["temp"], compiled["peak"], saved)]
-        print(f"{remat:10s} " + " ".join(f"{v:9.1f}M" for v in mib[:3]) + f" {mib[3]:13.1f}M")
+    """Per remat policy and micro-batch (2048 and 4096 tokens): compiled memory, with one
+    JSON line each for fitting the memory model's MoE working set."""
+    print(f"{'remat':10s} {'rows':>4s} {'arguments':>10s} {'temp':>10s} {'peak':>10s} "
+          f"{'saved (model)':>14s}")  # fmt: skip
+    for rows in (1, 2):
+        for remat in ("none", "selective", "full"):
+            over = (
+                "model.dtype=bfloat16",
+                f"model.remat={remat}",
+                f"train.micro_batch_size={rows}",
+            )
+            cfg = config(small, *over)
+            compiled = analyze.compiled_memory(analyze.compile_step(cfg, jax.devices()[:1]))
+            saved = cfg.model.n_layers * sum(activations.saved_per_layer(cfg).values())
+            keys = ("argument", "temp", "peak")
+            mib = [compiled[k] / 2**20 for k in keys] + [saved / 2**20]
+            print(f"{remat:10s} {rows:4d} " + " ".join(f"{v:9.1f}M" for v in mib[:3])
+                  + f" {mib[3]:13.1f}M")  # fmt: skip
+            record = {k: int(compiled[k]) for k in keys} | {"saved": int(saved)}
+            print("json " + json.dumps({"overrides": list(over), **record}))
 
 
 def main() -> int:
