@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,29 @@ def test_enumeration_is_what_the_validator_accepts():
             pass
     assert 0 < len(accepted) < len(tries)
     assert list(candidates.enumerate_candidates(base, gpus, 8, sequences)) == accepted
+
+
+def test_enumeration_tries_expert_parallelism_for_moe_models():
+    """An MoE model's layouts split the data ranks over `expert` too (sizes that divide
+    the experts and stay inside a node); a dense model's never do. Each is priced: its
+    memory (the experts, their grouped matmuls) and its step time (the all-to-alls)."""
+    dense = list(candidates.enumerate_candidates(_small(), 16, 8, 64))
+    assert {c.expert for c in dense} == {1}
+    base = _small()
+    base.model.moe_experts, base.model.moe_top_k, base.model.moe_d_ff = 8, 2, 1024
+    seen = list(candidates.enumerate_candidates(base, 16, 8, 64))
+    assert {c.expert for c in seen} == {1, 2, 4, 8}
+    for lay in seen:
+        assert lay.data * lay.fsdp * lay.expert * lay.tensor * lay.pipeline * lay.sequence == 16
+        assert lay.data * lay.fsdp * lay.expert * lay.micro_batch * lay.accum == 64
+    acc = hardware.by_name("h100")
+    lay = next(c for c in seen if c.expert == 4 and c.tensor == 1 and c.pipeline == 1)
+    cfg = lay.config(base)
+    assert "mesh.expert=4" in lay.overrides() and " ep4" in lay.short()
+    assert memory.estimate(cfg, platform="gpu").peak > 0
+    one = replace(lay, data=lay.data * 4, expert=1).config(base)  # the same split, no EP
+    t, t1 = (steptime.predict(c, acc, 8) for c in (cfg, one))
+    assert t.tensor > t1.tensor  # the all-to-alls, priced where TP's collectives are
 
 
 def test_every_communication_term_has_an_axis():

@@ -33,6 +33,19 @@ WORK = {
     "full": {"X": 4.6, "R": 7.1, "K": 9.1, "Wm": 0.0, "Wa": 0.0, "Z": 0.0, "S": 2.5, "F": 5.4},
     "selective": {"X": 2.7, "R": 4.8, "K": 0.0, "Wm": 0.0, "Wa": 0.0, "Z": 0.0, "S": 3.0, "F": 3.0},
 }
+# MoE: bytes per element of the grouped matmuls' dense temporaries (grouped_work), by
+# platform, compute bytes and policy: the mean of what the compiled steps needed beyond
+# the rest of the layer backward's working set. GPU (bf16): one H200's 6 steps (d_model
+# 1024, 8 experts of 2816, top-2, 2048 and 4096 tokens; benchmarks/RESULTS.md,
+# 2026-11-27), each within 4% of the mean; fp32 on a GPU is not measured (taken as bf16).
+# CPU: XLA:CPU's (scripts/fit_memory.py, MOE_SHAPES: fp32 4/8 experts, hidden 256/512,
+# 256/512 rows, within 10%; bf16, converted to fp32 on a CPU, one shape).
+GROUPED = {
+    ("gpu", 2): {"none": 17.9, "selective": 19.8, "full": 19.7},
+    ("gpu", 4): {"none": 17.9, "selective": 19.8, "full": 19.7},
+    ("cpu", 4): {"none": 15.3, "selective": 15.4, "full": 25.9},
+    ("cpu", 2): {"none": 25.5, "selective": 24.5, "full": 31.3},
+}
 ATTN_S = 3.75  # fitted: scores, probabilities, their gradient, a transposed copy (fp32)
 # Not fitted, read off XLA:CPU's buffer assignment: from this many softmax rows (b·a·s per
 # device) XLA:CPU's fusion writes the normalised probabilities as an fp32 array of their
@@ -111,7 +124,7 @@ def saved_per_layer(cfg: Config) -> dict[str, float]:
         + d.K * (remat.VALUE in names)
         + d.Q * (remat.ATTN_OUT in names)
     )
-    hidden = _moe_rows(cfg) * m.expert_ff // cfg.mesh.tensor if m.moe else d.F
+    hidden = expert_rows(cfg) * m.expert_ff // cfg.mesh.tensor if m.moe else d.F
     mlp = 2 * c * hidden * (remat.MLP_IN in names)
     return {"attention": attention, "mlp": mlp, "norms": block_input}
 
@@ -122,9 +135,17 @@ def _moe_rows(cfg: Config) -> int:
     return d.N * cfg.model.moe_top_k
 
 
+def expert_rows(cfg: Config) -> int:
+    """The rows one device's experts multiply: its own assignments, or under expert
+    parallelism a slot of each expert rank's (parallel/expert.py pads every slot to the
+    dropless worst case, so mesh.expert x its own)."""
+    return _moe_rows(cfg) * cfg.mesh.expert
+
+
 def moe_saved(cfg: Config) -> float:
     """Bytes one MoE layer keeps for the backward pass without recomputation (model/moe.py),
-    per device, one device's layer (expert parallelism's received rows: not yet counted):
+    per device (under expert parallelism the experts' rows are the received slots,
+    `expert_rows`):
       router, fp32: its input (N·h), the router weight cast to fp32 (h·E, when the
         compute dtype is not fp32), the logits (N·E), softmax's max and sum (2N), the
         top-k's indices (int32 N·k), the normalised gates (their sum and the scores
@@ -132,17 +153,18 @@ def moe_saved(cfg: Config) -> float:
         the auxiliary loss's load share (E), and a scalar per loss that joins the
         backward pass (`_attach`);
       experts: the token of each sorted row and the inverse permutation (int32 2R), each
-        expert's rows (int32 E), the sorted rows (c·R·h), the SwiGLU's six hidden
-        arrays (6c·R·f, as the dense MLP's), capacity's keep mask (c·R), the gates
+        expert's rows (int32 E), the rows multiplied (c·R'·h), the SwiGLU's six hidden
+        arrays (6c·R'·f, as the dense MLP's), capacity's keep mask (c·R), the gates
         and the outputs in fp32 for the combine (N·k + N·k·h);
       shared experts: a dense SwiGLU's six hidden arrays, and its input in c unless that
         is the router's fp32 one.
-    R = N·k assignments, f = moe_d_ff / tensor. Checked against print_saved_residuals
-    (tests/test_memory.py)."""
+    R = N·k assignments, R' = `expert_rows` (R on one expert rank), f = moe_d_ff / tensor.
+    Checked against print_saved_residuals on one device (tests/test_memory.py)."""
     m = cfg.model
     d = dims(cfg)
     c, n, e, k, h = d.c, d.N, m.moe_experts, m.moe_top_k, d.h
     rows, f = _moe_rows(cfg), m.expert_ff // cfg.mesh.tensor
+    held = expert_rows(cfg)  # the rows the experts multiply here
     aux = m.moe_balance == "aux" and m.moe_aux_coef > 0
     router = 4 * (n * h + n * e + n * k) + 4 * h * e * (c != 4)
     router += 8 * n * (m.moe_router == "softmax")
@@ -150,7 +172,7 @@ def moe_saved(cfg: Config) -> float:
     router += (4 * n * e + 9 * n) * (m.moe_z_coef > 0)
     router += 4 * e * aux
     router += 4 * (aux + (m.moe_z_coef > 0))  # each attached loss's zero (moe._attach)
-    experts = 8 * rows + 4 * e + c * rows * h + 6 * c * rows * f + 4 * n * k * (1 + h)
+    experts = 8 * rows + 4 * e + c * held * h + 6 * c * held * f + 4 * n * k * (1 + h)
     experts += c * rows * (m.moe_capacity > 0)
     shared = 0.0
     if m.moe_shared_experts:
@@ -180,8 +202,8 @@ def work_features(cfg: Config) -> tuple[str, dict[str, float], dict[str, float]]
     """(policy row of WORK, bytes per unit of each common coefficient, bytes per unit of
     each MLP-moment coefficient): layer_work is their dot product with WORK, so the
     coefficients can be fitted (scripts/fit_memory.py)."""
-    d = dims(cfg)
-    pol = _policy(cfg.model)
+    d, m = dims(cfg), cfg.model
+    pol = _policy(m)
     if pol == "list":  # recomputing the MLP's inputs works like full, keeping them selective
         pol = "selective" if remat.MLP_IN in cfg.model.remat else "full"
     lw = layer_weight_elements(cfg)
@@ -196,10 +218,30 @@ def work_features(cfg: Config) -> tuple[str, dict[str, float], dict[str, float]]
         "Z": d.c * (lw[llama.MLP] + lw[llama.ATTENTION]) * zero3,
     }
     mlp = {"S": 0.0 if flash else 4 * d.S, "F": d.c * d.F}
+    if m.moe:  # the experts' hidden rows for the dense MLP's
+        f = m.expert_ff // cfg.mesh.tensor
+        mlp["F"] = d.c * (expert_rows(cfg) * f + d.N * m.moe_shared_experts * f)
     return ("full" if pol == "offload" else pol), common, mlp
 
 
-def layer_work(cfg: Config, share: float = 1.0, attn_s: float = ATTN_S) -> float:
+def grouped_work(cfg: Config, platform: str | None = None) -> float:
+    """The MoE layer's grouped matmuls' own temporaries (bytes per device): jax's
+    `ragged_dot` runs as a dense product over every group, on a CPU (jax's lowering)
+    and on a GPU (XLA's rewriter, jax 0.11.2), so the backward holds arrays of
+    (local experts, rows multiplied, hidden) elements, E·R·f whatever the expert split
+    (E / n experts over n slots of R). Bytes per element from the compiled steps (GROUPED)."""
+    m = cfg.model
+    if not m.moe:
+        return 0.0
+    platform = "gpu" if (platform or jax.default_backend()) == "gpu" else "cpu"
+    pol = work_features(cfg)[0]
+    elements = m.moe_experts * _moe_rows(cfg) * (m.expert_ff // cfg.mesh.tensor)
+    return GROUPED[platform, dims(cfg).c][pol] * elements
+
+
+def layer_work(
+    cfg: Config, share: float = 1.0, attn_s: float = ATTN_S, platform: str | None = None
+) -> float:
     """One layer's backward working set (bytes per device), from the WORK table.
 
     Two moments compete: the MLP's backward (its hidden-size temporaries, with the
@@ -228,7 +270,8 @@ def layer_work(cfg: Config, share: float = 1.0, attn_s: float = ATTN_S) -> float
     kernel = {k: KERNEL_WORK[k] * v for k, v in kernel_features(cfg).items()}
     attn += kernel["P"] + kernel["M"]
     base = sum(coef[k] * v for k, v in common.items()) + weight_work(cfg)
-    moment = max(share * sum(coef[k] * v for k, v in mlp.items()), attn)
+    mlp_moment = sum(coef[k] * v for k, v in mlp.items()) + grouped_work(cfg, platform)
+    moment = max(share * mlp_moment, attn)
     return share * base + moment + ring_work(cfg) + kernel["T"]
 
 

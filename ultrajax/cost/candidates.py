@@ -56,6 +56,7 @@ class Candidate:
     remat: str
     schedule: str = "1f1b"
     virtual: int = 1
+    expert: int = 1  # mesh.expert: a data axis that also splits the experts (MoE only)
 
     def config(self, base: Config) -> Config:
         """`base` with this layout (sections replaced, the rest shared with `base`)."""
@@ -64,6 +65,7 @@ class Candidate:
             data=self.data,
             fsdp=self.fsdp,
             pipeline=self.pipeline,
+            expert=self.expert,
             sequence=self.sequence,
             tensor=self.tensor,
         )
@@ -92,6 +94,7 @@ class Candidate:
             f"mesh.tensor={self.tensor}",
             f"mesh.pipeline={self.pipeline}",
             f"mesh.sequence={self.sequence}",
+            *([f"mesh.expert={self.expert}"] if self.expert > 1 else []),
             f"parallel.zero={self.zero}",
             f"parallel.sequence_parallel={str(self.tensor > 1).lower()}",
             f"train.micro_batch_size={self.micro_batch}",
@@ -108,6 +111,8 @@ class Candidate:
         mesh = f"dp{self.data}"
         if self.fsdp > 1:
             mesh += f" fsdp{self.fsdp} z{self.zero}"
+        if self.expert > 1:
+            mesh += f" ep{self.expert}"
         if self.tensor > 1:
             mesh += f" tp{self.tensor}"
         if self.sequence > 1:
@@ -150,7 +155,8 @@ def _accepted(
         least = Candidate(dp, 1, tp, pp, cp, 0, 1, pp, REMATS[0])
         if not _accepts(least.config(base), schedule_verdicts):
             continue
-        for candidate in _batch_splits(sequences // dp, dp, tp, cp, pp, gpus_per_node):
+        experts = _expert_sizes(base, dp, gpus_per_node)
+        for candidate in _batch_splits(sequences // dp, dp, tp, cp, pp, gpus_per_node, experts):
             cfg = candidate.config(base)
             if _accepts(cfg, schedule_verdicts):
                 yield candidate, cfg
@@ -169,26 +175,42 @@ def _mesh_shapes(gpus: int, gpus_per_node: int) -> Iterator[tuple[int, int, int]
                 yield tp, cp, pp
 
 
-def _batch_splits(rows: int, dp: int, tp: int, cp: int, pp: int, gpn: int) -> Iterator[Candidate]:
+def _expert_sizes(base: Config, dp: int, gpn: int) -> list[int]:
+    """mesh.expert sizes to try: 1, and for an MoE model the divisors of the data ranks
+    that hold whole experts and stay inside a node (the all-to-alls run every MoE layer,
+    as tensor parallelism's collectives do); validate_layout has the last word."""
+    m = base.model
+    if not m.moe:
+        return [1]
+    return [e for e in divisors(dp) if e <= gpn and m.moe_experts % e == 0]
+
+
+def _batch_splits(
+    rows: int, dp: int, tp: int, cp: int, pp: int, gpn: int, experts: list[int] = (1,)
+) -> Iterator[Candidate]:
     """The planner's tries for one mesh shape: `rows` sequences per data rank as
-    micro-batch x accumulation; the dp ranks all data, or sharded (ZeRO-1/2/3) over all
-    of them or over those a node holds; every planned schedule, one that chunks with 2
-    chunks a device; each remat policy."""
+    micro-batch x accumulation; the dp ranks split over `expert` (each of `experts`),
+    the rest all data, or sharded (ZeRO-1/2/3) over all of them or over those a node
+    holds; every planned schedule, one that chunks with 2 chunks a device; each remat
+    policy."""
     inner = tp * cp * pp
-    local = max(1, min(dp, gpn // inner)) if inner < gpn else 1
-    shards = [(dp, 1, 0)]  # (data, fsdp, zero)
-    for z in (1, 2, 3):
-        for fsdp in sorted({dp, local}):
-            if fsdp > 1 and dp % fsdp == 0:
-                shards.append((dp // fsdp, fsdp, z))
+    shards = []  # (data, fsdp, zero, expert)
+    for ep in experts:
+        rest = dp // ep
+        local = max(1, min(rest, gpn // (inner * ep))) if inner * ep < gpn else 1
+        shards.append((rest, 1, 0, ep))
+        for z in (1, 2, 3):
+            for fsdp in sorted({rest, local}):
+                if fsdp > 1 and rest % fsdp == 0:
+                    shards.append((rest // fsdp, fsdp, z, ep))
     kinds = [(schedule.PLAIN, 1)]  # the schedule a one-stage layout carries
     if pp > 1:
         kinds = [(n, 2 if s.chunks else 1) for n, s in schedule.SCHEDULES.items() if s.planned]
     for mbs in MICRO_BATCHES:
         if rows % mbs:
             continue
-        for (data, fsdp, z), (kind, v), remat in itertools.product(shards, kinds, REMATS):
-            yield Candidate(data, fsdp, tp, pp, cp, z, mbs, rows // mbs, remat, kind, v)
+        for (data, fsdp, z, ep), (kind, v), remat in itertools.product(shards, kinds, REMATS):
+            yield Candidate(data, fsdp, tp, pp, cp, z, mbs, rows // mbs, remat, kind, v, ep)
 
 
 def _accepts(cfg: Config, schedule_verdicts: dict) -> bool:

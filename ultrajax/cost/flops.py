@@ -40,6 +40,8 @@ def recompute_flops_per_token(m: ModelConfig) -> float:
     if m.remat == "none":
         return 0.0
     h, hd, a, akv, f = m.d_model, m.hd, m.n_heads, m.n_kv_heads, m.d_ff
+    if m.moe:  # gate and up of the experts a token visits and of the shared experts
+        f = (m.moe_top_k + m.moe_shared_experts) * m.expert_ff
     attention = attention_flops_per_token(m)
     if isinstance(m.remat, str):  # selective keeps SELECTIVE, offload moves it to the host
         kept = set() if m.remat == "full" else set(remat.SELECTIVE)
@@ -57,8 +59,22 @@ def recompute_flops_per_token(m: ModelConfig) -> float:
     return redo + attention / 2  # QK^T
 
 
+def grouped_flops_per_token(m: ModelConfig) -> float:
+    """What the MoE layers' grouped matmuls run beyond the experts a token visits: jax's
+    `ragged_dot` runs as a dense product over every group, on a CPU (jax's lowering) and
+    on a GPU (XLA's rewriter, jax 0.11.2: on one H200 the layer ran 100.6 TFLOP/s of the
+    counted FLOPs, 4x that executed at 8 experts and top-2, benchmarks/RESULTS.md), so
+    each row is multiplied by all E experts' weights, not k: (E - k) x the three expert
+    matmuls, forward and backward, per layer."""
+    if not m.moe:
+        return 0.0
+    return 18.0 * m.d_model * m.expert_ff * (m.moe_experts - m.moe_top_k) * m.n_layers
+
+
 def hardware_flops_per_token(m: ModelConfig) -> float:
-    return flops_per_token(m) + recompute_flops_per_token(m)
+    """What the hardware runs per token: the model's FLOPs, what the remat policy
+    recomputes and the grouped matmuls' dense excess (HFU's numerator)."""
+    return flops_per_token(m) + recompute_flops_per_token(m) + grouped_flops_per_token(m)
 
 
 # --------------------------------------------------------------------------- FLOPs

@@ -38,7 +38,7 @@ import copy
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
-from ultrajax.config.schema import Config, ConfigError
+from ultrajax.config.schema import Config
 from ultrajax.config.validate import auto_loss_chunk
 from ultrajax.cost.activations import (
     HOISTED_S,
@@ -162,29 +162,18 @@ class Estimate:
         }
 
 
-# mixture of experts: the expert weights, their routing buffers and activations are not
-# in the model yet (issue 29, part 5); a prediction without them would be wrong
-NO_MOE = (
-    "the memory model does not count mixture-of-experts layers yet (model.moe_experts > 0; "
-    "issue 29), so neither analyze nor the planner takes an MoE config; a training run "
-    "reports what it measures"
-)
-
-
 def estimate(cfg: Config, platform: str | None = None) -> Estimate:
     """The analytic memory of one train step per device (see the module docstring), for
     the attention `model.attention` means on `platform` (default: this backend)."""
-    if cfg.model.moe:
-        raise ConfigError(NO_MOE)
     cfg = concrete(cfg, platform)
     fixed = _fixed(cfg)
     if cfg.mesh.pipeline > 1:
-        return _pipelined(cfg, fixed)
+        return _pipelined(cfg, fixed, platform)
     held = _gradients(cfg)
     activations = {part: cfg.model.n_layers * b for part, b in saved_per_layer(cfg).items()}
     activations["masks and rotary tables"] = invariant_activations(cfg)
     saved = sum(activations.values())
-    work = layer_work(cfg)
+    work = layer_work(cfg, platform=platform)
     kept = fixed.copy + held["gradients"] + held["accumulators"] + held["embed_grad"]
     phases = _phases(cfg, saved, kept, work, fixed.head_work, fixed.head_copy)
     parts = Breakdown(
@@ -374,7 +363,7 @@ def _update(stored: int) -> float:
     return 4.0 * stored + OPT_WORK * 4 * stored
 
 
-def _pipelined(cfg: Config, fixed: _Fixed) -> Estimate:
+def _pipelined(cfg: Config, fixed: _Fixed, platform: str | None = None) -> Estimate:
     """mesh.pipeline > 1 (parallel/pipeline/executor.py): the executor's buffers replace the saved
     activations, every device holds one stage's layers, the final norm, its share of the
     embedding and LM head (split over `pipeline` where mesh.vocab_over_pipeline, whole
@@ -401,7 +390,7 @@ def _pipelined(cfg: Config, fixed: _Fixed) -> Estimate:
     host = (plan.slots["res"] + 1) * per_chunk * offloaded_per_layer(cfg)
     # a chunk of several layers stacks its residuals before they go into their slot
     chunk_res = per_chunk * sum(pipeline_saved_per_layer(cfg).values()) if per_chunk > 1 else 0
-    work = layer_work(cfg, PIPE_WORK[work_features(cfg)[0]], PIPE_ATTN_S)
+    work = layer_work(cfg, PIPE_WORK[work_features(cfg)[0]], PIPE_ATTN_S, platform)
     kept = fixed.copy + accum
     phases = {
         Phase.PIPELINE_TICK: saved + kept + chunk_res + work,
@@ -427,8 +416,6 @@ def _pipelined(cfg: Config, fixed: _Fixed) -> Estimate:
 def summary_lines(cfg: Config, measured_peak: int | None = None) -> list[str]:
     """Lines for the train loop's summary: the predicted per-device breakdown beside the
     backend's measured peak (device.memory_stats on GPU), where there is one."""
-    if cfg.model.moe:
-        return [f"  predicted    none: {NO_MOE}"]
     e = estimate(cfg)
     p = e.parts
     after = e.peak_phase in AFTER_BACKWARD

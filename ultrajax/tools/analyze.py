@@ -182,6 +182,7 @@ def flops_report(cfg: Config, compiled=None, hlo_text: str | None = None) -> dic
         "model": flops.flops_per_token(m) * tokens / n,
         "hardware": flops.hardware_flops_per_token(m) * tokens / n,
         "recompute": flops.recompute_flops_per_token(m) * tokens / n,
+        "grouped": flops.grouped_flops_per_token(m) * tokens / n,
     }
     if compiled is not None:
         try:

@@ -33,7 +33,7 @@ PLOTTED = 500  # --plot: the fastest layouts whose memory is estimated and drawn
 PARTS = {
     "compute": ("compute", "the model's FLOPs at the fitted efficiency"),
     "host": ("host-bound", "the host's per-layer dispatch time beyond the compute"),
-    "tensor": ("TP comm", "tensor-parallel collectives"),
+    "tensor": ("TP/EP comm", "tensor-parallel collectives and expert parallelism's all-to-alls"),
     "pipeline_sends": ("PP sends", "pipeline sends between stages"),
     "context": (
         "CP/gather comm",
@@ -174,7 +174,7 @@ def _candidate_of(cfg: Config) -> candidates.Candidate:
     zero = par.zero if m.fsdp > 1 else 0
     return candidates.Candidate(
         m.data, m.fsdp, m.tensor, m.pipeline, m.sequence, zero,
-        t.micro_batch_size, t.grad_accum, remat, kind, par.virtual_stages,
+        t.micro_batch_size, t.grad_accum, remat, kind, par.virtual_stages, m.expert,
     )  # fmt: skip
 
 
@@ -202,6 +202,8 @@ def _outside(c: candidates.Candidate, sequence_parallel: bool, gpus_per_node: in
         why.append(f"{c.virtual} virtual stages")
     if max(c.tensor, c.sequence) > gpus_per_node:
         why.append("tensor or context parallelism across nodes")
+    if c.expert > gpus_per_node:
+        why.append("expert parallelism across nodes")
     return ", ".join(why) or "a layout it does not try"
 
 

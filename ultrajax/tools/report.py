@@ -320,7 +320,8 @@ def _flops_lines(f: dict) -> list[str]:
         "FLOPs per step per device",
         f"  model (6N + 12·L·h·s per token)        {f['model']:.4g}",
         f"  hardware (+ recomputation)             {f['hardware']:.4g}"
-        f"  (recomputed {f['recompute']:.4g})",
+        f"  (recomputed {f['recompute']:.4g})"
+        + (f" (MoE's dense grouped matmuls {f['grouped']:.4g})" if f.get("grouped") else ""),
     ]
     if "hlo_dots" in f:
         ratio = f" (hardware / compiled {f['ratio']:.3f})" if f.get("ratio") else ""
