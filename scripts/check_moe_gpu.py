@@ -1,22 +1,24 @@
-"""The MoE layer on a GPU, where jax lowers `ragged_dot` natively (on a CPU it is a
-masked dense product of every row with every expert: docs/moe.md), and what the memory
-model's MoE working set will be fitted on.
+"""The MoE layer on a GPU, where jax's `ragged_dot` runs as XLA's dense rewrite (every row
+times every expert, as jax's own lowering does on a CPU: docs/moe.md), beside
+model/grouped.py's blocks; what the memory model's MoE working set is fitted on.
 
     python scripts/check_moe_gpu.py            # the GPU's shapes
     python scripts/check_moe_gpu.py --small    # tiny shapes: runs anywhere, a smoke test
 
-1. Numerics: the layer (dropless, top-2 of 8, z-loss) against every expert
-   computed densely, outputs and the gradients of every weight and of the input, in fp32
-   (the GPU multiplies in TF32) and bf16; errors relative to the reference's largest
-   magnitude. Exits 1 if any is above its bound or not finite.
-2. The layer's forward and backward time, with the FLOPs the model counts for it.
-3. The compiled train step's memory (arguments, temporaries, peak) for each remat
-   policy, beside the memory model's saved activations for those shapes.
+1. Numerics: the layer (dropless, top-2 of 8, z-loss; ragged_dot and the blocks) against
+   every expert computed densely: outputs and the gradients of every weight and of the
+   input, in fp32 (the GPU multiplies in TF32) and bf16; errors relative to the
+   reference's largest magnitude. Exits 1 if any is above its bound or not finite.
+2. The layer's forward and backward time per implementation, with the FLOPs the model
+   counts for it.
+3. The compiled train step's memory (arguments, temporaries, peak) per implementation,
+   micro-batch and remat policy, beside the memory model's saved activations.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -83,8 +85,8 @@ def layer_weights(m, key, dtype):
 def numerics(small: bool) -> list[str]:
     failures = []
     tokens = 256 if small else 4096
-    for dtype in ("float32", "bfloat16"):
-        m = config(small, f"model.dtype={dtype}").model
+    for dtype, impl in itertools.product(("float32", "bfloat16"), ("ragged", "blocked")):
+        m = config(small, f"model.dtype={dtype}", f"model.moe_grouped={impl}").model
         dt = jnp.dtype(dtype)
         p = layer_weights(m, jax.random.key(1), dt)
         h = jax.random.normal(jax.random.key(2), (1, tokens, m.d_model), jnp.float32).astype(dt)
@@ -107,49 +109,57 @@ def numerics(small: bool) -> list[str]:
             a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
             err = float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
             ok = np.isfinite(a).all() and err <= BOUND[dtype]
-            print(f"{dtype:9s} {name:28s} relative error {err:.2e} {'ok' if ok else 'FAIL'}")
+            print(f"{dtype:9s} {impl:8s} {name:28s} relative error {err:.2e} "
+                  f"{'ok' if ok else 'FAIL'}")  # fmt: skip
             if not ok:
-                failures.append(f"{dtype} {name}")
+                failures.append(f"{dtype} {impl} {name}")
     return failures
 
 
 def timing(small: bool) -> None:
+    """The layer's forward and backward per grouped-matmul implementation: jax's
+    ragged_dot (XLA's dense rewrite on a GPU) and model/grouped.py's blocks."""
     tokens = 256 if small else 8192
-    m = config(small, "model.dtype=bfloat16").model
-    p = layer_weights(m, jax.random.key(4), jnp.bfloat16)
-    h = jax.random.normal(jax.random.key(5), (1, tokens, m.d_model), jnp.bfloat16)
-    step = jax.jit(jax.grad(lambda p, h: jnp.sum(moe.moe_mlp(p, h, cfg=m, ep=ONE_DEVICE)[0])))
-    jax.block_until_ready(step(p, h))
-    t = time.perf_counter()
-    for _ in range(10):
-        out = step(p, h)
-    jax.block_until_ready(out)
-    ms = (time.perf_counter() - t) / 10 * 1e3
-    flops = 3 * 2 * tokens * m.moe_top_k * 3 * m.d_model * m.expert_ff  # fwd + bwd, counted
-    print(f"layer fwd+bwd, {tokens} tokens, bf16: {ms:.2f} ms, {flops / ms / 1e9:.1f} TFLOP/s")
+    for impl in ("ragged", "blocked"):
+        m = config(small, "model.dtype=bfloat16", f"model.moe_grouped={impl}").model
+        p = layer_weights(m, jax.random.key(4), jnp.bfloat16)
+        h = jax.random.normal(jax.random.key(5), (1, tokens, m.d_model), jnp.bfloat16)
+
+        def loss(p, h, m=m):
+            return jnp.sum(moe.moe_mlp(p, h, cfg=m, ep=ONE_DEVICE)[0])
+
+        step = jax.jit(jax.grad(loss))
+        jax.block_until_ready(step(p, h))
+        t = time.perf_counter()
+        for _ in range(10):
+            out = step(p, h)
+        jax.block_until_ready(out)
+        ms = (time.perf_counter() - t) / 10 * 1e3
+        flops = 3 * 2 * tokens * m.moe_top_k * 3 * m.d_model * m.expert_ff  # fwd + bwd, counted
+        print(f"layer fwd+bwd, {impl}, {tokens} tokens, bf16: {ms:.2f} ms, "
+              f"{flops / ms / 1e9:.1f} TFLOP/s of the counted FLOPs")  # fmt: skip
 
 
 def memory(small: bool) -> None:
-    """Per remat policy and micro-batch (2048 and 4096 tokens): compiled memory, with one
-    JSON line each for fitting the memory model's MoE working set."""
-    print(f"{'remat':10s} {'rows':>4s} {'arguments':>10s} {'temp':>10s} {'peak':>10s} "
-          f"{'saved (model)':>14s}")  # fmt: skip
-    for rows in (1, 2):
-        for remat in ("none", "selective", "full"):
-            over = (
-                "model.dtype=bfloat16",
-                f"model.remat={remat}",
-                f"train.micro_batch_size={rows}",
-            )
-            cfg = config(small, *over)
-            compiled = analyze.compiled_memory(analyze.compile_step(cfg, jax.devices()[:1]))
-            saved = cfg.model.n_layers * sum(activations.saved_per_layer(cfg).values())
-            keys = ("argument", "temp", "peak")
-            mib = [compiled[k] / 2**20 for k in keys] + [saved / 2**20]
-            print(f"{remat:10s} {rows:4d} " + " ".join(f"{v:9.1f}M" for v in mib[:3])
-                  + f" {mib[3]:13.1f}M")  # fmt: skip
-            record = {k: int(compiled[k]) for k in keys} | {"saved": int(saved)}
-            print("json " + json.dumps({"overrides": list(over), **record}))
+    """Per grouped-matmul implementation, micro-batch (2048 and 4096 tokens) and remat
+    policy: compiled memory, with one JSON line each for fitting the memory model's MoE
+    working set (tests/data/moe_h200_memory.json holds the ragged lines)."""
+    print(f"{'grouped':8s} {'remat':10s} {'rows':>4s} {'arguments':>10s} {'temp':>10s} "
+          f"{'peak':>10s} {'saved (model)':>14s}")  # fmt: skip
+    runs = [("ragged", r, p) for r in (1, 2) for p in ("none", "selective", "full")]
+    runs += [("blocked", r, p) for r in (1, 2) for p in ("none", "full")]
+    for impl, rows, remat in runs:
+        over = ("model.dtype=bfloat16", f"model.remat={remat}", f"train.micro_batch_size={rows}")
+        over += (f"model.moe_grouped={impl}",)
+        cfg = config(small, *over)
+        compiled = analyze.compiled_memory(analyze.compile_step(cfg, jax.devices()[:1]))
+        saved = cfg.model.n_layers * sum(activations.saved_per_layer(cfg).values())
+        keys = ("argument", "temp", "peak")
+        mib = [compiled[k] / 2**20 for k in keys] + [saved / 2**20]
+        print(f"{impl:8s} {remat:10s} {rows:4d} " + " ".join(f"{v:9.1f}M" for v in mib[:3])
+              + f" {mib[3]:13.1f}M")  # fmt: skip
+        record = {k: int(compiled[k]) for k in keys} | {"saved": int(saved)}
+        print("json " + json.dumps({"overrides": list(over), **record}))
 
 
 def main() -> int:

@@ -15,8 +15,12 @@ from ultrajax.tools import hlo
 from ultrajax.train import batch as batch_lib
 from ultrajax.train import step as step_lib
 
-# 8 experts (mesh.expert up to 8), top-2, the z-loss and the default auxiliary loss
-MOE = ("model.moe_experts=8", "model.moe_top_k=2", "model.moe_d_ff=32", "model.moe_z_coef=0.001")
+# 8 experts (mesh.expert up to 8), top-2, the z-loss and the default auxiliary loss; the
+# grouped matmuls a GPU runs by default (jax's ragged_dot; blocks: their own test below)
+MOE = (
+    "model.moe_experts=8", "model.moe_top_k=2", "model.moe_d_ff=32", "model.moe_z_coef=0.001",
+    "model.moe_grouped=ragged",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -40,6 +44,15 @@ def test_moe_layouts_match_single_device(name, mode):
     and tensor parallelism's ranks, which hold the same tokens, count each balance loss
     once (counted on each rank, the explicit tensor layout fails)."""
     tp.assert_same_training(tp.run(name, mode, *MOE), tp.run(None, "explicit", *MOE))
+
+
+@pytest.mark.parametrize("name,mode", [("data2-expert4", "explicit"), ("expert4-tp2-sp", "gspmd")])
+def test_blocked_grouped_matmuls_train_as_one_device(name, mode):
+    """model.moe_grouped=blocked (a CPU's default, model/grouped.py) under expert and
+    tensor parallelism: its weight gradients leave their backward rule typed and reduced
+    like ragged_dot's, and the training is one device's with the same matmuls."""
+    blocked = (*MOE[:-1], "model.moe_grouped=blocked")
+    tp.assert_same_training(tp.run(name, mode, *blocked), tp.run(None, "explicit", *blocked))
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from test_pipeline import grid, pp, run
 MOE = (
     "model.moe_experts=4", "model.moe_top_k=2", "model.moe_d_ff=32", "model.moe_z_coef=0.001",
     "model.n_layers=4", "model.moe_balance=bias", "model.moe_bias_rate=0.01",
+    "model.moe_grouped=ragged",  # a GPU's default (the blocks: tests/test_expert.py)
 )  # fmt: skip
 CASES = {
     "p2-interleaved-v2": pp(2, "interleaved", v=2),  # 2 chunks on each of 2 stages

@@ -81,10 +81,12 @@ def _reference(cfg, p, h):
         ("model.moe_norm_topk=false",),
     ],
 )
-def test_the_moe_layer_matches_every_expert_computed_densely(overrides):
-    """Dropless (sorted rows, grouped matmuls) = the dense reference, outputs and the
-    gradients of every weight and of the input, fp32 on fresh random inputs."""
-    cfg = _cfg(*overrides)
+@pytest.mark.parametrize("grouped", ["ragged", "blocked"])
+def test_the_moe_layer_matches_every_expert_computed_densely(overrides, grouped):
+    """Dropless (sorted rows, grouped matmuls: jax's ragged_dot or model/grouped.py's
+    blocks) = the dense reference, outputs and the gradients of every weight and of the
+    input, fp32 on fresh random inputs."""
+    cfg = _cfg(*overrides, f"model.moe_grouped={grouped}")
     p = _weights(cfg, jax.random.key(1))
     h = jax.random.normal(jax.random.key(2), (2, T // 2, D), jnp.float32)
     r = jax.random.normal(jax.random.key(3), h.shape, jnp.float32)

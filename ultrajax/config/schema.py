@@ -73,6 +73,10 @@ class ModelConfig:
     moe_bias_rate: float = 0.001  # bias: the step's move of each expert's bias
     moe_z_coef: float = 0.0  # router z-loss (ST-MoE), 0: off
     moe_capacity: float = 0.0  # 0: dropless; else a capacity factor (tokens beyond drop)
+    # the experts' grouped matmuls: jax's ragged_dot (dense over every expert on a CPU and,
+    # with jax 0.11, on a GPU), blocks of rows (model/grouped.py), or auto: blocked on a
+    # CPU, ragged elsewhere (a GPU's speed for blocked is not measured yet)
+    moe_grouped: Literal["auto", "ragged", "blocked"] = "auto"
 
     @property
     def hd(self) -> int:

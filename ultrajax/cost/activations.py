@@ -11,7 +11,7 @@ import jax
 
 from ultrajax.config.schema import Config, ModelConfig
 from ultrajax.cost.sizes import dims, layer_weight_elements
-from ultrajax.model import llama, remat
+from ultrajax.model import grouped, llama, remat
 from ultrajax.model.attention import backends as attention_lib
 from ultrajax.model.attention import blocked, tiled
 from ultrajax.parallel.context import pair_kernel
@@ -38,14 +38,20 @@ WORK = {
 # the rest of the layer backward's working set. GPU (bf16): one H200's 6 steps (d_model
 # 1024, 8 experts of 2816, top-2, 2048 and 4096 tokens; benchmarks/RESULTS.md,
 # 2026-11-27), each within 4% of the mean; fp32 on a GPU is not measured (taken as bf16).
-# CPU: XLA:CPU's (scripts/fit_memory.py, MOE_SHAPES: fp32 4/8 experts, hidden 256/512,
-# 256/512 rows, within 10%; bf16, converted to fp32 on a CPU, one shape).
+# CPU (model.moe_grouped=ragged there): XLA:CPU's compiled steps (fp32: 4/8 experts,
+# hidden 256/512, 256/512 rows, within 10%; bf16, converted to fp32 on a CPU, one shape).
 GROUPED = {
     ("gpu", 2): {"none": 17.9, "selective": 19.8, "full": 19.7},
     ("gpu", 4): {"none": 17.9, "selective": 19.8, "full": 19.7},
     ("cpu", 4): {"none": 15.3, "selective": 15.4, "full": 25.9},
     ("cpu", 2): {"none": 25.5, "selective": 24.5, "full": 31.3},
 }
+# model.moe_grouped=blocked: (fp32 copies of the rows multiplied, of d_model + hidden
+# elements each; fp32 copies of the local experts' weight gradient, d_model x hidden each)
+# in the backward's working set, least squares over XLA:CPU's compiled steps (4 and 8
+# experts, d_model 128/256, hidden 256/512, 512/1024 rows; each within 16% of its
+# excess, which is 10-20% of the peak); selective as full (one shape: nearer full)
+BLOCKED = {"none": (1.4, 4.0), "selective": (2.4, 6.1), "full": (2.4, 6.1)}
 ATTN_S = 3.75  # fitted: scores, probabilities, their gradient, a transposed copy (fp32)
 # Not fitted, read off XLA:CPU's buffer assignment: from this many softmax rows (b·a·s per
 # device) XLA:CPU's fusion writes the normalised probabilities as an fp32 array of their
@@ -229,14 +235,21 @@ def grouped_work(cfg: Config, platform: str | None = None) -> float:
     `ragged_dot` runs as a dense product over every group, on a CPU (jax's lowering)
     and on a GPU (XLA's rewriter, jax 0.11.2), so the backward holds arrays of
     (local experts, rows multiplied, hidden) elements, E·R·f whatever the expert split
-    (E / n experts over n slots of R). Bytes per element from the compiled steps (GROUPED)."""
+    (E / n experts over n slots of R). Bytes per element from the compiled steps
+    (GROUPED). model.moe_grouped=blocked (model/grouped.py) holds none of them, but
+    copies of the rows padded to blocks and the experts' fp32 weight gradients as its
+    loops sum them (BLOCKED)."""
     m = cfg.model
     if not m.moe:
         return 0.0
     platform = "gpu" if (platform or jax.default_backend()) == "gpu" else "cpu"
     pol = work_features(cfg)[0]
-    elements = m.moe_experts * _moe_rows(cfg) * (m.expert_ff // cfg.mesh.tensor)
-    return GROUPED[platform, dims(cfg).c][pol] * elements
+    f = m.expert_ff // cfg.mesh.tensor
+    if grouped.implementation(m.moe_grouped, platform) == "blocked":
+        rows, weights = BLOCKED[pol]
+        local = m.moe_experts // cfg.mesh.expert
+        return 4.0 * (rows * expert_rows(cfg) * (m.d_model + f) + weights * local * m.d_model * f)
+    return GROUPED[platform, dims(cfg).c][pol] * m.moe_experts * _moe_rows(cfg) * f
 
 
 def layer_work(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ultrajax.config.schema import ModelConfig
-from ultrajax.model import remat
+from ultrajax.model import grouped, remat
 from ultrajax.model.llama import matmul_param_count
 from ultrajax.parallel.context import work
 
@@ -59,22 +59,24 @@ def recompute_flops_per_token(m: ModelConfig) -> float:
     return redo + attention / 2  # QK^T
 
 
-def grouped_flops_per_token(m: ModelConfig) -> float:
+def grouped_flops_per_token(m: ModelConfig, platform: str | None = None) -> float:
     """What the MoE layers' grouped matmuls run beyond the experts a token visits: jax's
     `ragged_dot` runs as a dense product over every group, on a CPU (jax's lowering) and
     on a GPU (XLA's rewriter, jax 0.11.2: on one H200 the layer ran 100.6 TFLOP/s of the
     counted FLOPs, 4x that executed at 8 experts and top-2, benchmarks/RESULTS.md), so
     each row is multiplied by all E experts' weights, not k: (E - k) x the three expert
-    matmuls, forward and backward, per layer."""
-    if not m.moe:
+    matmuls, forward and backward, per layer. model.moe_grouped=blocked: none (its
+    padding, under a block a group, is not counted)."""
+    if not m.moe or grouped.implementation(m.moe_grouped, platform) == "blocked":
         return 0.0
     return 18.0 * m.d_model * m.expert_ff * (m.moe_experts - m.moe_top_k) * m.n_layers
 
 
-def hardware_flops_per_token(m: ModelConfig) -> float:
-    """What the hardware runs per token: the model's FLOPs, what the remat policy
-    recomputes and the grouped matmuls' dense excess (HFU's numerator)."""
-    return flops_per_token(m) + recompute_flops_per_token(m) + grouped_flops_per_token(m)
+def hardware_flops_per_token(m: ModelConfig, platform: str | None = None) -> float:
+    """What the hardware runs per token on `platform` (default: this backend): the
+    model's FLOPs, what the remat policy recomputes and the grouped matmuls' dense excess
+    (HFU's numerator)."""
+    return flops_per_token(m) + recompute_flops_per_token(m) + grouped_flops_per_token(m, platform)
 
 
 # --------------------------------------------------------------------------- FLOPs

@@ -267,7 +267,7 @@ def features(
     tokens_mb = t.micro_batch_size * m.seq_len / cp  # one device's tokens per micro-batch
     tokens = tokens_mb * accum * cfg.dp * cp  # per step, all devices
     head = 6.0 * _head_size(m)  # LM head, forward and backward, per token
-    per_token = flops.hardware_flops_per_token(m)
+    per_token = flops.hardware_flops_per_token(m, "gpu")
     layers = math.ceil(m.n_layers / p)  # the slowest stage's (nanotron splits unevenly)
     kind = cfg.parallel.pipeline_schedule
     if balanced:

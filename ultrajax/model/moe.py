@@ -39,7 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ultrajax.config.schema import ModelConfig
 from ultrajax.kernels.varying import zeros
-from ultrajax.model import remat
+from ultrajax.model import grouped, remat
 from ultrajax.model.ops import dense, ragged_dense
 
 STATS = ("load", "dropped", "aux", "z")  # per layer; load per expert
@@ -86,14 +86,14 @@ def capacity(cfg: ModelConfig, tokens: int) -> int:
     return max(1, math.ceil(cfg.moe_capacity * tokens * cfg.moe_top_k / cfg.moe_experts))
 
 
-def _swiglu(p, xs, sizes):
+def _swiglu(p, impl: str, xs, sizes):
     """The experts' SwiGLU over rows grouped by expert: group i (sizes[i] rows) through
     expert i's weights (p's experts: all of them, or this rank's share)."""
-    gate = ragged_dense(xs, p["moe_gate"], sizes)
-    up = ragged_dense(xs, p["moe_up"], sizes)
+    gate = ragged_dense(xs, p["moe_gate"], sizes, impl)
+    up = ragged_dense(xs, p["moe_up"], sizes, impl)
     gate = checkpoint_name(gate, remat.MLP_IN)
     up = checkpoint_name(up, remat.MLP_IN)
-    return ragged_dense(jax.nn.silu(gate) * up, p["moe_down"], sizes)
+    return ragged_dense(jax.nn.silu(gate) * up, p["moe_down"], sizes, impl)
 
 
 def experts_out(cfg: ModelConfig, p, x, experts, ep):
@@ -110,7 +110,8 @@ def experts_out(cfg: ModelConfig, p, x, experts, ep):
     xs = x[order // k]  # (T·k, d) in expert order
     sorted_e = flat[order]
     sizes = jnp.bincount(flat, length=cfg.moe_experts).astype(jnp.int32)
-    ys = ep.experts(functools.partial(_swiglu, p), xs, sorted_e, sizes)
+    swiglu = functools.partial(_swiglu, p, grouped.implementation(cfg.moe_grouped))
+    ys = ep.experts(swiglu, xs, sorted_e, sizes)
     dropped = jnp.zeros((), jnp.float32)
     if cfg.moe_capacity:
         starts = jnp.cumsum(sizes) - sizes

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from ultrajax.kernels.varying import vary, vma, zeros
+from ultrajax.model import grouped
 
 
 @dataclass(frozen=True)
@@ -340,40 +341,52 @@ def lookup(table, idx, dtype):
 # --------------------------------------------------------------------------- grouped matmul
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ragged(x, value, sizes, sink, acc, red):
-    return jax.lax.ragged_dot(x, value, sizes, preferred_element_type=x.dtype)
+def _grouped(impl: str, x, w, sizes, dtype):
+    """x's groups of rows times their weights: jax's ragged_dot or model/grouped.py's blocks."""
+    if impl == "blocked":
+        return grouped.matmul(x, w, sizes, out_dtype=dtype)
+    return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=dtype)
 
 
-def _ragged_fwd(x, value, sizes, sink, acc, red):
-    return _ragged(x, value, sizes, sink, acc, red), (x, value, sizes, acc)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ragged(x, value, sizes, sink, acc, red, impl):
+    return _grouped(impl, x, value, sizes, x.dtype)
 
 
-def _ragged_dw(x, g, sizes, value, red):
-    """Each group's x^T g, (groups, k, n): the transpose of ragged_dot in its weight,
-    local like the other rules' (the weight typed as varying like x and g: JAX would
-    otherwise sum the transpose over the axes they vary over, and `finish` again)."""
+def _ragged_fwd(x, value, sizes, sink, acc, red, impl):
+    return _ragged(x, value, sizes, sink, acc, red, impl), (x, value, sizes, acc)
+
+
+def _ragged_dw(x, g, sizes, value, red, impl):
+    """Each group's x^T g, (groups, k, n): the transpose of the grouped matmul in its
+    weight, local like the other rules' (ragged: the weight typed as varying like x and
+    g, as JAX would otherwise sum the transpose over the axes they vary over, and
+    `finish` again)."""
     dt = jnp.dtype(red.dtype)
+    if impl == "blocked":
+        return grouped.weight_gradient(x.astype(dt), g.astype(dt), sizes, value.shape[0], dtype=dt)
     w = vary(value.astype(dt), tuple(sorted(vma(x) | vma(g))))
     _, back = jax.vjp(lambda w: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=dt), w)
     return back(g.astype(dt))[0]
 
 
-def _ragged_bwd(red, res, g):
+def _ragged_bwd(red, impl, res, g):
     x, value, sizes, acc = res
     g = g.astype(x.dtype)
-    dx = jax.lax.ragged_dot(g, jnp.swapaxes(value, 1, 2), sizes, preferred_element_type=x.dtype)
-    dw = finish(_ragged_dw(x, g, sizes, value, red), acc, red)
+    dx = _grouped(impl, g, jnp.swapaxes(value, 1, 2), sizes, x.dtype)
+    dw = finish(_ragged_dw(x, g, sizes, value, red, impl), acc, red)
     return dx, None, None, dw, None
 
 
 _ragged.defvjp(_ragged_fwd, _ragged_bwd)
 
 
-def ragged_dense(x, w, sizes):
+def ragged_dense(x, w, sizes, impl: str = "ragged"):
     """jax.lax.ragged_dot(x, w, sizes) in x's dtype: x's rows (m, k) in consecutive
     groups of `sizes`, group i multiplied by w[i] (groups, k, n). A grouped GEMM: the
-    experts of an MoE layer (model/moe.py), each on the tokens sorted to it."""
+    experts of an MoE layer (model/moe.py), each on the tokens sorted to it. `impl`:
+    "ragged" (jax's ragged_dot) or "blocked" (model/grouped.py), model.moe_grouped
+    resolved (`grouped.implementation`)."""
     if isinstance(w, Weight):
-        return _ragged(x, w.value.astype(x.dtype), sizes, w.sink, w.acc, w.reduce)
-    return jax.lax.ragged_dot(x, w.astype(x.dtype), sizes, preferred_element_type=x.dtype)
+        return _ragged(x, w.value.astype(x.dtype), sizes, w.sink, w.acc, w.reduce, impl)
+    return _grouped(impl, x, w.astype(x.dtype), sizes, x.dtype)

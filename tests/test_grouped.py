@@ -1,0 +1,55 @@
+"""model/grouped.py: the grouped matmul over blocks of rows and its weight gradient against
+jax's ragged_dot and its transpose (fp32, fresh random inputs), on the cases a router
+makes: empty groups, one group holding every row, rows past the groups (expert
+parallelism's padded slots), blocks smaller and larger than the groups."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ultrajax.model import grouped
+
+
+def _case(rows, groups, sizes, k=12, n=20, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(rows, k)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(groups, k, n)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(rows, n)), jnp.float32)
+    return x, w, g, jnp.asarray(sizes, jnp.int32)
+
+
+CASES = {
+    "random": (96, 8, np.bincount(np.random.default_rng(1).integers(0, 8, 96), minlength=8)),
+    "empty groups": (64, 5, [0, 30, 0, 34, 0]),
+    "one group": (40, 4, [0, 0, 40, 0]),
+    "rows past the groups": (50, 3, [7, 0, 21]),
+}
+
+
+@pytest.mark.parametrize("block", [None, 8, 32])
+@pytest.mark.parametrize("name", list(CASES))
+def test_blocks_give_ragged_dot_and_its_weight_gradient(name, block):
+    rows, groups, sizes = CASES[name]
+    x, w, g, sizes = _case(rows, groups, sizes)
+    want = jax.lax.ragged_dot(x, w, sizes)
+    got = grouped.matmul(x, w, sizes, block=block)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+    assert not np.any(np.asarray(got)[int(sizes.sum()) :])  # rows past the groups: zeros
+    (dw_want,) = jax.vjp(lambda w: jax.lax.ragged_dot(x, w, sizes), w)[1](g)
+    dw = grouped.weight_gradient(x, g, sizes, groups, block=block)
+    scale = float(jnp.abs(dw_want).max())
+    np.testing.assert_allclose(dw, dw_want, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_the_block_keeps_the_padding_under_the_rows():
+    """Padding is under one block a group: the block is at most half the mean group's
+    rows (8 at least, MAX_BLOCK at most), so the rows multiplied stay under twice the
+    real ones once groups hold 16 rows on average."""
+    assert grouped.block_rows(4096, 8) == grouped.MAX_BLOCK
+    assert grouped.block_rows(128, 8) == 8
+    for rows, groups in [(256, 8), (1000, 4), (4096, 64)]:
+        b = grouped.block_rows(rows, groups)
+        assert 8 <= b <= grouped.MAX_BLOCK and groups * (b - 1) <= rows
