@@ -46,13 +46,15 @@ def test_moe_layouts_match_single_device(name, mode):
     tp.assert_same_training(tp.run(name, mode, *MOE), tp.run(None, "explicit", *MOE))
 
 
-@pytest.mark.parametrize("name,mode", [("data2-expert4", "explicit"), ("expert4-tp2-sp", "gspmd")])
-def test_blocked_grouped_matmuls_train_as_one_device(name, mode):
-    """model.moe_grouped=blocked (a CPU's default, model/grouped.py) under expert and
-    tensor parallelism: its weight gradients leave their backward rule typed and reduced
-    like ragged_dot's, and the training is one device's with the same matmuls."""
+def test_blocked_grouped_matmuls_train_as_one_device():
+    """model.moe_grouped=blocked (a CPU's default, model/grouped.py) under expert, tensor
+    (+ SP) and ZeRO-3 parallelism: its weight gradients leave their backward rule typed
+    and reduced like ragged_dot's, and the training is one device's with the same
+    matmuls. (Also run by hand: data=2 x expert=4 explicit, expert=4 x tensor=2 + SP
+    under gspmd.)"""
     blocked = (*MOE[:-1], "model.moe_grouped=blocked")
-    tp.assert_same_training(tp.run(name, mode, *blocked), tp.run(None, "explicit", *blocked))
+    got = tp.run("expert2-fsdp2-tp2-zero3-sp", "explicit", *blocked)
+    tp.assert_same_training(got, tp.run(None, "explicit", *blocked))
 
 
 @pytest.mark.parametrize(

@@ -403,8 +403,7 @@ MOE_SHAPE = (
 @pytest.mark.parametrize(
     "layout",
     [
-        ("model.remat=full",),
-        ("mesh.data=2", "mesh.expert=4"),
+        ("mesh.data=2", "mesh.expert=4", "model.remat=full"),
         ("mesh.expert=8",),
         ("mesh.data=2", "mesh.expert=4", "model.moe_grouped=ragged"),
     ],

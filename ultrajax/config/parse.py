@@ -189,6 +189,8 @@ def run_identity(cfg: Config) -> str:
             tree["model"].pop(key)
     if not cfg.model.qk_norm:
         tree["model"].pop("qk_norm")
+    if cfg.model.fp8 == "none":
+        tree["model"].pop("fp8")
     tree["seed"] = cfg.train.seed
     tree["optim"].pop("schedule_steps")  # checked on resume, like train.steps
     tree["data"].pop("prefetch")  # how far ahead batches are made, not which

@@ -266,6 +266,12 @@ def validate_layout(cfg: Config, *, build_schedule: bool = True) -> None:
         )
     if m.moe_experts or mesh.expert > 1:
         _validate_expert_layout(cfg)
+    kind = cfg.parallel.pipeline_schedule
+    _check(
+        m.fp8 == "none" or mesh.pipeline == 1 or not schedule.SCHEDULES[kind].splits_backward,
+        f"model.fp8={m.fp8} with parallel.pipeline_schedule={kind}: zero bubble's weight "
+        "step does not take FP8 operands yet; use afab, 1f1b or interleaved, or model.fp8=none",
+    )
     _validate_pipeline(cfg, build_schedule)
     _validate_ramp(cfg)
 

@@ -75,14 +75,15 @@ def block_stats(p, x, positions, segment_ids, *, cfg, tp=SINGLE, cp=LOCAL, ep=ON
     """`block`'s output and the layer's MoE statistics (model/moe.py STATS; {}: dense)."""
     heads = ("batch", "length", "heads", "head_dim")
     kv_heads = ("batch", "length", "kv_heads", "head_dim")
+    f8 = cfg.fp8 != "none"  # the projections' and the MLP's matmuls through FP8 operands
     h = tp.enter(rms_norm(x, p["attn_norm"], cfg.norm_eps))
     if tp.join_inputs:  # one matmul, each kv head's group of queries beside its k and v
         d, kv, hd = p["wk"].shape
         g = p["wq"].shape[1] // kv
         groups = [(d, kv, g, hd), (d, kv, 1, hd), (d, kv, 1, hd)]
-        q, k, v = dense_joined(h, [p["wq"], p["wk"], p["wv"]], groups, 2)
+        q, k, v = dense_joined(h, [p["wq"], p["wk"], p["wv"]], groups, 2, f8)
     else:
-        q, k, v = (dense(h, p[n], e) for n, e in QKV)
+        q, k, v = (dense(h, p[n], e, fp8_operands=f8) for n, e in QKV)
     if cfg.qk_norm:  # over each head's own dimensions, before the rotation
         q = rms_norm(q, p["q_norm"], cfg.norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.norm_eps)
@@ -106,7 +107,7 @@ def block_stats(p, x, positions, segment_ids, *, cfg, tp=SINGLE, cp=LOCAL, ep=ON
         v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, 1)
         o = attend(q, k, v, implementation="xla", q_offset=start)
     o = checkpoint_name(tp.constrain(o, heads), remat.ATTN_OUT)
-    x = x + tp.exit(dense(o, p["wo"], "btnh,nhd->btd"))  # row-parallel: partial sums
+    x = x + tp.exit(dense(o, p["wo"], "btnh,nhd->btd", fp8_operands=f8))  # row-parallel
 
     h = tp.enter(rms_norm(x, p["mlp_norm"], cfg.norm_eps))
     if cfg.moe:
@@ -116,12 +117,13 @@ def block_stats(p, x, positions, segment_ids, *, cfg, tp=SINGLE, cp=LOCAL, ep=ON
     hidden = ("batch", "length", "mlp")
     if tp.join_inputs:
         d, f = p["w_up"].shape
-        gate, up = dense_joined(h, [p["w_gate"], p["w_up"]], [(d, 1, f)] * 2, 1)
+        gate, up = dense_joined(h, [p["w_gate"], p["w_up"]], [(d, 1, f)] * 2, 1, f8)
     else:
-        gate, up = dense(h, p["w_gate"], "btd,df->btf"), dense(h, p["w_up"], "btd,df->btf")
+        gate = dense(h, p["w_gate"], "btd,df->btf", fp8_operands=f8)
+        up = dense(h, p["w_up"], "btd,df->btf", fp8_operands=f8)
     gate = checkpoint_name(tp.constrain(gate, hidden), remat.MLP_IN)
     up = checkpoint_name(tp.constrain(up, hidden), remat.MLP_IN)
-    out = dense(jax.nn.silu(gate) * up, p["w_down"], "btf,fd->btd")
+    out = dense(jax.nn.silu(gate) * up, p["w_down"], "btf,fd->btd", fp8_operands=f8)
     x = x + tp.exit(checkpoint_name(out, remat.MLP_OUT))
     return (x if cache is None else (x, (k, v))), {}
 

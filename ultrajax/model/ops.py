@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from ultrajax.kernels.varying import vary, vma, zeros
-from ultrajax.model import grouped
+from ultrajax.model import fp8, grouped
 
 
 @dataclass(frozen=True)
@@ -182,9 +182,37 @@ def _dense_bwd(eq, out_dtype, red, res, g):
 _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-def dense(x, w, eq: str, out_dtype=None):
-    """einsum(eq, x, w) in x's dtype (or `out_dtype`), w cast to x's dtype."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 7))
+def _dense_fp8(eq, out_dtype, x_dtype, x, value, sink, acc, red):
+    return fp8.matmul(eq, x, value).astype(out_dtype)
+
+
+def _dense_fp8_fwd(eq, out_dtype, x_dtype, x, value, sink, acc, red):
+    (xq, sx), (wq, sw) = fp8.quantize(x, fp8.E4M3), fp8.quantize(value, fp8.E4M3)
+    return fp8.scaled(eq, xq, sx, wq, sw).astype(out_dtype), (xq, sx, wq, sw, acc)
+
+
+def _dense_fp8_bwd(eq, out_dtype, x_dtype, red, res, g):
+    """_dense_bwd's through FP8 operands: the cotangent in e5m2, the forward's e4m3 ones."""
+    xq, sx, wq, sw, acc = res
+    gq, sg = fp8.quantize(g, fp8.E5M2)
+    eq_dx, eq_dw = transposes(eq)
+    dx = fp8.scaled(eq_dx, gq, sg, wq, sw).astype(x_dtype)
+    return dx, None, finish(fp8.scaled(eq_dw, xq, sx, gq, sg), acc, red), None
+
+
+_dense_fp8.defvjp(_dense_fp8_fwd, _dense_fp8_bwd)
+
+
+def dense(x, w, eq: str, out_dtype=None, fp8_operands: bool = False):
+    """einsum(eq, x, w) in x's dtype (or `out_dtype`), w cast to x's dtype; with
+    `fp8_operands` through FP8 operands (model/fp8.py, model.fp8=tensorwise)."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if fp8_operands and isinstance(w, Weight):
+        value = w.value.astype(x.dtype)
+        return _dense_fp8(eq, out_dtype, x.dtype.name, x, value, w.sink, w.acc, w.reduce)
+    if fp8_operands:
+        return fp8.matmul(eq, x, w.astype(x.dtype)).astype(out_dtype)
     if isinstance(w, Weight):
         out = _dense(eq, out_dtype, x, w.value.astype(x.dtype), w.sink, w.acc, w.reduce)
         if w.reduce.defer is not None and w.acc is None:  # the shape trace
@@ -238,15 +266,16 @@ def _contract_first(x_ndim: int, w_ndim: int) -> str:
     return f"{lead}z,z{rest}->{lead}{rest}"
 
 
-def dense_joined(x, ws, shapes, axis: int):
+def dense_joined(x, ws, shapes, axis: int, fp8_operands: bool = False):
     """[dense(x, w) for w in ws], contracting x's last axis with each weight's first, as
     one matmul: each weight reshaped to its entry of `shapes` (same rank, equal but for
     `axis`) and joined along `axis`. Why: the input gradient is then one sum of partial
     products, which the partitioner reduces once, where separate matmuls are reduced
     once each (parallel/partitioned.py). Same values as separate `dense` calls, which
-    plain arrays (decoding) and split backwards (zero bubble) still take."""
-    if not all(isinstance(w, Weight) and w.reduce.defer is None for w in ws):
-        return [dense(x, w, _contract_first(x.ndim, len(w.shape))) for w in ws]
+    plain arrays (decoding), split backwards (zero bubble) and FP8 operands still take."""
+    if fp8_operands or not all(isinstance(w, Weight) and w.reduce.defer is None for w in ws):
+        eqs = [_contract_first(x.ndim, len(w.shape)) for w in ws]
+        return [dense(x, w, eq, fp8_operands=fp8_operands) for w, eq in zip(ws, eqs, strict=True)]
     eq = _contract_first(x.ndim, len(shapes[0]))
     shapes = tuple(tuple(s) for s in shapes)
     out = _dense_joined(

@@ -1,0 +1,106 @@
+"""model/fp8.py (model.fp8=tensorwise): each FP8 matmul against a reference that quantises,
+dequantises and multiplies in fp32 (fresh random inputs), no inf or NaN far beyond the
+formats' range, and a train step whose lowered program multiplies e4m3 and e5m2."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ultrajax.model import fp8
+from ultrajax.model.ops import Reduce, Weight, dense
+
+EQ = "btd,df->btf"
+
+
+def _inputs(seed=0, scale=1.0):
+    k = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(k[0], (2, 16, 32), jnp.float32) * scale
+    w = jax.random.normal(k[1], (32, 24), jnp.float32) / np.sqrt(32)
+    g = jax.random.normal(k[2], (2, 16, 24), jnp.float32)
+    return x, w, g
+
+
+def _dequantised(a, dtype):
+    q, s = fp8.quantize(a, dtype)
+    return q.astype(jnp.float32) / s
+
+
+def test_quantize_puts_the_largest_magnitude_on_the_formats_largest_value():
+    x, _, _ = _inputs()
+    for dtype, top, bits in ((fp8.E4M3, 448.0, 3), (fp8.E5M2, 57344.0, 2)):
+        q, s = fp8.quantize(x, dtype)
+        assert q.dtype == dtype
+        assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == top
+        # each value within half a unit in the last place of its own magnitude
+        err = jnp.abs(q.astype(jnp.float32) / s - x)
+        assert bool(jnp.all(err <= jnp.abs(x) * 2.0 ** -(bits + 1) + 1e-6 / s))
+    q, s = fp8.quantize(jnp.zeros((3, 4)), fp8.E4M3)
+    assert float(s) == 1.0 and not np.any(np.asarray(q.astype(jnp.float32)))
+
+
+def test_matmul_and_its_gradients_are_the_quantised_products():
+    """Forward: e4m3(x) e4m3(w); backward: e5m2(g) against the forward's e4m3 operands,
+    each the fp32 product of the dequantised operands (fp32 accumulation)."""
+    x, w, g = _inputs(1)
+    y, pull = jax.vjp(lambda x, w: fp8.matmul(EQ, x, w), x, w)
+    dx, dw = pull(g)
+    xd, wd, gd = _dequantised(x, fp8.E4M3), _dequantised(w, fp8.E4M3), _dequantised(g, fp8.E5M2)
+    np.testing.assert_allclose(y, jnp.einsum(EQ, xd, wd), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx, jnp.einsum("btf,df->btd", gd, wd), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, jnp.einsum("btd,btf->df", xd, gd), rtol=1e-5, atol=1e-4)
+    # and near the exact product: e4m3 keeps 3 mantissa bits a value
+    exact = jnp.einsum(EQ, x, w)
+    assert float(jnp.max(jnp.abs(y - exact))) < 0.1 * float(jnp.max(jnp.abs(exact)))
+
+
+def test_values_far_beyond_the_formats_give_no_inf_or_nan():
+    """Activations at 1e6 with an outlier at 1e9 and gradients at 1e5 (e4m3's range ends
+    at 448, e5m2's at 57344; the true results fit fp32): every operand is scaled by its
+    own amax before the cast, so nothing overflows, and the outlier's row is still right
+    to e4m3's precision."""
+    x, w, g = _inputs(2, scale=1e6)
+    x = x.at[0, 0, 0].set(1e9)
+    y, pull = jax.vjp(lambda x, w: fp8.matmul(EQ, x, w), x, w)
+    dx, dw = pull(g * 1e5)
+    for a in (y, dx, dw):
+        assert bool(jnp.all(jnp.isfinite(a)))
+    exact = jnp.einsum(EQ, x, w)[0, 0]
+    assert float(jnp.max(jnp.abs(y[0, 0] - exact))) < 0.1 * float(jnp.max(jnp.abs(exact)))
+
+
+def test_a_trained_weight_takes_the_same_fp8_rule():
+    """ops.dense with fp8 on a Weight (the step's path: the weight gradient reduced in its
+    rule) gives fp8.matmul's output and gradients."""
+    x, w, g = _inputs(3)
+    red = Reduce()
+
+    def through_weight(x, sink):
+        weight = Weight.make(w, sink, None, red)
+        return dense(x, weight, EQ, jnp.float32, fp8_operands=True)
+
+    y, pull = jax.vjp(through_weight, x, jnp.zeros_like(w))
+    dx, dw = pull(g)
+    y_ref, pull_ref = jax.vjp(lambda x, w: fp8.matmul(EQ, x, w), x, w)
+    dx_ref, dw_ref = pull_ref(g)
+    for a, b in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_the_train_step_multiplies_e4m3_and_e5m2():
+    """model.fp8=tensorwise: the lowered step (before XLA:CPU converts FP8 to fp32 for its
+    dots) multiplies e4m3 operands in the forward and e5m2 ones in the backward; with
+    model.fp8=none it has no FP8 at all."""
+    from ultrajax.tools import analyze
+
+    cfg, devices = harness.make("model.fp8=tensorwise", "model.dtype=bfloat16")
+    text = analyze.lower_step(cfg, devices[:1]).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert any("f8E4M3FN" in line and "f8E5M2" not in line for line in dots)
+    assert any("f8E5M2" in line for line in dots)
+    plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8="none"))
+    assert "f8E4M3FN" not in analyze.lower_step(plain, devices[:1]).as_text()
