@@ -47,6 +47,22 @@ def _transposes(eq: str) -> tuple[str, str]:
     return f"{out},{b}->{a}", f"{a},{out}->{b}"
 
 
+def forward(eq: str, x, w):
+    """(einsum(eq, x, w) in fp32 through e4m3 operands, what `backward` needs: the
+    quantised operands and their scales, one byte a value)."""
+    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
+    return scaled(eq, xq, sx, wq, sw), (xq, sx, wq, sw)
+
+
+def backward(eq: str, res, g):
+    """(dx, dw) in fp32 from `forward`'s residuals: the cotangent in e5m2 against the
+    forward's e4m3 operands."""
+    xq, sx, wq, sw = res
+    gq, sg = quantize(g, E5M2)
+    eq_dx, eq_dw = _transposes(eq)
+    return scaled(eq_dx, gq, sg, wq, sw), scaled(eq_dw, xq, sx, gq, sg)
+
+
 def matmul(eq: str, x, w):
     """einsum(eq, x, w) in fp32 with e4m3 operands (module docstring)."""
     return _matmul(eq, x.dtype.name, w.dtype.name, x, w)
@@ -54,21 +70,16 @@ def matmul(eq: str, x, w):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _matmul(eq: str, x_dtype: str, w_dtype: str, x, w):
-    return scaled(eq, *quantize(x, E4M3), *quantize(w, E4M3))
+    return forward(eq, x, w)[0]
 
 
 def _matmul_fwd(eq, x_dtype, w_dtype, x, w):
-    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
-    return scaled(eq, xq, sx, wq, sw), (xq, sx, wq, sw)
+    return forward(eq, x, w)
 
 
 def _matmul_bwd(eq, x_dtype, w_dtype, res, g):
-    xq, sx, wq, sw = res
-    gq, sg = quantize(g, E5M2)
-    eq_dx, eq_dw = _transposes(eq)
-    dx = scaled(eq_dx, gq, sg, wq, sw).astype(x_dtype)
-    dw = scaled(eq_dw, xq, sx, gq, sg).astype(w_dtype)
-    return dx, dw
+    dx, dw = backward(eq, res, g)
+    return dx.astype(x_dtype), dw.astype(w_dtype)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)

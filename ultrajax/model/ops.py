@@ -188,17 +188,15 @@ def _dense_fp8(eq, out_dtype, x_dtype, x, value, sink, acc, red):
 
 
 def _dense_fp8_fwd(eq, out_dtype, x_dtype, x, value, sink, acc, red):
-    (xq, sx), (wq, sw) = fp8.quantize(x, fp8.E4M3), fp8.quantize(value, fp8.E4M3)
-    return fp8.scaled(eq, xq, sx, wq, sw).astype(out_dtype), (xq, sx, wq, sw, acc)
+    y, res = fp8.forward(eq, x, value)
+    return y.astype(out_dtype), (res, acc)
 
 
 def _dense_fp8_bwd(eq, out_dtype, x_dtype, red, res, g):
-    """_dense_bwd's through FP8 operands: the cotangent in e5m2, the forward's e4m3 ones."""
-    xq, sx, wq, sw, acc = res
-    gq, sg = fp8.quantize(g, fp8.E5M2)
-    eq_dx, eq_dw = transposes(eq)
-    dx = fp8.scaled(eq_dx, gq, sg, wq, sw).astype(x_dtype)
-    return dx, None, finish(fp8.scaled(eq_dw, xq, sx, gq, sg), acc, red), None
+    """_dense_bwd's through fp8.matmul's rule, the weight gradient reduced by `finish`."""
+    res, acc = res
+    dx, dw = fp8.backward(eq, res, g)
+    return dx.astype(x_dtype), None, finish(dw, acc, red), None
 
 
 _dense_fp8.defvjp(_dense_fp8_fwd, _dense_fp8_bwd)
