@@ -478,8 +478,9 @@ def _random_save(model, path, seed):
 @pytest.mark.parametrize("kind", ["qwen3_moe"])  # dense qwen3: the same attention and
 def test_qwen3_and_qwen3_moe_both_ways_match_transformers(kind, tmp_path, capsys):  # names
     """Qwen3-MoE (each head's queries and keys normalised: model.qk_norm; its experts'
-    tensors named its way; unnormalised top-k gates): to ours and back within 1e-4,
-    verify PASS. Dense Qwen3 takes the same path with Llama's MLP (kind="qwen3")."""
+    tensors named its way; unnormalised top-k gates; a dense layer before each MoE layer:
+    decoder_sparse_step=2, model.moe_every): to ours and back within 1e-4, verify PASS.
+    Dense Qwen3 takes the same path with Llama's MLP (kind="qwen3")."""
     kw = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=50000.0,
               rms_norm_eps=1e-6, max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
@@ -487,13 +488,14 @@ def test_qwen3_and_qwen3_moe_both_ways_match_transformers(kind, tmp_path, capsys
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw))
     else:
         kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                  norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+                  norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[])  # fmt: skip
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**kw))
     model = _random_save(model, tmp_path / "hf", 0)
     ck, back = tmp_path / "ck", tmp_path / "back"
     assert convert.main(["hf-to-orbax", "--hf", str(tmp_path / "hf"), "--out", str(ck)]) == 0
     m = checkpoint.read_config(ck).model
     assert m.qk_norm and m.moe == (kind == "qwen3_moe")
+    assert m.moe_every == (2 if kind == "qwen3_moe" else 1)
     ids = np.random.default_rng(0).integers(0, 320, (2, 24))
     assert np.abs(hf_logits(model, ids) - our_logits(ck, ids)).max() <= TOL
     assert convert.main(["orbax-to-hf", "--checkpoint", str(ck), "--out", str(back)]) == 0

@@ -58,6 +58,18 @@ def test_blocked_grouped_matmuls_train_as_one_device():
     tp.assert_same_training(got, tp.run(None, "explicit", *MOE))
 
 
+def test_dense_layers_between_moe_layers_train_as_one_device():
+    """model.moe_every=2 (a dense layer, then an MoE layer; model/units.py): the scan walks
+    units of both, ZeRO-3 gathers (and prefetches) each layer's own weights, tensor
+    parallelism splits the dense MLP and the experts alike, and each MoE layer's
+    statistics are its own (4 layers: 2 units, so the prefetch has one to fetch ahead;
+    selective recomputation: each layer of a unit under its own checkpoint)."""
+    every = (*MOE, "model.n_layers=4", "model.moe_every=2", "model.remat=selective")
+    got = tp.run("expert2-fsdp2-tp2-zero3-sp", "explicit", *every)
+    tp.assert_same_training(got, tp.run(None, "explicit", *every))
+    assert got[2]["layers"]["w_gate"].shape[0] == got[2]["layers"]["router"].shape[0] == 2
+
+
 @pytest.mark.parametrize(
     "name,mode", [("data2-expert4", "explicit"), ("expert2-fsdp2-tp2-zero3-sp", "explicit")]
 )

@@ -1,6 +1,7 @@
 """An MoE model through the pipeline schedules (parallel/pipeline/): 3 steps against one
 device, the MoE statistics carried through the ticks back to the model's layer order
-(the bias balance reads them), with expert parallelism and under gspmd; evaluation too.
+(the bias balance reads them), with expert parallelism and under gspmd, zero bubble's
+weight step on the experts' grouped matmuls (both implementations); evaluation too.
 One model for every case: they share the one-device reference (the suite is compile-bound)."""
 
 from __future__ import annotations
@@ -23,12 +24,23 @@ CASES = {
     "p2-expert2-fsdp2-zero1-afab-gspmd": pp(
         2, "afab", ("mesh.expert", 2), ("mesh.fsdp", 2), ("parallel.zero", 1), collectives="gspmd"
     ),
+    # zero bubble: the experts' weight gradients from the pairs the input step kept, on the
+    # rows each expert rank received; the router's bias (no gradient) passes through W
+    "p2-expert2-data2-zb-h1": pp(2, "zb-h1", ("mesh.expert", 2), ("mesh.data", 2)),
+    # the blocks (a CPU's default), against the same ragged reference: fp32 summation
+    # order is their only difference (tests/test_expert.py)
+    "p2-data2-zb-h1-blocked": pp(2, "zb-h1", ("mesh.data", 2)),
+    # a dense layer before each MoE layer (model.moe_every=2): each stage one unit of the
+    # two (model/units.py), each layer recomputed on its own; its own one-device reference
+    "p2-expert2-data2-1f1b-every2": pp(2, "1f1b", ("mesh.expert", 2), ("mesh.data", 2)),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_moe_pipelines_match_single_device(name):
-    got, ref = run(CASES[name], 4, *MOE), run((), 4, *MOE)
+    model = (*MOE[:-1], "model.moe_grouped=blocked") if name.endswith("-blocked") else MOE
+    every = ("model.moe_every=2", "model.remat=full") if name.endswith("-every2") else ()
+    got, ref = run(CASES[name], 4, *model, *every), run((), 4, *MOE, *every)
     grid.assert_same_training(got, ref)
     total, count, _ = got[4]
     assert count == ref[4][1] > 0

@@ -1,16 +1,19 @@
 """model/grouped.py: the grouped matmul over blocks of rows and its weight gradient against
 jax's ragged_dot and its transpose (fp32, fresh random inputs), on the cases a router
 makes: empty groups, one group holding every row, rows past the groups (expert
-parallelism's padded slots), blocks smaller and larger than the groups."""
+parallelism's padded slots), blocks smaller and larger than the groups. Zero bubble's
+split of the experts' matmul (model/ops.py `Deferred`) gives the ordinary rule's gradient."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ultrajax.model import grouped
+from ultrajax.model import grouped, ops
 
 
 def _case(rows, groups, sizes, k=12, n=20, seed=0):
@@ -53,3 +56,32 @@ def test_the_block_keeps_the_padding_under_the_rows():
     for rows, groups in [(256, 8), (1000, 4), (4096, 64)]:
         b = grouped.block_rows(rows, groups)
         assert 8 <= b <= grouped.MAX_BLOCK and groups * (b - 1) <= rows
+
+
+@pytest.mark.parametrize("impl", ["ragged", "blocked"])
+def test_deferred_weight_gradient_is_the_ordinary_rules(impl):
+    """A deferred expert weight's backward hands out (x, cotangent, sizes as fp32) as its
+    pair and gives the same input gradient; W's gradient from the pair is the ordinary
+    rule's (zero bubble with MoE, parallel/pipeline/stage.py). An empty group and padded
+    rows: the router's cases W must keep."""
+    rows, groups, sizes = CASES["rows past the groups"]
+    x, w, g, sizes = _case(rows, groups, sizes)
+    sink, red = jnp.zeros(w.shape, jnp.float32), ops.Reduce()
+
+    def ordinary(x, sink):
+        return ops.ragged_dense(x, ops.Weight.make(w, sink, None, red), sizes, impl)
+
+    dx_want, dw_want = jax.vjp(ordinary, x, sink)[1](g)
+    defer = ops.Deferred()
+    split = ops.Reduce(defer=defer)
+    jax.eval_shape(lambda: ops.ragged_dense(x, ops.Weight.make(w, sink, None, split), sizes, impl))
+    assert defer.seen[0] == ("ragged", impl, groups)
+
+    def deferred(x, pair):
+        return ops.ragged_dense(x, ops.Weight.make(w, sink, pair, split), sizes, impl)
+
+    dx, pair = jax.vjp(deferred, x, defer.zeros())[1](g)
+    np.testing.assert_array_equal(pair[2], sizes)  # exact in fp32
+    np.testing.assert_allclose(dx, dx_want, rtol=1e-6)
+    dw = defer.weight_gradient(pair, dataclasses.replace(red, shape=w.shape))
+    np.testing.assert_allclose(dw, dw_want, rtol=1e-6, atol=1e-6 * float(jnp.abs(dw_want).max()))

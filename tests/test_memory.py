@@ -19,6 +19,7 @@ from harness import init_state as placed_state
 from jax.ad_checkpoint import print_saved_residuals
 
 from ultrajax.cost import activations, memory, sizes, units
+from ultrajax.model import units as model_units
 from ultrajax.model.llama import init_params, param_count
 from ultrajax.model.loss import loss_sum
 from ultrajax.parallel import mesh as mesh_lib
@@ -33,7 +34,8 @@ DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "bool": 1, "u32": 4, "i6
 
 
 def stacked_residuals(cfg, capsys) -> int:
-    """Bytes of the per-layer residuals the layer scan saves, from print_saved_residuals."""
+    """Bytes of the per-layer residuals the layer scan saves, from print_saved_residuals
+    (stacked over its iterations: units of layers, model/units.py)."""
     m = cfg.model
     params = jax.eval_shape(lambda: init_params(m, jax.random.key(0)))
     params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.dtype(m.dtype)), params)
@@ -47,7 +49,7 @@ def stacked_residuals(cfg, capsys) -> int:
         if not hit or "from the argument" in hit.group(3):
             continue
         shape = [int(d) for d in hit.group(2).split(",") if d]
-        if shape and shape[0] == m.n_layers and "scan" in hit.group(3):
+        if shape and shape[0] == model_units.count(m) and "scan" in hit.group(3):
             total += math.prod(shape) * DTYPE_BYTES[hit.group(1)]
     return total
 
@@ -76,6 +78,23 @@ MOE_OPTIONS = {
     "capacity-shared": ("model.moe_capacity=1", "model.moe_shared_experts=1",
                         "model.moe_balance=bias"),  # none attached
 }  # fmt: skip
+
+
+@pytest.mark.parametrize("remat", ["none", "selective"])
+def test_saved_activations_with_dense_layers_between_moe_layers(remat, capsys):
+    """model.moe_every=2 (model/units.py): the scan's 3 units keep a dense layer's and an
+    MoE layer's residuals each (each layer under its own checkpoint: a unit keeps per
+    layer what the policy names, not its layers' insides); saved_per_layer is their mean."""
+    over = [
+        "model.n_layers=6", "train.micro_batch_size=2", "model.seq_len=40", "model.d_model=48",
+        "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=80", "model.vocab_size=56",
+        "model.attention=xla", "model.moe_experts=6", "model.moe_top_k=2",
+        "model.moe_d_ff=28", "model.moe_every=2", f"model.remat={remat}",
+    ]  # fmt: skip
+    cfg, _ = make(base=over)
+    want = stacked_residuals(cfg, capsys)
+    got = cfg.model.n_layers * sum(activations.saved_per_layer(cfg).values())
+    assert got == want, (activations.saved_per_layer(cfg), want / cfg.model.n_layers)
 
 
 @pytest.mark.parametrize("options", list(MOE_OPTIONS))
@@ -406,6 +425,8 @@ MOE_SHAPE = (
         ("mesh.data=2", "mesh.expert=4", "model.remat=full"),
         ("mesh.expert=8",),
         ("mesh.data=2", "mesh.expert=4", "model.moe_grouped=ragged"),
+        # a dense layer before each MoE layer: the larger kind's working set
+        ("mesh.data=2", "mesh.expert=4", "model.n_layers=4", "model.moe_every=2"),
     ],
 )
 def test_moe_estimate_follows_the_compiled_step(layout):
@@ -524,6 +545,34 @@ def test_pipeline_residuals_of_checkpointed_layers(remat, monkeypatch):
     assert kept == sum(parts.values()), (parts, kept)
     rows = cfg.train.micro_batch_size  # every residual is an activation of those rows
     assert all(s.ndim == 0 or s.shape[0] == rows for s in probed[-1].stored), probed[-1].stored
+
+
+ZB_MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_d_ff=48")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        # the experts' pairs over the rows each rank received; the router's fp32 input is
+        # the shared experts'
+        (*ZB_MOE, "mesh.expert=2", "model.moe_shared_experts=1"),
+        (*ZB_MOE, "model.moe_shared_experts=1", "model.dtype=bfloat16"),
+    ],
+)
+def test_zero_bubble_pairs_are_what_the_input_step_keeps(overrides, monkeypatch):
+    """zero_bubble_pairs_per_layer against the pair buffers zb-h1's tick loop makes
+    (tracing the step, no compile): every weight's (input, cotangent), an input shared
+    by several weights once, an expert matrix's group sizes, none for the router's bias."""
+    from ultrajax.parallel.pipeline import tick
+
+    made = []
+    pair_buffers = tick._pair_buffers
+    monkeypatch.setattr(tick, "_pair_buffers", lambda *a: made.append(pair_buffers(*a)) or made[-1])
+    cfg, devices = make(*PIPELINE, "parallel.pipeline_schedule=zb-h1", *overrides)
+    analyze.lower_step(cfg, devices)
+    kept = sum(math.prod(b.shape[2:]) * b.dtype.itemsize for b in jax.tree.leaves(made[-1]))
+    assert kept == activations.zero_bubble_pairs_per_layer(cfg), overrides
 
 
 @pytest.mark.parametrize(

@@ -213,12 +213,15 @@ def test_total_and_active_parameter_counts():
 
 def test_bad_moe_settings_are_refused_and_idle_ones_warned():
     for bad in ("model.moe_top_k=7", "model.moe_experts=1", "model.moe_capacity=0.5",
-                "model.moe_every=2"):  # fmt: skip
+                "model.moe_every=3", "model.moe_every=0"):  # fmt: skip
         with pytest.raises(ConfigError):
-            _cfg(bad)
-    with pytest.raises(ConfigError, match="zero bubble's weight step"):
-        harness.make("model.moe_experts=4", "mesh.pipeline=2", "train.grad_accum=2",
-                     "parallel.pipeline_schedule=zb-h1")  # fmt: skip
+            _cfg(bad, "model.n_layers=4")
+    every = ("model.moe_experts=4", "model.n_layers=4", "model.moe_every=2", "mesh.pipeline=2",
+             "train.grad_accum=2")  # fmt: skip
+    with pytest.raises(ConfigError, match="whole units of moe_every layers"):
+        harness.make(*every, "parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2")
+    with pytest.raises(ConfigError, match="not of a unit of dense and MoE layers"):
+        harness.make(*every, "parallel.pipeline_schedule=zb-h1")
     with pytest.raises(ConfigError, match="context parallelism"):
         harness.make("model.moe_experts=4", "model.moe_capacity=1", "mesh.sequence=2")
     with pytest.raises(ConfigError, match=r"divisible by mesh.expert \(8\)"):
@@ -234,6 +237,30 @@ def test_bad_moe_settings_are_refused_and_idle_ones_warned():
     assert not no_effect(harness.make(*tp2)[0])
     (line,) = no_effect(harness.make(*tp2, "parallel.collectives=gspmd")[0])
     assert "use parallel.collectives=explicit" in line
+
+
+def test_interleaved_dense_and_moe_layers_are_the_layers_one_by_one():
+    """model.moe_every=3 (model/units.py): the forward pass equals the layers applied one
+    after another, layer i reading its rows of each stack (Param.row: layers 2 and 5 are
+    the MoE layers, with their shared experts; the others read the dense MLP's rows), and
+    the closed-form parameter count holds with both kinds of layer."""
+    cfg = _cfg("model.vocab_size=64", "model.n_layers=6", "model.seq_len=16",
+               "model.moe_every=3", "model.moe_shared_experts=1")  # fmt: skip
+    params = llama.init_params(cfg, jax.random.key(3))
+    assert llama.param_count(cfg) == sum(a.size for a in jax.tree.leaves(params))
+    assert params["layers"]["w_up"].shape[0] == 4 and params["layers"]["router"].shape[0] == 2
+    tokens = jax.random.randint(jax.random.key(4), (2, 12), 0, cfg.vocab_size)
+    got = jax.jit(functools.partial(stack.forward, cfg))(params, tokens)
+    x = stack.embed(cfg, params, tokens)
+    positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+    kinds = []
+    for i in range(cfg.n_layers):
+        rows = {p.key: p.row(cfg, i) for p in llama.params_of(cfg) if p.layered}
+        w = {k: params["layers"][k][r] for k, r in rows.items() if r is not None}
+        kinds.append("router" in w)
+        x = llama.block(w, x, positions, None, cfg=cfg)
+    assert kinds == [False, False, True] * 2
+    np.testing.assert_allclose(got, stack.head(cfg, params, x), atol=1e-5)
 
 
 MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_d_ff=32", "model.moe_z_coef=0.001")
@@ -260,10 +287,13 @@ def test_the_step_moves_the_router_bias_against_the_steps_load():
     assert record["moe_dropped"]["layer0"] == 0.0
 
 
-def test_decoding_with_a_kv_cache_matches_the_forward_pass():
+@pytest.mark.parametrize("every", [1, 2])
+def test_decoding_with_a_kv_cache_matches_the_forward_pass(every):
     """An MoE model generates with the cache (model/decode.py) as its forward pass reads
-    the whole sequence: the routing of a token does not depend on the others (dropless)."""
-    cfg = _cfg("model.vocab_size=64", "model.n_layers=2", "model.seq_len=16")
+    the whole sequence: the routing of a token does not depend on the others (dropless).
+    every=2: dense and MoE layers interleaved, the cache walked a unit at a time."""
+    cfg = _cfg("model.vocab_size=64", f"model.n_layers={2 * every}", "model.seq_len=16",
+               f"model.moe_every={every}")  # fmt: skip
     params = llama.init_params(cfg, jax.random.key(11))
     tokens = jax.random.randint(jax.random.key(12), (2, 9), 0, cfg.vocab_size)
     full = jax.jit(functools.partial(stack.forward, cfg))(params, tokens)

@@ -67,7 +67,7 @@ class ModelConfig:
     moe_top_k: int = 2  # experts each token goes to
     moe_d_ff: int | None = None  # an expert's hidden size; null: d_ff
     moe_shared_experts: int = 0  # experts every token goes to, one MLP of n x moe_d_ff
-    moe_every: int = 1  # an MoE layer every n-th layer (1: all)
+    moe_every: int = 1  # every n-th layer an MoE layer, the others dense (1: all MoE)
     moe_router: Literal["softmax", "sigmoid"] = "softmax"
     moe_norm_topk: bool = True  # the chosen experts' gates sum to one
     # load balance: Switch/GShard's auxiliary loss, DeepSeek-V3's bias, or none

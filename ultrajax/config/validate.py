@@ -128,8 +128,9 @@ def _validate_moe(m) -> None:
     _check(m.moe_d_ff is None or m.moe_d_ff > 0, "model.moe_d_ff must be positive or null")
     _check(m.moe_shared_experts >= 0, "model.moe_shared_experts must be >= 0")
     _check(
-        m.moe_every == 1,
-        f"model.moe_every={m.moe_every}: only 1 (every layer an MoE layer) runs yet (issue 29)",
+        m.moe_every >= 1 and m.n_layers % m.moe_every == 0,
+        f"model.moe_every ({m.moe_every}) must be >= 1 and divide model.n_layers "
+        f"({m.n_layers}): every moe_every-th layer is an MoE layer, the others dense",
     )
     _check(m.moe_aux_coef >= 0, "model.moe_aux_coef must be >= 0")
     _check(m.moe_bias_rate >= 0, "model.moe_bias_rate must be >= 0")
@@ -288,13 +289,6 @@ def _validate_expert_layout(cfg: Config) -> None:
         m.moe_experts % mesh.expert == 0,
         f"model.moe_experts ({m.moe_experts}) must be divisible by mesh.expert ({mesh.expert})",
     )
-    kind = cfg.parallel.pipeline_schedule
-    _check(
-        mesh.pipeline == 1 or not schedule.SCHEDULES[kind].splits_backward,
-        f"model.moe_experts with parallel.pipeline_schedule={kind}: "
-        "zero bubble's weight step does not split the experts' grouped matmuls yet; use "
-        "afab, 1f1b or interleaved",
-    )
     _check(
         not (m.moe_capacity and mesh.sequence > 1),
         "model.moe_capacity with mesh.sequence > 1: capacity keeps each expert's first "
@@ -390,6 +384,20 @@ def _validate_pipeline(cfg: Config, build_schedule: bool = True) -> None:
         n % (p * v) == 0,
         f"model.n_layers ({n}) must be divisible by mesh.pipeline x parallel.virtual_stages "
         f"({p} x {v}): every stage holds the same number of layers",
+    )
+    every = cfg.model.moe_every if cfg.model.moe else 1
+    _check(
+        (n // every) % (p * v) == 0,
+        f"model.n_layers / model.moe_every ({n} / {every}) must be divisible by "
+        f"mesh.pipeline x parallel.virtual_stages ({p} x {v}): every stage holds whole "
+        "units of moe_every layers (the dense ones and their MoE layer)",
+    )
+    _check(
+        every == 1 or not schedule.SCHEDULES[par.pipeline_schedule].splits_backward,
+        f"model.moe_every={every} with parallel.pipeline_schedule={par.pipeline_schedule}: "
+        "zero bubble's weight step keeps one (input, cotangent) pair per weight of a layer, "
+        "not of a unit of dense and MoE layers; use afab, 1f1b or interleaved, or "
+        "model.moe_every=1",
     )
     _check(
         cfg.mesh.sequence == 1,

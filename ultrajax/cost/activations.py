@@ -10,7 +10,7 @@ import math
 import jax
 
 from ultrajax.config.schema import Config, ModelConfig
-from ultrajax.cost.sizes import dims, layer_weight_elements
+from ultrajax.cost.sizes import dims, layer_kinds, layer_weight_elements
 from ultrajax.model import grouped, llama, remat
 from ultrajax.model.attention import backends as attention_lib
 from ultrajax.model.attention import blocked, tiled
@@ -84,7 +84,20 @@ def _policy(m: ModelConfig) -> str:
 
 
 def saved_per_layer(cfg: Config) -> dict[str, float]:
-    """Bytes one layer keeps for the backward pass, by part, per device.
+    """Bytes one layer keeps for the backward pass, by part, per device: the mean over
+    the layers when dense and MoE layers interleave (sizes.layer_kinds)."""
+    kinds = layer_kinds(cfg)
+    if len(kinds) == 1:
+        return _saved_one(cfg)
+    out: dict[str, float] = {}
+    for n, kind in kinds:
+        for part, b in _saved_one(kind).items():
+            out[part] = out.get(part, 0.0) + n * b / cfg.model.n_layers
+    return out
+
+
+def _saved_one(cfg: Config) -> dict[str, float]:
+    """`saved_per_layer` for a model of one kind of layer.
 
     Derived from print_saved_residuals (tests/test_memory.py checks it exactly):
       no recompute:
@@ -262,8 +275,11 @@ def layer_work(
     and the attention's backward (scores, probabilities, their gradients and a
     transposed copy: `attn_s` copies of the fp32 scores). The larger is the working set.
     `share` scales everything but the attention's moment (the pipeline's tick keeps a
-    share of it: PIPE_WORK).
+    share of it: PIPE_WORK). Dense and MoE layers interleaved: the larger kind's.
     """
+    kinds = layer_kinds(cfg)
+    if len(kinds) > 1:
+        return max(layer_work(k, share, attn_s, platform) for _, k in kinds)
     pol, common, mlp = work_features(cfg)
     coef = WORK[pol]
     if prefetches(cfg):  # ZeRO-3's prefetch: its own backward loop (model/prefetch.py)
@@ -389,12 +405,29 @@ def pipeline_saved_per_layer(cfg: Config) -> dict[str, float]:
 
 def zero_bubble_pairs_per_layer(cfg: Config) -> float:
     """Bytes per layer zero bubble's input step keeps for its weight step: each weight's
-    (input, output cotangent) (weights.Deferred). The seven matmuls' in the compute
-    dtype: wq (X, Q), wk and wv (K; they share wq's input), wo (Q, X), w_gate (X, F),
-    w_up (F; w_gate's input), w_down (F, X); the two RMSNorm scales' (y, dy) in fp32 on
-    the residual stream."""
-    d = dims(cfg)
-    return d.c * (4 * d.X + 2 * d.Q + 2 * d.K + 3 * d.F) + 2 * 2 * 4 * d.X_res
+    (input, output cotangent) (model/ops.py Deferred), an input several weights read
+    kept once. The attention's matmuls in the compute dtype: wq (X, Q), wk and wv (K;
+    they share wq's input), wo (Q, X); the two RMSNorm scales' (y, dy) in fp32 on the
+    residual stream; then a dense MLP's w_gate (X, F), w_up (F; w_gate's input), w_down
+    (F, X), or an MoE layer's:
+      router, fp32: its input and logits (N·h, N·E); its bias takes no gradient, no pair;
+      experts, over the rows they multiply (R' = `expert_rows`, f = moe_d_ff / tensor):
+        moe_gate (R'·h, R'·f), moe_up (R'·f), moe_down (R'·f, R'·h), each with its
+        local experts' group sizes (fp32, E / mesh.expert);
+      shared experts: a dense SwiGLU's (N·h, unless that is the router's fp32 input;
+        3·N·f_s; N·h)."""
+    m, d = cfg.model, dims(cfg)
+    c = d.c
+    pairs = c * (2 * d.X + 2 * d.Q + 2 * d.K) + 2 * 2 * 4 * d.X_res
+    if not m.moe:
+        return pairs + c * (2 * d.X + 3 * d.F)
+    n, h = d.N, d.h
+    rows, f = expert_rows(cfg), m.expert_ff // cfg.mesh.tensor
+    pairs += 4 * (n * h + n * m.moe_experts)
+    pairs += c * rows * (2 * h + 3 * f) + 3 * 4 * (m.moe_experts // cfg.mesh.expert)
+    if m.moe_shared_experts:
+        pairs += c * (n * h * (c != 4) + 3 * n * m.moe_shared_experts * f + n * h)
+    return float(pairs)
 
 
 def pipeline_buffers(cfg: Config) -> dict[str, float]:

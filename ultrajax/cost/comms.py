@@ -161,7 +161,7 @@ def _expert_terms(cfg: Config) -> list[Term]:
         return []
     rows = t.micro_batch_size * (m.seq_len // cfg.mesh.sequence) * m.moe_top_k
     forwards = 1 if m.remat == "none" else 2
-    times = m.n_layers * t.grad_accum
+    times = m.n_layers // m.moe_every * t.grad_accum  # the MoE layers'
     c = units.dtype_bytes(m.dtype)
     again = ", forward again)" if forwards > 1 else ")"
     return [

@@ -40,8 +40,11 @@ def recompute_flops_per_token(m: ModelConfig) -> float:
     if m.remat == "none":
         return 0.0
     h, hd, a, akv, f = m.d_model, m.hd, m.n_heads, m.n_kv_heads, m.d_ff
-    if m.moe:  # gate and up of the experts a token visits and of the shared experts
-        f = (m.moe_top_k + m.moe_shared_experts) * m.expert_ff
+    if m.moe:  # gate and up of the experts a token visits and of the shared experts, in
+        # the MoE layers; the dense layers' own between them (model.moe_every)
+        moe = m.n_layers // m.moe_every
+        experts = (m.moe_top_k + m.moe_shared_experts) * m.expert_ff
+        f = (moe * experts + (m.n_layers - moe) * m.d_ff) / m.n_layers
     attention = attention_flops_per_token(m)
     if isinstance(m.remat, str):  # selective keeps SELECTIVE, offload moves it to the host
         kept = set() if m.remat == "full" else set(remat.SELECTIVE)
@@ -69,7 +72,8 @@ def grouped_flops_per_token(m: ModelConfig, platform: str | None = None) -> floa
     padding, under a block a group, is not counted)."""
     if not m.moe or grouped.implementation(m.moe_grouped, platform) == "blocked":
         return 0.0
-    return 18.0 * m.d_model * m.expert_ff * (m.moe_experts - m.moe_top_k) * m.n_layers
+    layers = m.n_layers // m.moe_every  # the MoE layers
+    return 18.0 * m.d_model * m.expert_ff * (m.moe_experts - m.moe_top_k) * layers
 
 
 def hardware_flops_per_token(m: ModelConfig, platform: str | None = None) -> float:

@@ -3,6 +3,7 @@ config and the rules table alone (nothing traced but shapes)."""
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -46,9 +47,27 @@ def param_elements(cfg: Config, kind: str = "stored", ignore=(), where=None) -> 
     )
 
 
+def layer_kinds(cfg: Config) -> tuple[tuple[int, Config], ...]:
+    """(how many, a config whose every layer is one of them) for each kind of layer: one
+    kind, unless model.moe_every interleaves dense layers with MoE ones (model/units.py):
+    then the dense ones as a dense model's layers, the MoE ones as an all-MoE model's.
+    Per-layer costs are their weighted sum; a layer's working set, the larger kind's."""
+    m = cfg.model
+    if not m.moe or m.moe_every == 1:
+        return ((m.n_layers, cfg),)
+    dense, sparse = copy.deepcopy(cfg), copy.deepcopy(cfg)
+    dense.model.moe_experts, dense.model.moe_every, sparse.model.moe_every = 0, 1, 1
+    moe = m.n_layers // m.moe_every
+    return ((m.n_layers - moe, dense), (moe, sparse))
+
+
 def layer_weight_elements(cfg: Config, ignore=(FSDP,)) -> dict[str, int]:
     """One layer's compute weights per device (as used: gathered over fsdp), by part of
-    the model (llama.ATTENTION, MLP, NORM)."""
+    the model (llama.ATTENTION, MLP, NORM); the largest kind's (`layer_kinds`)."""
+    kinds = layer_kinds(cfg)
+    if len(kinds) > 1:
+        each = [layer_weight_elements(k, ignore) for _, k in kinds]
+        return max(each, key=lambda d: sum(d.values()))
     m = cfg.model
     out = {p.part: 0 for p in llama.PARAMS if p.layered}
     for p in llama.params_of(m):

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from ultrajax.config.schema import ModelConfig
+from ultrajax.model import units
 from ultrajax.model.llama import block
 from ultrajax.model.stack import cast, embed, head
 
@@ -29,9 +30,21 @@ def forward_with_cache(cfg: ModelConfig, params, tokens, cache: dict, start):
     positions = start + jnp.broadcast_to(jnp.arange(t), (b, t))
     x = embed(cfg, params, tokens)
 
+    m = units.size(cfg)  # dense and MoE layers interleaved: a unit of m layers at a time
+
     def layer(x, inputs):
         p, ck, cv = inputs
-        return block(cast(p, dtype), x, positions, None, cfg=cfg, cache=(ck, cv, start))
+        ks, vs = [], []
+        for j, w in enumerate(units.layers(cfg, p)):
+            at = (ck, cv) if m == 1 else (ck[j], cv[j])
+            x, (k, v) = block(cast(w, dtype), x, positions, None, cfg=cfg, cache=(*at, start))
+            ks.append(k)
+            vs.append(v)
+        return x, (ks[0], vs[0]) if m == 1 else (jnp.stack(ks), jnp.stack(vs))
 
-    x, (k, v) = jax.lax.scan(layer, x, (params["layers"], cache["k"], cache["v"]))
+    stack = units.view(cfg, params["layers"])
+    ck, cv = (c.reshape(-1, m, *c.shape[1:]) if m > 1 else c for c in (cache["k"], cache["v"]))
+    x, (k, v) = jax.lax.scan(layer, x, (stack, ck, cv))
+    if m > 1:
+        k, v = (c.reshape(-1, *c.shape[2:]) for c in (k, v))
     return head(cfg, params, x), {"k": k, "v": v}

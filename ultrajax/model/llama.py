@@ -110,7 +110,7 @@ def block_stats(p, x, positions, segment_ids, *, cfg, tp=SINGLE, cp=LOCAL, ep=ON
     x = x + tp.exit(dense(o, p["wo"], "btnh,nhd->btd", fp8_operands=f8))  # row-parallel
 
     h = tp.enter(rms_norm(x, p["mlp_norm"], cfg.norm_eps))
-    if cfg.moe:
+    if "router" in p:  # an MoE layer (with model.moe_every > 1, every moe_every-th)
         out, stats = moe_mlp(p, h, cfg=cfg, ep=ep)
         x = x + tp.exit(checkpoint_name(out, remat.MLP_OUT))
         return (x if cache is None else (x, (k, v))), stats
@@ -135,8 +135,9 @@ def block_stats(p, x, positions, segment_ids, *, cfg, tp=SINGLE, cp=LOCAL, ep=ON
 ATTENTION, MLP, NORM, EMBEDDING, HEAD, ROUTER, EXPERTS = PARTS = (
     "attention", "mlp", "norm", "embedding", "head", "router", "experts"
 )  # fmt: skip
-# which configs have a parameter: every one, dense ones (the MLP), MoE ones (the router
-# and experts), MoE ones with shared experts
+# which configs (and layers) have a parameter: every one, dense ones (the MLP; the dense
+# layers of an MoE model with moe_every > 1), MoE ones (the router and experts), MoE ones
+# with shared experts
 ALWAYS, DENSE, MOE, SHARED, QK = "always", "dense", "moe", "shared", "qk"
 # the config keys the parameter shapes read (head_dim through `hd`): a checkpoint whose
 # keys differ cannot be restored into this config
@@ -151,9 +152,15 @@ SHAPE_KEYS = (
     "moe_experts",
     "moe_d_ff",
     "moe_shared_experts",
+    "moe_every",
     "qk_norm",
 )
 EMBED_STD = 0.02  # GPT-2's embedding initialisation
+
+
+def moe_layers(cfg: ModelConfig) -> int:
+    """How many layers are MoE layers: every moe_every-th (0 for a dense model)."""
+    return cfg.n_layers // cfg.moe_every if cfg.moe else 0
 
 
 def axis_sizes(cfg: ModelConfig) -> dict[str, int]:
@@ -204,14 +211,33 @@ class Param:
             return False
         return {
             ALWAYS: True,
-            DENSE: not cfg.moe,
+            DENSE: not cfg.moe or cfg.moe_every > 1,
             MOE: cfg.moe,
             SHARED: cfg.moe and cfg.moe_shared_experts > 0,
             QK: cfg.qk_norm,
         }[self.when]
 
+    def rows(self, cfg: ModelConfig) -> int:
+        """Its layers' count along the leading `layers` axis: every layer's attention and
+        norms, the dense layers' MLP, the MoE layers' router and experts (model.moe_every
+        interleaves them: model/units.py)."""
+        n, moe = cfg.n_layers, moe_layers(cfg)
+        return {DENSE: n - moe, MOE: moe, SHARED: moe}.get(self.when, n)
+
+    def row(self, cfg: ModelConfig, layer: int) -> int | None:
+        """Which row of its stack holds layer `layer`'s copy, or None (that layer has none)."""
+        every = cfg.moe_every if cfg.moe else 1
+        sparse = (layer + 1) % every == 0  # Qwen-MoE's decoder_sparse_step
+        if self.when == DENSE:
+            if not cfg.moe:
+                return layer
+            return None if sparse else layer - (layer + 1) // every
+        if self.when in (MOE, SHARED):
+            return layer // every if sparse else None
+        return layer
+
     def shape(self, cfg: ModelConfig) -> tuple[int, ...]:
-        sizes = axis_sizes(cfg)
+        sizes = dict(axis_sizes(cfg), layers=self.rows(cfg))
         return tuple(sizes[n] for n in self.names)
 
     def size(self, cfg: ModelConfig) -> int:
@@ -327,23 +353,23 @@ def logical_axes(cfg: ModelConfig) -> dict:
 def param_count(cfg: ModelConfig) -> int:
     """Closed form, derived in the README ("Parameter count"); tested against the model.
 
-    N = V·h·(1 if tied else 2) + L·(2h + h·hd·(2a + 2a_kv) + M) + h (+ 2·L·hd with
-    qk_norm), with the MLP
-    M = 3·h·d_ff dense, or with E experts of hidden size f and S shared ones
+    N = V·h·(1 if tied else 2) + L·(2h + h·hd·(2a + 2a_kv)) + L_d·3·h·d_ff + L_e·M + h
+    (+ 2·L·hd with qk_norm): L_e = L / moe_every MoE layers, L_d = L - L_e dense ones,
+    each MoE layer's MLP with E experts of hidden size f and S shared ones
     M = (h + 1)·E + 3·E·h·f + 3·h·S·f (router and its bias, experts, shared experts).
     """
     h, hd, a, akv = cfg.d_model, cfg.hd, cfg.n_heads, cfg.n_kv_heads
-    per_layer = 2 * h + h * hd * (2 * a + 2 * akv) + _mlp_params(cfg, cfg.moe_experts)
+    per_layer = 2 * h + h * hd * (2 * a + 2 * akv)
     per_layer += 2 * hd if cfg.qk_norm else 0
     heads = 1 if cfg.tie_embeddings else 2
-    return cfg.vocab_size * h * heads + cfg.n_layers * per_layer + h
+    moe = moe_layers(cfg)
+    mlp = (cfg.n_layers - moe) * 3 * h * cfg.d_ff + moe * _moe_params(cfg, cfg.moe_experts)
+    return cfg.vocab_size * h * heads + cfg.n_layers * per_layer + mlp + h
 
 
-def _mlp_params(cfg: ModelConfig, experts: float) -> float:
-    """One layer's MLP parameters, counting `experts` of the routed experts."""
+def _moe_params(cfg: ModelConfig, experts: float) -> float:
+    """One MoE layer's MLP parameters, counting `experts` of the routed experts."""
     h = cfg.d_model
-    if not cfg.moe:
-        return 3 * h * cfg.d_ff
     f, e, s = cfg.expert_ff, cfg.moe_experts, cfg.moe_shared_experts
     return (h + 1) * e + 3 * experts * h * f + 3 * h * s * f
 
@@ -353,8 +379,8 @@ def active_param_count(cfg: ModelConfig) -> int:
     experts counted moe_top_k times instead of moe_experts times (dense: param_count)."""
     if not cfg.moe:
         return param_count(cfg)
-    drop = _mlp_params(cfg, cfg.moe_experts) - _mlp_params(cfg, cfg.moe_top_k)
-    return int(param_count(cfg) - cfg.n_layers * drop)
+    drop = _moe_params(cfg, cfg.moe_experts) - _moe_params(cfg, cfg.moe_top_k)
+    return int(param_count(cfg) - moe_layers(cfg) * drop)
 
 
 def matmul_param_count(cfg: ModelConfig) -> float:

@@ -158,11 +158,11 @@ def moe_mlp(p, h, *, cfg: ModelConfig, ep):
 
 
 def zero_stats(cfg: ModelConfig, axes=()) -> dict:
-    """Zeros shaped like a micro-batch's statistics of every layer ({} for a dense model),
+    """Zeros shaped like a micro-batch's statistics of every MoE layer ({} for a dense model),
     typed as varying over `axes`: the running sum's start."""
     if not cfg.moe:
         return {}
-    n, e = cfg.n_layers, cfg.moe_experts
+    n, e = cfg.n_layers // cfg.moe_every, cfg.moe_experts
     shapes = {"load": (n, e), "dropped": (n,), "aux": (n,), "z": (n,)}
     return {k: zeros(s, jnp.float32, axes) for k, s in shapes.items()}
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
-from ultrajax.kernels.varying import vary, vma, zeros
+from ultrajax.kernels.varying import vma, zeros
 from ultrajax.model import fp8, grouped
 
 
@@ -64,24 +64,38 @@ class Deferred:
     out (input, cotangent) as the cotangent of its `acc` (a pair of zeros shaped like
     them) instead of the weight gradient; `weight_gradient` turns the pair into the same
     gradient the ordinary rule computes. A first trace with `acc=None` records the op
-    and the pair's shapes (`seen`), so the zeros can be made."""
+    and the pair's shapes (`seen`), so the zeros can be made.
+
+    A grouped matmul's (the experts', `ragged_dense`) pair has a third member, its group
+    sizes, carried in fp32 (exact below 2^24 rows): an integer cotangent would be float0,
+    no values. A weight the layer never multiplies by (the router's bias, read for the
+    choice only) records nothing: its pair is () and its gradient zero."""
 
     def __init__(self):
-        self.seen = None  # (op: an einsum equation or "scale", input struct, output struct)
+        # (op: an einsum equation, "scale" or ("ragged", impl, groups), then the structs
+        # of the pair's members: input, output, [group sizes])
+        self.seen = None
         self.source = None  # which input (wq, wk and wv read the same one): kept once
 
     def zeros(self):
         """The pair of zeros to pass as the weight's `acc` (types included)."""
-        _, x, out = self.seen
-        return tuple(zeros(s.shape, s.dtype, axes) for s, axes in (x, out))
+        if self.seen is None:
+            return ()
+        return tuple(zeros(s.shape, s.dtype, axes) for s, axes in self.seen[1:])
 
     def weight_gradient(self, pair, red: Reduce):
         """The weight's gradient from its (input, cotangent): the ordinary rule's math."""
-        x, g = pair
         red = dataclasses.replace(red, defer=None)
+        if self.seen is None:  # not multiplied by: the gradient autodiff would give
+            return zeros(red.shape, jnp.float32, red.varying)
+        x, g, *sizes = pair
         op = self.seen[0]
         if op == "scale":
             return finish(_scale_dw(x, g), None, red)
+        if op[0] == "ragged":
+            _, impl, groups = op
+            shape = (groups, x.shape[-1], g.shape[-1])
+            return finish(_ragged_dw(x, g, sizes[0].astype(jnp.int32), shape, red, impl), None, red)
         return finish(dense_dw(op, x, g, red), None, red)
 
 
@@ -381,18 +395,19 @@ def _ragged(x, value, sizes, sink, acc, red, impl):
 
 
 def _ragged_fwd(x, value, sizes, sink, acc, red, impl):
-    return _ragged(x, value, sizes, sink, acc, red, impl), (x, value, sizes, acc)
+    keep = None if red.defer is not None else acc  # deferred: acc is only the pair's zeros
+    return _ragged(x, value, sizes, sink, acc, red, impl), (x, value, sizes, keep)
 
 
-def _ragged_dw(x, g, sizes, value, red, impl):
-    """Each group's x^T g, (groups, k, n): the transpose of the grouped matmul in its
-    weight, local like the other rules' (ragged: the weight typed as varying like x and
-    g, as JAX would otherwise sum the transpose over the axes they vary over, and
+def _ragged_dw(x, g, sizes, shape, red, impl):
+    """Each group's x^T g, `shape` (groups, k, n): the transpose of the grouped matmul in
+    its weight, local like the other rules' (ragged: the weight typed as varying like x
+    and g, as JAX would otherwise sum the transpose over the axes they vary over, and
     `finish` again)."""
     dt = jnp.dtype(red.dtype)
     if impl == "blocked":
-        return grouped.weight_gradient(x.astype(dt), g.astype(dt), sizes, value.shape[0], dtype=dt)
-    w = vary(value.astype(dt), tuple(sorted(vma(x) | vma(g))))
+        return grouped.weight_gradient(x.astype(dt), g.astype(dt), sizes, shape[0], dtype=dt)
+    w = zeros(shape, dt, vma(x) | vma(g))  # the transpose is linear: any w will do
     _, back = jax.vjp(lambda w: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=dt), w)
     return back(g.astype(dt))[0]
 
@@ -401,7 +416,9 @@ def _ragged_bwd(red, impl, res, g):
     x, value, sizes, acc = res
     g = g.astype(x.dtype)
     dx = _grouped(impl, g, jnp.swapaxes(value, 1, 2), sizes, x.dtype)
-    dw = finish(_ragged_dw(x, g, sizes, value, red, impl), acc, red)
+    if red.defer is not None:  # zero bubble: the pair for the weight step, sizes in fp32
+        return dx, None, None, None, (x, g, sizes.astype(jnp.float32))
+    dw = finish(_ragged_dw(x, g, sizes, value.shape, red, impl), acc, red)
     return dx, None, None, dw, None
 
 
@@ -415,5 +432,11 @@ def ragged_dense(x, w, sizes, impl: str = "ragged"):
     "ragged" (jax's ragged_dot) or "blocked" (model/grouped.py), model.moe_grouped
     resolved (`grouped.implementation`)."""
     if isinstance(w, Weight):
-        return _ragged(x, w.value.astype(x.dtype), sizes, w.sink, w.acc, w.reduce, impl)
+        out = _ragged(x, w.value.astype(x.dtype), sizes, w.sink, w.acc, w.reduce, impl)
+        if w.reduce.defer is not None and w.acc is None:  # the shape trace
+            sizes32 = sizes.astype(jnp.float32)
+            op = ("ragged", impl, w.shape[0])
+            w.reduce.defer.seen = (op, _struct(x), _struct(out), _struct(sizes32))
+            w.reduce.defer.source = id(x)
+        return out
     return _grouped(impl, x, w.astype(x.dtype), sizes, x.dtype)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from ultrajax.config.schema import ModelConfig
-from ultrajax.model import prefetch
+from ultrajax.model import prefetch, units
 from ultrajax.model.boundaries import (
     LOCAL,
     ONE_DEVICE,
@@ -50,8 +50,9 @@ def layers(
     gathered_over: str | None = None,
 ):
     """Apply every layer of `stack` (any slice of the stacked layers: a pipeline stage
-    is one) to the residual stream, with one `lax.scan`: (the stream, each layer's MoE
-    statistics stacked along a leading layer axis, {} for a dense model).
+    is one) to the residual stream, with one `lax.scan`: (the stream, each MoE layer's
+    statistics stacked along a leading layer axis, {} for a dense model). Interleaved
+    dense and MoE layers are scanned a unit at a time (model/units.py).
 
     `prepare(p) -> p`, if given, turns one layer's slice of `stack` (any pytree with a
     leading layer axis) into the weights `block` reads, inside the scan: the step uses
@@ -68,6 +69,8 @@ def layers(
     policy = remat_policy(cfg.remat)
     if policy is None and gathered_over is not None:
         policy = all_but_gathered_weights(gathered_over)
+    if units.size(cfg) > 1:  # dense and MoE layers interleaved: scan units of them
+        return units.scan(cfg, apply, prepare, x, stack, (positions, segment_ids), policy)
     if isinstance(prepare, Prefetch):  # ZeRO-3 (parallel/zero.py `prefetches`)
         return prefetch.layers(apply, prepare, x, stack, (positions, segment_ids), policy)
 

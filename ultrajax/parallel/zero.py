@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import jax
 
+from ultrajax.model import units
 from ultrajax.model.prefetch import MIN_LAYERS
 from ultrajax.parallel.axes import FSDP
 
@@ -69,12 +70,13 @@ class Zero:
 
 def prefetches(cfg) -> bool:
     """Whether the layer scan gathers each layer one iteration ahead (model/prefetch.py):
-    ZeRO-3 on a wider-than-one fsdp axis, parallel.prefetch, and a layer to fetch ahead.
+    ZeRO-3 on a wider-than-one fsdp axis, parallel.prefetch, and a layer (a unit of dense
+    and MoE layers: model/units.py) to fetch ahead.
     The step, the memory model and the planner ask here."""
     z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
     return (
         z.shards_params
         and bool(z.active)
         and cfg.parallel.prefetch
-        and (cfg.model.n_layers >= MIN_LAYERS)
+        and (units.count(cfg.model) >= MIN_LAYERS)
     )

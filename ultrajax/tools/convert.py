@@ -121,11 +121,14 @@ def _split(m: ModelConfig) -> tuple[list[llama.Param], list[llama.Param]]:
 
 
 def _hf_slices(p: llama.Param, m: ModelConfig, i: int):
-    """(HF name, index into our stacked array) of layer i's tensors of `p`."""
-    name = hf_name(p, m)
+    """(HF name, index into our stacked array) of layer i's tensors of `p`: none where
+    layer i has no copy of it (the MLP of an MoE layer, the experts of a dense one)."""
+    name, row = hf_name(p, m), p.row(m, i)
+    if row is None:
+        return []
     if _stacked(p, m) == 2:
-        return [(name.format(i=i, e=e), (i, e)) for e in range(m.moe_experts)]
-    return [(name.format(i=i), i)]
+        return [(name.format(i=i, e=e), (row, e)) for e in range(m.moe_experts)]
+    return [(name.format(i=i), row)]
 
 
 def hf_names(m: ModelConfig) -> dict[str, tuple]:

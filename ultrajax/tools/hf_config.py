@@ -124,13 +124,16 @@ def _moe_from_hf(hf: dict, where: str, need) -> dict:
     which we do not implement: refused."""
     window, context = hf.get("sliding_window"), hf.get("max_position_embeddings") or 2048
     if hf.get("model_type") == "qwen3_moe":
-        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+        step, layers = hf.get("decoder_sparse_step", 1), need("num_hidden_layers")
+        if hf.get("mlp_only_layers") or not isinstance(step, int) or step < 1 or layers % step:
             raise ConfigError(
-                f"{where}: dense layers between the MoE layers (decoder_sparse_step="
-                f"{hf.get('decoder_sparse_step', 1)}, mlp_only_layers={hf.get('mlp_only_layers')})"
-                " are not supported yet (model.moe_every=1 only)"
+                f"{where}: decoder_sparse_step={step} with num_hidden_layers={layers} and "
+                f"mlp_only_layers={hf.get('mlp_only_layers')}: only every step-th layer an "
+                "MoE layer, the step dividing the layers and no mlp_only_layers, is supported "
+                "(model.moe_every)"
             )
         return dict(
+            moe_every=step,
             # transformers 5 writes num_local_experts; the published configs num_experts
             moe_experts=hf.get("num_experts") or need("num_local_experts"),
             moe_top_k=need("num_experts_per_tok"),
@@ -244,7 +247,7 @@ def hf_config(m: ModelConfig, dtype: str, tokenizer=None) -> dict:
             num_experts_per_tok=m.moe_top_k,
             moe_intermediate_size=m.expert_ff,
             norm_topk_prob=m.moe_norm_topk,
-            decoder_sparse_step=1,
+            decoder_sparse_step=m.moe_every,
             mlp_only_layers=[],
             router_aux_loss_coef=m.moe_aux_coef,
             output_router_logits=False,
@@ -277,13 +280,14 @@ def check_expressible(m: ModelConfig) -> None:
         "moe_shared_experts": m.moe_shared_experts != 0,
         "moe_router": m.moe_router != "softmax",
         "moe_norm_topk": not m.moe_norm_topk and not qwen,
-        "moe_every": m.moe_every != 1,
+        "moe_every": m.moe_every != 1 and not qwen,
     }
     bad = [f"model.{k}={getattr(m, k)}" for k, off in apart.items() if off]
     if bad:
         name = ARCHITECTURES[family(m)]
         raise ConfigError(
             f"{', '.join(bad)}: a {name} checkpoint cannot hold this MoE model (softmax "
-            f"router, top-k{'' if qwen else ' renormalised'}, no shared experts; the "
+            f"router, top-k{'' if qwen else ' renormalised'}, no shared experts"
+            f"{'' if qwen else ', every layer an MoE layer'}; the "
             f"default moe_router is {default.moe_router})"
         )

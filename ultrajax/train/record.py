@@ -101,15 +101,17 @@ def step_record(
 def moe_record(stats: dict) -> dict:
     """An MoE step's statistics (model/moe.py; loads and drops summed over its
     micro-batches and ranks, the losses their mean over micro-batches) as metrics: each
-    layer's expert load max/mean (1: balanced), the share of the assignments dropped
+    MoE layer's expert load max/mean (1: balanced), the share of the assignments dropped
     (capacity mode), and the balance losses (mean over layers)."""
-    load = np.asarray(stats["load"], np.float64)  # (layers, experts)
+    load = np.asarray(stats["load"], np.float64)  # (MoE layers, experts)
     assigned = np.maximum(load.sum(-1), 1.0)
     imbalance = load.max(-1) / np.maximum(load.mean(-1), 1e-9)
     dropped = np.asarray(stats["dropped"], np.float64) / assigned
+    # named by their index among all the layers (model.moe_every interleaves dense ones)
+    names = [f"layer{int(i)}" for i in stats.get("layer", range(len(load)))]
     return {
-        "moe_load_max_mean": {f"layer{i}": float(v) for i, v in enumerate(imbalance)},
-        "moe_dropped": {f"layer{i}": float(v) for i, v in enumerate(dropped)},
+        "moe_load_max_mean": dict(zip(names, imbalance.tolist(), strict=True)),
+        "moe_dropped": dict(zip(names, dropped.tolist(), strict=True)),
         "moe_aux": float(np.mean(stats["aux"])),
         "moe_z": float(np.mean(stats["z"])),
     }

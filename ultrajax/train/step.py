@@ -129,6 +129,8 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
         if stats:  # the losses as their mean over the micro-batches
             m = jax.tree.leaves(batch)[0].shape[0]
             metrics["moe"] = dict(stats, aux=stats["aux"] / m, z=stats["z"] / m)
+            every = cfg.model.moe_every  # each MoE layer's index in the model, for the record
+            metrics["moe"]["layer"] = jnp.arange(every - 1, cfg.model.n_layers, every)
         return new, metrics
 
     return train_step

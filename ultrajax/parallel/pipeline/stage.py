@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from ultrajax.config.schema import Config, ModelConfig
 from ultrajax.kernels.varying import vma, zeros
+from ultrajax.model import units
 from ultrajax.model.llama import block_stats
 from ultrajax.model.loss import head_nll
 from ultrajax.model.ops import Deferred, Reduce, Weight
@@ -75,11 +76,26 @@ class Layer:
     red: Reduce
     sinks: dict  # Sinks.layers
     deferred: dict | None  # zero bubble: per weight, its Deferred
+    policy: object = None  # remat, per layer of a unit (model/units.py; else on the whole)
 
     def __call__(self, given, diff, x):
-        """(the block's output, its MoE statistics: {} for a dense layer)."""
+        """(the block's output, its MoE statistics: {} for a dense layer). Interleaved
+        dense and MoE layers: a unit of them (model/units.py), each layer in turn."""
         w, pos, seg = given
-        return block_stats(self.weights(w, diff), x, pos, seg, cfg=self.m, tp=self.tp, ep=self.ep)
+        m = self.m
+
+        def layer(ws, x):
+            return block_stats(ws, x, pos, seg, cfg=m, tp=self.tp, ep=self.ep)
+
+        if units.size(m) == 1:
+            return layer(self.weights(w, diff), x)
+
+        def pick(wd, j):
+            return units.layers(m, wd[0])[j], units.layers(m, wd[1])[j]
+
+        # each layer of the unit under its own checkpoint (Stage.make), its slices inside
+        fns = units.checkpointed(m, lambda wd, x: layer(self.weights(*wd), x), self.policy, pick)
+        return units.run(fns, (w, diff), x)
 
     def weights(self, w: dict, diff: dict) -> dict:
         """The layer's weights as the block reads them, each with its sink (and pair)."""
@@ -99,6 +115,12 @@ class Layer:
         return {k: self.deferred[k].zeros() for k in self.sinks}
 
 
+def _keep_input(pair: tuple, own: bool) -> tuple:
+    """A weight's pair as kept for W: its input only if it is the first reader (`own`);
+    the rest (the cotangent, a grouped matmul's sizes) always; () for a weight without one."""
+    return (pair[0] if own else None, *pair[1:]) if pair else pair
+
+
 def _shares(deferred: dict | None) -> dict:
     """Weights that read the same input (wq, wk, wv; w_gate, w_up) keep it once, with the
     first of them: W reads it from there."""
@@ -113,6 +135,7 @@ class Stage:
     """This device's chunks, run forwards, backwards and (zero bubble) for the weights."""
 
     dev: Device
+    chunks: dict  # the device's chunks as (v, units per chunk, ...): model/units.py
     sinks: Sinks
     layer: Layer
     fn: Callable  # the layer under jax.checkpoint where model.remat asks for it
@@ -120,7 +143,7 @@ class Stage:
     shares: dict  # zero bubble: weight -> the weight whose kept input it reads
     red: Reduce
     scale: jax.Array  # the loss's factor: one over the step's target count
-    n_per: int  # layers per chunk
+    n_per: int  # units (layers, unless dense and MoE layers interleave) per chunk
     unroll: int
 
     @classmethod
@@ -128,21 +151,26 @@ class Stage:
         """The sinks, the layer, and one abstract trace of it for the residuals' types."""
         m = cfg.model
         red = Reduce(cfg.parallel.grad_reduce_dtype)
-        per_layer = jax.tree.map(lambda a: a[0, 0], dev.chunks)
+        chunks = units.view(m, dev.chunks, axis=1)  # (v, units per chunk, ...)
+        per_layer = jax.tree.map(lambda a: a[0, 0], chunks)
         sinks = Sinks.make(m, layout, dev.cparams, per_layer)
         split_backward = schedules.SCHEDULES[kind].splits_backward
         deferred = {k: Deferred() for k in per_layer} if split_backward else None
-        layer = Layer(m, dev.tp, layout.ep, red, sinks.layers, deferred)
         policy = remat_policy(m.remat)
-        fn = layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=False)
+        inner = policy if units.size(m) > 1 else None  # a unit checkpoints each of its layers
+        layer = Layer(m, dev.tp, layout.ep, red, sinks.layers, deferred, inner)
+        fn = layer
+        if policy is not None and inner is None:
+            fn = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         mb0, seg0 = dev.micro(0)
         given0, x_probe = (per_layer, mb0.positions, seg0), dev.stream.zeros()
         if split_backward:  # a shape trace records each weight's (input, cotangent) pair
             jax.eval_shape(lambda: layer(given0, {k: None for k in per_layer}, x_probe))
         split = residuals.probe(fn, given0, layer.diff(), x_probe)
-        n_per = jax.tree.leaves(dev.chunks)[0].shape[1]
+        n_per = jax.tree.leaves(chunks)[0].shape[1]
         unroll = layers_per_iteration(m.scan_unroll, n_per, recomputes=policy is not None)
-        return cls(dev, sinks, layer, fn, split, _shares(deferred), red, scale, n_per, unroll)
+        shares = _shares(deferred)
+        return cls(dev, chunks, sinks, layer, fn, split, shares, red, scale, n_per, unroll)
 
     @property
     def splits_backward(self) -> bool:
@@ -150,7 +178,7 @@ class Stage:
 
     def chunk(self, j) -> dict:
         """Chunk j's layer weights (a static slice when the device holds one chunk)."""
-        chunks = self.dev.chunks
+        chunks = self.chunks
         if self.dev.n_chunks == 1:
             return jax.tree.map(lambda a: a[0], chunks)
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, False), chunks)
@@ -175,7 +203,7 @@ class Stage:
             given = (w, mb.positions, seg)
             out, dx = residuals.backward(self.split, given, self.layer.diff(), r, g)
             if self.splits_backward:  # an input read by several weights is kept once
-                out = {k: (x if shares[k] == k else None, gk) for k, (x, gk) in out.items()}
+                out = {k: _keep_input(pair, shares[k] == k) for k, pair in out.items()}
             return self.dev.stream.vary(dx), out
 
         return jax.lax.scan(body, g, (self.chunk(j), res), reverse=True, unroll=self.unroll)
@@ -189,7 +217,7 @@ class Stage:
         }
 
         def body(_, pair):
-            pair = {k: (pair[shares[k]][0], g) for k, (_, g) in pair.items()}
+            pair = {k: (pair[shares[k]][0], *p[1:]) if p else p for k, p in pair.items()}
             return None, {k: deferred[k].weight_gradient(pair[k], reduce_[k]) for k in pair}
 
         return jax.lax.scan(body, None, pairs, unroll=self.unroll)[1]

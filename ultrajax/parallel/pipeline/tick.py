@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ultrajax.kernels.varying import like, vary, vma, zeros
+from ultrajax.model import units
 from ultrajax.model.loss import head_nll
 from ultrajax.model.stack import final_norm, head_params, layers
 from ultrajax.parallel.pipeline.buffers import add, buffer, read, when, write
@@ -67,13 +68,14 @@ def initial_state(stage: Stage, slots: dict) -> dict:
 
 def _pair_buffers(stage: Stage, n_slots: int) -> dict:
     """Zero bubble: each layer's (input, cotangent) pairs, kept from the input step to W
-    (an input several weights read is kept once, with the first of them)."""
+    (an input several weights read is kept once, with the first of them; a grouped
+    matmul's pair has its group sizes as well, a weight no matmul reads has none)."""
     return {
         k: tuple(
             None
             if (n == 0 and stage.shares[k] != k)
             else buffer(a, ax | {AXIS}, (n_slots, stage.n_per))
-            for n, (a, ax) in enumerate(dk.seen[1:])
+            for n, (a, ax) in enumerate(dk.seen[1:] if dk.seen else ())
         )
         for k, dk in stage.layer.deferred.items()
     }
@@ -85,7 +87,8 @@ def gradients(stage: Stage, state: dict) -> dict:
     grads = {k: state["head"][k] for k in head_params(m)}
     if not m.tie_embeddings:
         grads["embed"] = state["embed"]
-    grads["layers"] = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), state["layers"])
+    layers = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), state["layers"])
+    grads["layers"] = units.merge(m, layers)  # units (model/units.py) back to layers
     return grads
 
 
