@@ -71,7 +71,9 @@ def init_state(cfg, tx, shardings, seed: int = 0):
     Initialised once per model and optimizer, on one device, and placed: the values do
     not depend on the layout (JAX's partitionable random bits), and a sharded
     initialisation is a compile per layout (~3 s each, most of a small layout test)."""
-    key = (repr(cfg.model), repr(cfg.optim), seed)
+    # DiLoCo's state holds a replica per data rank (parallel/diloco.py)
+    replicas = cfg.mesh.data if cfg.parallel.diloco_steps else 0
+    key = (repr(cfg.model), repr(cfg.optim), seed, replicas)
     if key not in _HOST_STATES:
         k = jax.random.key(seed)
         init = jax.jit(lambda k: step_lib.init_state(cfg, tx, k)).lower(k).compile(FAST)

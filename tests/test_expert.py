@@ -46,16 +46,21 @@ def test_moe_layouts_match_single_device(name, mode):
     tp.assert_same_training(tp.run(name, mode, *MOE), tp.run(None, "explicit", *MOE))
 
 
+# a dense layer before each MoE layer, 2 units, selective recomputation (model/units.py)
+EVERY = ("model.n_layers=4", "model.moe_every=2", "model.remat=selective")
+
+
 def test_blocked_grouped_matmuls_train_as_one_device():
     """model.moe_grouped=blocked (a CPU's default, model/grouped.py) under expert, tensor
     (+ SP) and ZeRO-3 parallelism: its weight gradients leave their backward rule typed
     and reduced like ragged_dot's, and the training is one device's with the same
     matmuls as ragged_dot's (the reference the other layouts share: the two differ in
     fp32 summation order only). (Also run by hand: data=2 x expert=4 explicit,
-    expert=4 x tensor=2 + SP under gspmd.)"""
+    expert=4 x tensor=2 + SP under gspmd.) The model of the test below: it shares its
+    reference."""
     blocked = (*MOE[:-1], "model.moe_grouped=blocked")
-    got = tp.run("expert2-fsdp2-tp2-zero3-sp", "explicit", *blocked)
-    tp.assert_same_training(got, tp.run(None, "explicit", *MOE))
+    got = tp.run("expert2-fsdp2-tp2-zero3-sp", "explicit", *blocked, *EVERY)
+    tp.assert_same_training(got, tp.run(None, "explicit", *MOE, *EVERY))
 
 
 def test_dense_layers_between_moe_layers_train_as_one_device():
@@ -64,9 +69,8 @@ def test_dense_layers_between_moe_layers_train_as_one_device():
     parallelism splits the dense MLP and the experts alike, and each MoE layer's
     statistics are its own (4 layers: 2 units, so the prefetch has one to fetch ahead;
     selective recomputation: each layer of a unit under its own checkpoint)."""
-    every = (*MOE, "model.n_layers=4", "model.moe_every=2", "model.remat=selective")
-    got = tp.run("expert2-fsdp2-tp2-zero3-sp", "explicit", *every)
-    tp.assert_same_training(got, tp.run(None, "explicit", *every))
+    got = tp.run("expert2-fsdp2-tp2-zero3-sp", "explicit", *MOE, *EVERY)
+    tp.assert_same_training(got, tp.run(None, "explicit", *MOE, *EVERY))
     assert got[2]["layers"]["w_gate"].shape[0] == got[2]["layers"]["router"].shape[0] == 2
 
 

@@ -20,7 +20,6 @@ MOE = (
 )  # fmt: skip
 CASES = {
     "p2-interleaved-v2": pp(2, "interleaved", v=2),  # 2 chunks on each of 2 stages
-    "p2-expert2-data2-1f1b": pp(2, "1f1b", ("mesh.expert", 2), ("mesh.data", 2)),
     "p2-expert2-fsdp2-zero1-afab-gspmd": pp(
         2, "afab", ("mesh.expert", 2), ("mesh.fsdp", 2), ("parallel.zero", 1), collectives="gspmd"
     ),
@@ -30,8 +29,9 @@ CASES = {
     # the blocks (a CPU's default), against the same ragged reference: fp32 summation
     # order is their only difference (tests/test_expert.py)
     "p2-data2-zb-h1-blocked": pp(2, "zb-h1", ("mesh.data", 2)),
-    # a dense layer before each MoE layer (model.moe_every=2): each stage one unit of the
-    # two (model/units.py), each layer recomputed on its own; its own one-device reference
+    # 1F1B beside expert and data parallelism, with a dense layer before each MoE layer
+    # (model.moe_every=2): each stage one unit of the two (model/units.py), each layer
+    # recomputed on its own; its own one-device reference
     "p2-expert2-data2-1f1b-every2": pp(2, "1f1b", ("mesh.expert", 2), ("mesh.data", 2)),
 }
 

@@ -251,16 +251,20 @@ def test_interleaved_dense_and_moe_layers_are_the_layers_one_by_one():
     assert params["layers"]["w_up"].shape[0] == 4 and params["layers"]["router"].shape[0] == 2
     tokens = jax.random.randint(jax.random.key(4), (2, 12), 0, cfg.vocab_size)
     got = jax.jit(functools.partial(stack.forward, cfg))(params, tokens)
-    x = stack.embed(cfg, params, tokens)
-    positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
     kinds = []
-    for i in range(cfg.n_layers):
-        rows = {p.key: p.row(cfg, i) for p in llama.params_of(cfg) if p.layered}
-        w = {k: params["layers"][k][r] for k, r in rows.items() if r is not None}
-        kinds.append("router" in w)
-        x = llama.block(w, x, positions, None, cfg=cfg)
+
+    def one_by_one(params, tokens):
+        x = stack.embed(cfg, params, tokens)
+        positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+        for i in range(cfg.n_layers):
+            rows = {p.key: p.row(cfg, i) for p in llama.params_of(cfg) if p.layered}
+            w = {k: params["layers"][k][r] for k, r in rows.items() if r is not None}
+            kinds.append("router" in w)
+            x = llama.block(w, x, positions, None, cfg=cfg)
+        return stack.head(cfg, params, x)
+
+    np.testing.assert_allclose(got, jax.jit(one_by_one)(params, tokens), atol=1e-5)
     assert kinds == [False, False, True] * 2
-    np.testing.assert_allclose(got, stack.head(cfg, params, x), atol=1e-5)
 
 
 MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_d_ff=32", "model.moe_z_coef=0.001")

@@ -173,7 +173,8 @@ HOW = ("attention", "attention_blocks", "remat", "loss_chunk", "scan_unroll", "m
 
 
 def run_identity(cfg: Config) -> str:
-    """Six hex digits naming what a run is: the model, the data, the optimizer, the seed.
+    """Six hex digits naming what a run is: the model, the data, the optimizer, the seed
+    (and DiLoCo's settings, which change what is trained).
 
     Not the layout, the batch split, train.steps or logging: those may change on resume
     (a checkpoint restores onto any layout; more steps are asked for on purpose). Nor how
@@ -191,6 +192,12 @@ def run_identity(cfg: Config) -> str:
         tree["model"].pop("qk_norm")
     if cfg.model.fp8 == "none":
         tree["model"].pop("fp8")
+    if cfg.optim.name == "adamw":
+        tree["optim"].pop("name")
+    par = cfg.parallel
+    if par.diloco_steps:  # DiLoCo trains another way: its replicas (mesh.data) and outer step
+        keys = ("diloco_steps", "diloco_outer_lr", "diloco_outer_momentum", "diloco_dtype")
+        tree["diloco"] = {k: getattr(par, k) for k in keys} | {"replicas": cfg.mesh.data}
     tree["seed"] = cfg.train.seed
     tree["optim"].pop("schedule_steps")  # checked on resume, like train.steps
     tree["data"].pop("prefetch")  # how far ahead batches are made, not which

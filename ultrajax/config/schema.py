@@ -139,6 +139,8 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
+    # adamw; sgd: plain SGD, no momentum (weight decay and clipping as adamw's)
+    name: Literal["adamw", "sgd"] = "adamw"
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 30
@@ -201,6 +203,14 @@ class ParallelConfig:
     all_reduce_bucket_mib: int = 64
     all_gather_bucket_mib: int = 64
     reduce_scatter_bucket_mib: int = 64
+    # DiLoCo over mesh.data (parallel/diloco.py, docs/diloco.md): each data rank a replica
+    # that trains H inner steps alone, then an outer Nesterov step on the averaged
+    # pseudo-gradient; 0: off (plain data parallelism)
+    diloco_steps: int = 0
+    diloco_outer_lr: float = 0.7
+    diloco_outer_momentum: float = 0.9
+    # the pseudo-gradients' dtype over `data` (their mean is taken in it)
+    diloco_dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 @dataclass

@@ -275,6 +275,7 @@ def validate_layout(cfg: Config, *, build_schedule: bool = True) -> None:
     )
     _validate_pipeline(cfg, build_schedule)
     _validate_ramp(cfg)
+    _validate_diloco(cfg)
 
 
 def _validate_expert_layout(cfg: Config) -> None:
@@ -318,6 +319,50 @@ def auto_loss_chunk(cfg: Config) -> int:
                 return c
             smallest = c
     return smallest
+
+
+def _validate_diloco(cfg: Config) -> None:
+    """DiLoCo (parallel/diloco.py): replicas over `data`, what runs with them so far."""
+    par = cfg.parallel
+    _check(
+        par.diloco_steps >= 0,
+        f"parallel.diloco_steps must be >= 0 (0: off), got {par.diloco_steps}",
+    )
+    if not par.diloco_steps:
+        return
+    _check(
+        cfg.mesh.data != 1,
+        "parallel.diloco_steps needs mesh.data > 1: DiLoCo's replicas are the ranks of "
+        "`data` (the axis across hosts or sites); split the devices with mesh.data=N",
+    )
+    _check(
+        par.diloco_outer_lr > 0,
+        f"parallel.diloco_outer_lr must be positive, got {par.diloco_outer_lr}",
+    )
+    _check(
+        0 <= par.diloco_outer_momentum < 1,
+        f"parallel.diloco_outer_momentum must be in [0, 1), got {par.diloco_outer_momentum}",
+    )
+    _check(
+        par.collectives == "explicit",
+        "parallel.diloco_steps with parallel.collectives=gspmd: DiLoCo runs in the explicit "
+        "step only (each rank reads its own replica inside it); use parallel.collectives=explicit",
+    )
+    _check(
+        cfg.mesh.pipeline == 1,
+        "parallel.diloco_steps with mesh.pipeline > 1: not supported yet; use mesh.pipeline=1",
+    )
+    _check(
+        not cfg.train.batch_schedule,
+        "parallel.diloco_steps with train.batch_schedule: a batch ramp would change the "
+        "replicas' batch between synchronisations; not supported, drop one of them",
+    )
+    _check(
+        not cfg.train.noise_every,
+        "parallel.diloco_steps with train.noise_every: the noise scale compares the step's "
+        "gradient with its micro-batches', and a DiLoCo step has one per replica; set "
+        "train.noise_every=0",
+    )
 
 
 def _validate_ramp(cfg: Config) -> None:

@@ -82,16 +82,33 @@ def expected(cfg: Config, split_vocab: bool = True) -> list[Term]:
         terms = _pipeline_terms(cfg, grads, psi, split_vocab)
     else:
         terms = _data_terms(cfg, grads, psi)
-    return terms + _context_terms(cfg) + _tensor_terms(cfg) + _expert_terms(cfg)
+    return (
+        terms + _context_terms(cfg) + _tensor_terms(cfg) + _expert_terms(cfg) + _diloco_terms(cfg)
+    )
+
+
+def _diloco_terms(cfg: Config) -> list[Term]:
+    """DiLoCo (parallel/diloco.py): the pseudo-gradients of this device's stored shard of
+    the parameters all-reduced over `data` in parallel.diloco_dtype, once every H steps
+    (per step: 1/H of it); nothing else crosses `data`."""
+    h, n = cfg.parallel.diloco_steps, cfg.mesh.data
+    if not h or n == 1:
+        return []
+    nbytes = units.dtype_bytes(cfg.parallel.diloco_dtype) * sizes.param_elements(cfg)
+    return [
+        Term("all-reduce", f"pseudo-gradients over data (DiLoCo, once every {h} steps)",
+             "2Ψ(N-1)/N / H", _ring(nbytes, n, 2.0) / h, "data", "exposed")
+    ]  # fmt: skip
 
 
 def _data_axes(cfg: Config) -> tuple[int, int, int]:
     """(data x sequence x expert, fsdp, the ZeRO stage in effect): context and expert
     parallelism split the tokens like the data axes, so gradients sum over them too;
-    ZeRO needs fsdp > 1."""
+    ZeRO needs fsdp > 1. Under DiLoCo `data` splits replicas, not one model's tokens."""
     mesh = cfg.mesh
     fs = mesh.fsdp
-    return mesh.data * mesh.sequence * mesh.expert, fs, cfg.parallel.zero if fs > 1 else 0
+    data = 1 if cfg.parallel.diloco_steps else mesh.data  # DiLoCo: replicas, never summed
+    return data * mesh.sequence * mesh.expert, fs, cfg.parallel.zero if fs > 1 else 0
 
 
 def _expert_share(cfg: Config, psi: int) -> float:

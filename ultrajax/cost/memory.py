@@ -92,7 +92,9 @@ class Breakdown:
     the train summary and the planner read. Display text lives where it is printed."""
 
     master: float = 0.0  # master weights, model.param_dtype (an argument)
-    optimizer: float = 0.0  # Adam mu, nu (an argument; mu is fp32 whatever param_dtype)
+    # Adam mu, nu (an argument; mu is fp32 whatever param_dtype); DiLoCo's replica and
+    # outer momentum (parallel/diloco.py)
+    optimizer: float = 0.0
     batch: float = 0.0  # the batch, five int32 fields (an argument)
     compute_copy: float = 0.0  # the model.dtype copy of the weights, where a separate array
     gradients: float = 0.0  # fp32 gradients, reduced (pipeline: after the ticks)
@@ -210,12 +212,11 @@ def _fixed(cfg: Config) -> _Fixed:
     stored = param_elements(cfg, "stored")
     # the five int32 fields of batch.Batch, (grad_accum, rows, seq_len) each
     batch = 5 * 4 * t.grad_accum * d.b * (m.seq_len // cfg.mesh.sequence)
-    states = dict(
-        master=pb * stored,
-        optimizer=(4 + pb) * stored,  # mu is fp32 (train/optim.py)
-        batch=batch,
-    )
-    arguments = (2 * pb + 4) * stored + batch + 8  # + step counter and Adam's count
+    moments = (4 + pb) * stored if cfg.optim.name == "adamw" else 0  # mu is fp32 (optim.py)
+    if cfg.parallel.diloco_steps:  # DiLoCo: this rank's replica and the fp32 outer momentum
+        moments += (pb + 4) * stored
+    states = dict(master=pb * stored, optimizer=moments, batch=batch)
+    arguments = pb * stored + moments + batch + 8  # + step counter and Adam's count
     copy, head_copy = _copies(cfg)
     c_loss = _loss_chunk(cfg)
     head_work = HEAD_WORK_V * 4 * d.V * (c_loss / m.seq_len if c_loss else 1.0)

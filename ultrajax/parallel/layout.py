@@ -58,6 +58,7 @@ class Layout:
         self.names = logical_axes(cfg.model)
         self.zero = Zero(cfg.parallel.zero, mesh.shape[FSDP])
         self.gspmd = cfg.parallel.collectives == "gspmd"
+        self.replicas = grads and cfg.parallel.diloco_steps > 0  # DiLoCo's train step
         big = frozenset(a for a in AXES if mesh.shape[a] > 1)
         # gspmd: manual only where accumulation defers a data reduction: ZeRO-0/1 over
         # the token axes, ZeRO-2/3 over `data` and `sequence` when there are micro-batches
@@ -158,15 +159,24 @@ class Layout:
             check_vma=True,
         )
 
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """The manual axes that split one model's tokens (its loss, its target count, an
+        MoE layer's balance): all of TOKEN_AXES, but `data` in DiLoCo's train step, whose
+        ranks are replicas training apart (parallel/diloco.py; evaluation reads the outer
+        parameters, one model)."""
+        apart = (DATA,) if self.replicas else ()
+        return tuple(a for a in TOKEN_AXES if a in self.manual and a not in apart)
+
     def psum(self, x):
-        axes = tuple(a for a in TOKEN_AXES if a in self.manual)
+        axes = self.token_axes
         return jax.lax.psum(x, axes) if axes else x
 
     @property
     def ep(self) -> Experts:
         """The MoE layers' boundary: counts over the ranks that split the tokens, and the
         experts over `expert` (manual wherever it is wider than one)."""
-        axes = tuple(a for a in TOKEN_AXES if a in self.manual)
+        axes = self.token_axes
         return Experts(
             micro_batches=self.cfg.train.grad_accum,
             ranks=math.prod(self.mesh.shape[a] for a in axes),

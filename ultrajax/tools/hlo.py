@@ -197,7 +197,7 @@ class Collective:
     computation: str
     group: int
     bytes: float  # the result's bytes (for async starts: the output part)
-    count: int = 1  # times it runs per step (product of enclosing trip counts)
+    count: float = 1  # times it runs per step (product of enclosing trip counts)
     dtype: str = ""  # element type of the result ("bf16", "f32", ...)
 
     @property
@@ -286,8 +286,10 @@ def _reaches_collective(mod: HloModule, edges, comp: str, seen=None) -> bool:
     return any(_reaches_collective(mod, edges, c, seen) for c, _ in edges.get(comp, []))
 
 
-def multiplicities(mod: HloModule) -> tuple[dict[str, int], list[str]]:
-    """How many times each computation runs per call of the entry; notes on unknown loops."""
+def multiplicities(mod: HloModule, branch: float = 1) -> tuple[dict[str, float], list[str]]:
+    """How many times each computation runs per call of the entry; notes on unknown loops.
+    A conditional's branches count `branch` times a call (1: as if each ran every time;
+    DiLoCo's synchronisation, 1/H of the steps)."""
     edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
     unknown = []  # (while instruction, its body) with no trip count in the HLO
     for comp, instrs in mod.computations.items():
@@ -306,7 +308,7 @@ def multiplicities(mod: HloModule) -> tuple[dict[str, int], list[str]]:
             b = _BRANCHES.search(rest)
             if b:
                 for callee in re.findall(r"%?([\w.\-]+)", b.group(1)):
-                    edges[comp].append((callee, 1))
+                    edges[comp].append((callee, branch))
     # a loop that runs no collective (context parallelism's 0-or-1-trip "skip this
     # pair" loops) cannot change the communication: no note
     notes = [
@@ -354,12 +356,13 @@ def _sliced_to_share(name: str, nbytes: float, group: int, instrs) -> float | No
     return shape_bytes(users[0][0])
 
 
-def collectives(text: str) -> tuple[list[Collective], list[str]]:
-    """Every collective of a compiled HLO module with its per-step execution count. An
+def collectives(text: str, branch: float = 1) -> tuple[list[Collective], list[str]]:
+    """Every collective of a compiled HLO module with its per-step execution count
+    (`branch`: a conditional branch's share of the calls, `multiplicities`). An
     all-reduce whose users only keep this device's 1/n of it counts as the reduce-scatter
     a GPU runs there (`_sliced_to_share`)."""
     mod = parse_module(text)
-    mult, notes = multiplicities(mod)
+    mult, notes = multiplicities(mod, branch)
     found = []
     rewritten = 0
     for comp, instrs in mod.computations.items():
@@ -445,7 +448,14 @@ def compile_partitioned(lowered, compiler_options: dict | None = None):
 
 def report(cfg: Config, hlo_text: str) -> dict:
     """Measured (from the HLO) beside expected (the formulas), per kind, JSON-ready."""
-    found, notes = collectives(hlo_text)
+    h = cfg.parallel.diloco_steps
+    found, notes = collectives(hlo_text, 1 / h if h else 1)
+    if h:
+        notes = [
+            *notes,
+            f"DiLoCo: the synchronisation's branch runs once every {h} steps, counted 1/{h} "
+            "of a step",
+        ]
     if cfg.mesh.pipeline > 1:
         notes = [
             *notes,

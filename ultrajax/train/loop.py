@@ -29,7 +29,7 @@ from ultrajax.train import resume as resume_lib
 from ultrajax.train.checkpoint import Checkpoints
 from ultrajax.train.noise_probe import NoiseProbe
 from ultrajax.train.ramp import Ramp
-from ultrajax.train.record import Throughput, log_line, step_record
+from ultrajax.train.record import Throughput, log_line, scalar, step_record
 from ultrajax.train.setup import RunParts, build_run, compile_steps, rows_to_global, to_global
 
 
@@ -177,7 +177,7 @@ class Training:
         record = None
         if is_log or is_eval:
             out = jax.device_get(out)  # the only host sync: at log steps
-            switched |= ramp.observe(float(out["loss"]))  # a loss threshold reached
+            switched |= ramp.observe(scalar(out["loss"]))  # a loss threshold reached
             self.noise.fold()
             rate = self.speed.lap(ramp.tokens)
             b_simple = self.noise.b_simple

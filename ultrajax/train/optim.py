@@ -65,11 +65,17 @@ def scale(updates, lr):
 
 
 def optimizer(cfg: Config) -> optax.GradientTransformation:
-    """Clipping, then AdamW at learning rate 1 (times `lr_schedule` in the step)."""
+    """Clipping, then AdamW (or plain SGD) at learning rate 1 (times `lr_schedule` in the
+    step)."""
     o = cfg.optim
     parts = []
     if o.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(o.clip_norm))
+    if o.name == "sgd":  # DiLoCo's exactness tests (docs/diloco.md): linear in the gradient
+        if o.weight_decay:
+            parts.append(optax.add_decayed_weights(o.weight_decay, mask=decay_mask))
+        parts.append(optax.sgd(_unit))
+        return optax.chain(*parts)
     parts.append(
         optax.adamw(
             _unit,

@@ -81,9 +81,9 @@ def step_record(
         "time": time.time(),  # wall clock, to line runs and restarts up
         "tokens": ramp.tokens,  # trained so far: exact across resume and ramps
         "tokens_per_step": step_tokens,
-        "loss": float(out["loss"]),
+        "loss": scalar(out["loss"]),
         "loss_ema": ramp.loss_ema,
-        "grad_norm": float(out["grad_norm"]),
+        "grad_norm": scalar(out["grad_norm"]),
         "lr": float(out["lr"]),
         "tokens_per_s": rate,
         "step_time_s": step_tokens / rate,
@@ -98,11 +98,31 @@ def step_record(
     return record
 
 
+def scalar(value) -> float:
+    """A step's metric as one number: DiLoCo's steps give one per replica (their mean)."""
+    return float(np.mean(value))
+
+
+def replicas_summed(stats: dict) -> dict:
+    """MoE statistics with DiLoCo's replica axis (a leading one beyond the layers') folded:
+    the counts summed, the losses averaged."""
+    if np.ndim(stats["aux"]) < 2:
+        return stats
+    return {
+        **stats,
+        "load": np.sum(stats["load"], 0),
+        "dropped": np.sum(stats["dropped"], 0),
+        "aux": np.mean(stats["aux"], 0),
+        "z": np.mean(stats["z"], 0),
+    }
+
+
 def moe_record(stats: dict) -> dict:
     """An MoE step's statistics (model/moe.py; loads and drops summed over its
     micro-batches and ranks, the losses their mean over micro-batches) as metrics: each
     MoE layer's expert load max/mean (1: balanced), the share of the assignments dropped
     (capacity mode), and the balance losses (mean over layers)."""
+    stats = replicas_summed(stats)
     load = np.asarray(stats["load"], np.float64)  # (MoE layers, experts)
     assigned = np.maximum(load.sum(-1), 1.0)
     imbalance = load.max(-1) / np.maximum(load.mean(-1), 1e-9)

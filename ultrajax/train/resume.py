@@ -3,6 +3,7 @@ schedule checked), or parameters only (checkpoint.init_from)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
@@ -10,6 +11,7 @@ import orbax.checkpoint as ocp
 
 from ultrajax.config.schema import Config, ConfigError
 from ultrajax.config.validate import resolve_mesh
+from ultrajax.parallel import diloco
 from ultrajax.train import distributed, optim
 from ultrajax.train.checkpoint import (
     Checkpoints,
@@ -268,6 +270,9 @@ def start(cfg: Config, state: dict, data, say=print, source=_PICK, checked: bool
         shardings = jax.tree.map(lambda a: a.sharding, state["params"])
         _free(state["params"])
         state = dict(state, params=load_params(cfg.checkpoint.init_from, cfg.model, shardings, say))
+        if diloco.active(cfg):  # every replica starts from the loaded parameters
+            where = jax.tree.map(lambda a: a.sharding, state)
+            state = jax.jit(functools.partial(diloco.restart, cfg), out_shardings=where)(state)
         say(
             f"no checkpoint in {ck.dir}: parameters loaded from {cfg.checkpoint.init_from} "
             "(optimizer state fresh)"

@@ -17,6 +17,7 @@ Which one, and everything else about the layout, is decided once in parallel/lay
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,6 +30,7 @@ from ultrajax.kernels.varying import vma, zeros
 from ultrajax.model import moe
 from ultrajax.model.llama import init_params, logical_axes
 from ultrajax.model.loss import loss_and_stats, loss_sum
+from ultrajax.parallel import diloco
 from ultrajax.parallel.layout import Layout, unsupported
 from ultrajax.parallel.mesh import Rules, make_mesh, tree_shardings
 from ultrajax.parallel.mesh import rules as mesh_rules
@@ -42,26 +44,41 @@ from ultrajax.train.batch import specs as batch_specs
 
 def init_state(cfg: Config, tx: optax.GradientTransformation, key) -> dict:
     params = init_params(cfg.model, key)
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+    opt = diloco.init(cfg, tx, params) if diloco.active(cfg) else tx.init(params)
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt}
 
 
 def state_shardings(cfg: Config, mesh, rules: Rules, tx) -> dict:
-    """Where every leaf of the train state lives (ZeRO >= 1 shards it over fsdp)."""
+    """Where every leaf of the train state lives (ZeRO >= 1 shards it over fsdp; DiLoCo's
+    replicas over `data`)."""
     abstract = jax.eval_shape(functools.partial(init_state, cfg, tx), jax.random.key(0))
     params = tree_shardings(mesh, logical_axes(cfg.model), rules, "stored")
     replicated = NamedSharding(mesh, PartitionSpec())
-    opt = optax.tree_map_params(
-        tx, lambda _, s: s, abstract["opt_state"], params, transform_non_params=lambda _: replicated
-    )
+
+    def place(opt_state, param_shardings, other):
+        """Each leaf of the optimizer state as its parameter's; counters as `other`."""
+        return optax.tree_map_params(
+            tx, lambda _, s: s, opt_state, param_shardings, transform_non_params=lambda _: other
+        )
+
+    if diloco.active(cfg):
+        opt = diloco.shardings(mesh, params, abstract["opt_state"], place)
+    else:
+        opt = place(abstract["opt_state"], params, replicated)
     return {"step": replicated, "params": params, "opt_state": opt}
+
+
+def _mesh_rules(cfg: Config, mesh, rules):
+    """(mesh, rules), one device's when none is given (every mesh size 1)."""
+    if mesh is None:
+        return make_mesh(cfg, jax.devices()[:1]), mesh_rules(cfg)
+    return mesh, rules
 
 
 def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
     """gradients(params, batch) -> (grads, loss, n_targets): the mean-per-target gradient
     of the batch, reduced as the layout says; the train step's first half."""
-    if mesh is None:  # one device, every mesh size 1
-        mesh, rules = make_mesh(cfg, jax.devices()[:1]), mesh_rules(cfg)
-    layout = Layout(cfg, mesh, rules)
+    layout = Layout(cfg, *_mesh_rules(cfg, mesh, rules))
     grad_plan, gather = layout.grads, layout.gather_layer()
 
     def per_device(params, cparams, batch: Batch):
@@ -91,6 +108,8 @@ def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
     # the gradients leave in the state's layout (ZeRO: this rank's shard; a pipeline's
     # embedding and head: this stage's vocabulary split, reduce-scattered there)
     out_specs = (layout.specs["stored"], PartitionSpec(), PartitionSpec(), PartitionSpec())
+    if diloco.active(cfg):  # each data rank a replica: a leading axis over `data`
+        return diloco.per_replica(layout, per_device, out_specs, batch_specs())
     return _over_batch(layout, per_device, out_specs)
 
 
@@ -113,11 +132,10 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
     unless given (in config batches of tokens trained: ultrajax/train/ramp.py)."""
     gradients = make_gradients(cfg, mesh, rules)
 
-    def train_step(state, batch, position=None):
+    def update(state, batch, lr):
         params = state["params"]
         grads, loss, n_targets, stats = gradients(params, batch)
         grad_norm = optax.tree.norm(grads)
-        lr = schedule(state["step"] if position is None else position)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, optim.scale(updates, lr))
         if stats:  # MoE: the router biases move against the step's load (bias balance)
@@ -125,6 +143,16 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
             bias = moe.update_bias(cfg.model, layers["router_bias"], stats["load"])
             params = dict(params, layers=dict(layers, router_bias=bias))
         new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        return new, loss, grad_norm, n_targets, stats
+
+    if diloco.active(cfg):  # the replicas' inner steps, every H-th the outer one
+        layout = Layout(cfg, *_mesh_rules(cfg, mesh, rules))
+        sync = diloco.synchronise(cfg, layout)
+        update = diloco.make_update(cfg, tx, gradients, sync, optim.scale, moe.update_bias)
+
+    def train_step(state, batch, position=None):
+        lr = schedule(state["step"] if position is None else position)
+        new, loss, grad_norm, n_targets, stats = update(state, batch, lr)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "n_targets": n_targets}
         if stats:  # the losses as their mean over the micro-batches
             m = jax.tree.leaves(batch)[0].shape[0]
@@ -138,7 +166,10 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
 
 def jit_grad_norm(cfg: Config, mesh, rules: Rules, shardings: dict, batch_sh):
     """(params, batch) -> (|gradient|, targets) of one batch, nothing updated: the gradient
-    noise scale's small-batch measurement (one micro-batch at a time)."""
+    noise scale's small-batch measurement (one micro-batch at a time). Under DiLoCo: at
+    the outer parameters, over every replica's rows (the data-parallel gradient)."""
+    if diloco.active(cfg):
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, diloco_steps=0))
     gradients = make_gradients(cfg, mesh, rules)
 
     def grad_norm(params, batch):
@@ -192,9 +223,7 @@ def _pipelined_eval(cfg: Config, layout: Layout):
 
 def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
     """eval_step(params, batch) -> (sum of NLL, count) over all micro-batches."""
-    if mesh is None:
-        mesh, rules = make_mesh(cfg, jax.devices()[:1]), mesh_rules(cfg)
-    layout = Layout(cfg, mesh, rules, grads=False)
+    layout = Layout(cfg, *_mesh_rules(cfg, mesh, rules), grads=False)
     if layout.pipeline > 1:
         return _pipelined_eval(cfg, layout)
     gather = layout.gather_layer()

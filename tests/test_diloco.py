@@ -1,0 +1,262 @@
+"""DiLoCo over `data` (parallel/diloco.py) on 8 simulated devices: data=2 replicas, each
+fsdp=4 with ZeRO-3 inside. H = 1 with plain SGD, outer lr 1 and no momentum is data
+parallelism; H = 2 with AdamW and the outer Nesterov step equals the replicas run one
+after the other on one device; the compiled step reduces over `data` only inside the
+synchronisation's conditional (fp32, 3 steps)."""
+
+from __future__ import annotations
+
+import functools
+
+import harness
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import test_parallel as tp
+
+from ultrajax.config.schema import ConfigError
+from ultrajax.cost import comms
+from ultrajax.tools import hlo
+from ultrajax.train import batch as batch_lib
+from ultrajax.train import checkpoint, resume
+from ultrajax.train import step as step_lib
+
+LAYOUT = "hsdp-data2-fsdp4-zero3"  # 2 replicas, each ZeRO-3 over fsdp=4
+R = 2
+# linear in the gradient: clipping (per replica) and Adam are not
+SGD = ("optim.name=sgd", "optim.weight_decay=0", "optim.lr=0.1", "optim.clip_norm=0")
+
+
+@functools.cache
+def _run(layout: str | None, *extra: str, rows: tuple[int, int] | None = None):
+    """3 steps: (losses, grad norms, every step's state, compiled HLO); a DiLoCo step's
+    loss and norm are the replicas' mean. `rows`: train on these rows of every batch."""
+    overrides = [*extra] + ([f"train.micro_batch_size={rows[1] - rows[0]}"] if rows else [])
+    cfg = tp.make_cfg(tp.LAYOUTS[layout] if layout else {}, *overrides)
+    mesh, rules, tx, schedule, shardings, batch_sh = harness.setup(cfg)
+    data = tp.batches(cfg=tp.make_cfg(tp.LAYOUTS[LAYOUT]))
+    if rows is not None:
+        data = [batch_lib.Batch(*(a[:, rows[0] : rows[1]] for a in b)) for b in data]
+    with jax.set_mesh(mesh):
+        state = harness.init_state(cfg, tx, shardings)
+        fn = step_lib.jit_train_step(cfg, mesh, rules, tx, schedule, shardings, batch_sh)
+        data = [batch_lib.place(b, batch_sh) for b in data]
+        compiled = fn.lower(state, data[0]).compile(harness.FAST)
+        losses, norms, states = [], [], []
+        for b in data:
+            state, m = compiled(state, b)
+            losses.append(float(np.mean(m["loss"])))
+            norms.append(float(np.mean(m["grad_norm"])))
+            states.append(jax.device_get(state))
+    return losses, norms, states, compiled.as_text()
+
+
+def test_one_inner_sgd_step_and_a_plain_outer_step_are_data_parallelism():
+    """H = 1, inner SGD, outer lr 1, no momentum: the outer parameters are the replicas'
+    mean after one step each, which is data parallelism's step (equal target counts per
+    replica). Summed instead of averaged over `data`, or reduced inside a replica's
+    backward too, the parameters differ."""
+    once = ("parallel.diloco_steps=1", "parallel.diloco_outer_lr=1",
+            "parallel.diloco_outer_momentum=0")  # fmt: skip
+    got = _run(LAYOUT, *SGD, *once)
+    ref = tp.run(LAYOUT, "explicit", *SGD)
+    np.testing.assert_allclose(got[0], ref[0], rtol=2e-6)
+    tp.assert_same_training((got[0], ref[1], got[2][-1]["params"]), ref)
+
+
+def _outer(theta, momentum, replicas, lr=0.7, mu=0.9):
+    delta = jax.tree.map(lambda t, *r: t - np.mean(r, 0), theta, *replicas)
+    momentum = jax.tree.map(lambda m, d: mu * m + d, momentum, delta)
+    theta = jax.tree.map(lambda t, d, m: t - lr * (d + mu * m), theta, delta, momentum)
+    return theta, momentum
+
+
+def test_two_inner_adamw_steps_equal_the_replicas_run_one_after_the_other():
+    """H = 2, AdamW, outer Nesterov (lr 0.7, momentum 0.9): after 3 steps (a sync after
+    the 2nd) the outer parameters, the momentum and each replica's parameters equal a
+    reference that trains each replica's rows on one device for 2 steps, takes the outer
+    step in numpy, and trains step 3 from the new outer parameters with each replica's
+    own Adam state."""
+    got = _run(LAYOUT, "parallel.diloco_steps=2")
+    final = got[2][-1]
+    half = tp.ROWS // R
+    refs = [_run(None, rows=(r * half, (r + 1) * half)) for r in range(R)]
+    theta0 = got[2][0]["params"]  # step 1 did not sync: still the initial parameters
+    zero = jax.tree.map(np.zeros_like, theta0)
+    theta, momentum = _outer(theta0, zero, [ref[2][1]["params"] for ref in refs])
+    np.testing.assert_allclose(got[0][:2], np.mean([r[0][:2] for r in refs], 0), rtol=2e-6)
+    np.testing.assert_allclose(got[1][:2], np.mean([r[1][:2] for r in refs], 0), rtol=2e-5)
+    tp.assert_same_training((got[0], got[1], final["params"]), (got[0], got[1], theta))
+    tp.assert_same_training(
+        (got[0], got[1], final["opt_state"]["momentum"]), (got[0], got[1], momentum)
+    )
+    # step 3: each replica from the outer parameters, with its own Adam state
+    cfg = tp.make_cfg({}, f"train.micro_batch_size={half}")
+    mesh, rules, tx, schedule, shardings, batch_sh = harness.setup(cfg)
+    data = tp.batches(cfg=tp.make_cfg(tp.LAYOUTS[LAYOUT]))[2]
+    with jax.set_mesh(mesh):
+        fn = step_lib.jit_train_step(cfg, mesh, rules, tx, schedule, shardings, batch_sh)
+        for r, ref in enumerate(refs):
+            start = dict(ref[2][1], params=theta)
+            start = jax.device_put(start, shardings)
+            rows = batch_lib.Batch(*(a[:, r * half : (r + 1) * half] for a in data))
+            after, _ = fn(start, batch_lib.place(rows, batch_sh))
+            mine = jax.tree.map(lambda a, r=r: a[r], final["opt_state"]["replicas"])
+            tp.assert_same_training(
+                (got[0], got[1], mine), (got[0], got[1], jax.device_get(after["params"]))
+            )
+
+
+def test_the_step_reduces_over_data_only_when_it_synchronises():
+    """H = 4: the one collective over `data` (the 2-device groups here; fsdp's are 4
+    wide) is the pseudo-gradients' fp32 all-reduce, of the parameters' size on this
+    device, inside the conditional's branch that runs every 4th step; no metric is
+    reduced over `data` (across sites, even a scalar's all-reduce costs a round trip
+    every step)."""
+    _, _, states, text = _run(LAYOUT, "parallel.diloco_steps=4")
+    found, notes = hlo.collectives(text)
+    assert not notes, notes
+    over_data = [c for c in found if c.group == R]
+    assert [c.kind for c in over_data] == ["all-reduce"], over_data
+    mod = hlo.parse_module(text)
+    branches = [
+        rest for comp in mod.computations.values() for _, _, rest in comp
+        if rest.startswith("conditional")
+    ]  # fmt: skip
+    assert len(branches) == 1 and over_data[0].computation in branches[0]
+    # the pseudo-gradients of this device's ZeRO-3 shards (fsdp=4 splits every weight)
+    elements = sum(np.prod(a.shape) for a in jax.tree.leaves(states[-1]["params"])) / 4
+    assert over_data[0].bytes == pytest.approx(4 * elements, rel=0.02)
+    assert over_data[0].dtype == "f32"
+    # the communication model: the DiLoCo term, 1/H of the all-reduce a step, is what the
+    # conditional's all-reduce moves counted 1/H; no gradient reduction over `data`
+    cfg = tp.make_cfg(tp.LAYOUTS[LAYOUT], "parallel.diloco_steps=4")
+    terms = [t for t in comms.expected(cfg) if t.axis == "data"]
+    assert [t.formula for t in terms] == ["2Ψ(N-1)/N / H"], terms
+    weighted, _ = hlo.collectives(text, branch=1 / 4)
+    (sync,) = [c for c in weighted if c.group == R]
+    assert sync.traffic * sync.count == pytest.approx(terms[0].traffic, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_outer_step_is_nesterov_on_the_mean_pseudo_gradient(dtype):
+    """diloco.synchronise on fresh random values: delta = the replicas' mean of (outer -
+    replica), summed in parallel.diloco_dtype (bf16: each pseudo-gradient and their sum
+    rounded to it), m <- 0.9 m + delta, outer <- outer - 0.7 (delta + 0.9 m), every
+    replica the new outer parameters. (XLA:CPU promotes a bf16 all-reduce to fp32 after
+    the rounding, so its bytes are a GPU's to show; the numbers are bf16's.)"""
+    from ultrajax.parallel import diloco
+    from ultrajax.parallel.layout import Layout
+
+    cfg = tp.make_cfg(tp.LAYOUTS[LAYOUT], "parallel.diloco_steps=2",
+                      f"parallel.diloco_dtype={dtype}")  # fmt: skip
+    mesh, rules, _, _, shardings, _ = harness.setup(cfg)
+    rng = np.random.default_rng(7)
+    state = jax.device_get(_run(LAYOUT, "parallel.diloco_steps=2")[2][0])
+    theta = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), state["params"])
+    mom = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), theta)
+    reps = jax.tree.map(lambda a: a + 0.01 * rng.standard_normal((R, *a.shape), np.float32), theta)
+    with jax.set_mesh(mesh):
+        sync = jax.jit(diloco.synchronise(cfg, Layout(cfg, mesh, rules)))
+        args = jax.device_put((theta, mom, reps), (shardings["params"], shardings["params"],
+                              shardings["opt_state"]["replicas"]))  # fmt: skip
+        got = jax.device_get(sync(*args))
+
+    def bf(x):
+        return np.asarray(x, ml_dtypes.bfloat16) if dtype == "bfloat16" else np.asarray(x)
+
+    for t, m, r, g_t, g_m, g_r in zip(*map(jax.tree.leaves, (theta, mom, reps, *got)),
+                                      strict=True):  # fmt: skip
+        delta = np.asarray(bf(bf(t - r[0]) + bf(t - r[1])) / 2, np.float32)
+        want_m = 0.9 * m + delta
+        want_t = t - 0.7 * (delta + 0.9 * want_m)
+        np.testing.assert_allclose(g_m, want_m, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(g_t, want_t, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(g_r, np.stack([g_t] * R))
+
+
+class _Position:
+    """The data position restore_train hands back (the loader's own: tests/test_checkpoint)."""
+
+    def restore(self, state):
+        self.state = state
+
+
+def test_the_replicas_and_the_outer_state_are_saved_and_restored_exactly(tmp_path):
+    """A checkpoint holds the outer parameters (its `params`: what evaluation and the
+    Hugging Face export read), and in its optimizer item each replica's parameters and
+    Adam state and the outer momentum: restored bit for bit. checkpoint.init_from starts
+    every replica at the loaded parameters."""
+    cfg = tp.make_cfg(tp.LAYOUTS[LAYOUT], "parallel.diloco_steps=2", f"checkpoint.dir={tmp_path}")
+    state = _run(LAYOUT, "parallel.diloco_steps=2")[2][-1]
+    mesh, rules, tx, _, shardings, _ = harness.setup(cfg)
+    ck = checkpoint.Checkpoints(cfg)
+    ck.save(3, jax.device_put(state, shardings), {"position": 3})
+    ck.close()
+    abstract = jax.eval_shape(lambda k: step_lib.init_state(cfg, tx, k), jax.random.key(0))
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+    back, step = resume.restore_train(tmp_path / "3", cfg, target, _Position())
+    assert step == 3
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    source = checkpoint.write_params(tmp_path / "params", state["params"], cfg)
+    cfg.checkpoint.init_from, cfg.checkpoint.dir = str(source), str(tmp_path / "new")
+    fresh = jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype, device=a.sharding), target)
+    ck, started, _ = resume.start(cfg, fresh, _Position(), say=lambda *a: None)
+    ck.close()
+    replicas = jax.tree.leaves(started["opt_state"]["replicas"])
+    for a, b in zip(replicas, jax.tree.leaves(state["params"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.stack([b] * R))
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (("mesh.fsdp=8",), "needs mesh.data > 1"),
+        (("mesh.data=2", "parallel.collectives=gspmd"), "explicit step only"),
+        (("mesh.data=2", "mesh.pipeline=2", "train.grad_accum=2"), "mesh.pipeline > 1"),
+        (("mesh.data=2", "parallel.diloco_outer_momentum=1"), "in \\[0, 1\\)"),
+        (("mesh.data=2", "train.noise_every=5"), "train.noise_every=0"),
+    ],
+)
+def test_settings_diloco_cannot_run_are_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        harness.make("parallel.diloco_steps=4", *overrides)
+    assert "\n" not in str(e.value)
+
+
+def test_the_memory_model_holds_the_replicas_state():
+    """The step's arguments are the outer parameters, this rank's replica and its
+    optimizer state (Adam's moments and counts) and the fp32 outer momentum:
+    memory.estimate's equal the compiled step's to 0.1%, and the peak grows over plain
+    data parallelism's as the compiled one does, within 15% (the model reads 0.71 of
+    XLA:CPU's peak at this test's tiny shape either way)."""
+    from ultrajax.cost import memory
+    from ultrajax.tools import analyze
+
+    def both(*extra):
+        cfg = tp.make_cfg(tp.LAYOUTS[LAYOUT], *extra)
+        step = analyze.compile_step(cfg, jax.devices(), harness.FAST)
+        return analyze.compiled_memory(step), memory.estimate(cfg)
+
+    (compiled, est), (plain, plain_est) = both("parallel.diloco_steps=4"), both()
+    assert est.arguments == pytest.approx(compiled["argument"], rel=1e-3)
+    grown = (est.peak - plain_est.peak) / (compiled["peak"] - plain["peak"])
+    assert 0.85 <= grown <= 1.15, (est.parts, compiled, plain)
+
+
+def test_diloco_settings_are_part_of_the_run_identity():
+    """A DiLoCo run trains another model than data parallelism (and holds a replica per
+    data rank): its own run directory. Plain AdamW keeps the identity runs had before
+    optim.name existed."""
+    from ultrajax.config.parse import run_identity
+
+    plain = run_identity(harness.make("mesh.data=2")[0])
+    assert run_identity(harness.make("mesh.data=2", "optim.name=adamw")[0]) == plain
+    assert run_identity(harness.make("mesh.data=2", "optim.name=sgd")[0]) != plain
+    h4 = run_identity(harness.make("mesh.data=2", "parallel.diloco_steps=4")[0])
+    h8 = run_identity(harness.make("mesh.data=2", "parallel.diloco_steps=8")[0])
+    assert len({plain, h4, h8}) == 3

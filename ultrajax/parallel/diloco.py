@@ -1,0 +1,157 @@
+"""DiLoCo over the `data` axis (Douillard et al., 2023): data parallelism that talks over
+the slow links once every H steps instead of every step.
+
+With `parallel.diloco_steps: H` every rank of `data` (the axis across hosts or sites) is a
+replica: it trains H inner steps on its own rows with its own optimizer state, its
+gradients reduced only inside the replica (fsdp, tensor, sequence, expert as configured:
+`Layout.token_axes` leaves `data` out, so `ops.finish` never sums over it). Every H steps
+the pseudo-gradient, the outer parameters minus the replica's, is averaged over `data`
+(one all-reduce of the parameters' size, in `diloco_dtype`) and applied by an outer
+Nesterov SGD (PyTorch's form, the paper's):
+
+    m <- mu m + delta,    theta <- theta - lr_out (delta + mu m)
+
+and every replica restarts from the new outer parameters (its inner optimizer state is
+kept). The train state's `params` are the outer parameters (what evaluation, checkpoints
+and the Hugging Face export read); `opt_state` holds the replicas' parameters and
+optimizer states, stacked along a leading axis split over `data`, and the outer momentum.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ultrajax.config.schema import Config
+from ultrajax.parallel.axes import DATA
+
+
+def active(cfg: Config) -> bool:
+    return cfg.parallel.diloco_steps > 0
+
+
+def _stack(r: int, tree):
+    return jax.tree.map(lambda p: jnp.broadcast_to(p, (r, *p.shape)), tree)
+
+
+def init(cfg: Config, tx: optax.GradientTransformation, params) -> dict:
+    """The optimizer state under DiLoCo: each replica's parameters (all the outer ones to
+    begin with) and inner optimizer state, stacked; the outer momentum (fp32)."""
+    replicas = _stack(cfg.mesh.data, params)
+    return {
+        "inner": jax.vmap(tx.init)(replicas),
+        "replicas": replicas,
+        "momentum": jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+    }
+
+
+def restart(cfg: Config, state: dict) -> dict:
+    """`state` with every replica at its outer parameters (after they were loaded from
+    elsewhere: checkpoint.init_from)."""
+    opt = dict(state["opt_state"], replicas=_stack(cfg.mesh.data, state["params"]))
+    return dict(state, opt_state=opt)
+
+
+def _lead(spec: PartitionSpec) -> PartitionSpec:
+    return PartitionSpec(DATA, *spec)
+
+
+def shardings(mesh, params: dict, abstract_opt: dict, place) -> dict:
+    """Where the DiLoCo optimizer state lives: the replicas' leaves split over `data`
+    along their leading axis (each rank holds its own replica, laid out as the outer
+    parameters are, and its optimizer's step counters), the momentum as the parameters.
+    `place(optimizer state, parameter shardings, the rest's)`: the plain step's rule."""
+    stacked = jax.tree.map(lambda s: NamedSharding(mesh, _lead(s.spec)), params)
+    own = NamedSharding(mesh, PartitionSpec(DATA))  # a replica's counters: its own row
+    inner = place(abstract_opt["inner"], stacked, own)
+    return {"inner": inner, "replicas": stacked, "momentum": params}
+
+
+def per_replica(layout, per_device, out_specs, batch_spec):
+    """make_gradients' (params, batch) -> per_device(...) with a leading replica axis: each
+    `data` rank reads its own replica's parameters, and every output (gradients, loss,
+    target count, statistics) leaves with a leading axis over `data`, one row a replica."""
+    if layout.gspmd:
+        raise ValueError("DiLoCo runs under parallel.collectives=explicit")
+    lead = lambda tree: jax.tree.map(  # noqa: E731
+        _lead, tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+    def fn(params, batch):
+        params = jax.tree.map(lambda a: a[0], params)  # this rank's replica
+        grads, loss, n_targets, stats = per_device(params, layout.compute_copy(params), batch)
+        up = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
+        return up(grads), loss[None], n_targets[None], up(stats)
+
+    grads, *rest = out_specs
+    row = PartitionSpec(DATA)
+    in_specs = (lead(layout.specs["stored"]), batch_spec)
+    return layout.shard_map(fn, in_specs, (lead(grads), row, row, row))
+
+
+def synchronise(cfg: Config, layout):
+    """sync(outer, momentum, replicas) -> the same after the outer step, per device (every
+    axis manual, as the explicit step): each device's shard of the pseudo-gradient
+    (outer minus its replica), summed over `data` in `diloco_dtype` (one all-reduce of
+    this device's share of the parameters), the outer Nesterov step on the mean, and the
+    replica set to the new outer parameters."""
+    par = cfg.parallel
+    lr, mu = par.diloco_outer_lr, par.diloco_outer_momentum
+    dt, f32 = jnp.dtype(par.diloco_dtype), jnp.float32
+    r = cfg.mesh.data
+
+    def one(theta, m, rep):
+        pseudo = (theta.astype(f32) - rep[0].astype(f32)).astype(dt)
+        delta = (jax.lax.psum(pseudo, DATA) / jnp.asarray(r, dt)).astype(f32)
+        m = mu * m + delta
+        theta = (theta.astype(f32) - lr * (delta + mu * m)).astype(theta.dtype)
+        return theta, m, theta[None].astype(rep.dtype)
+
+    def per_device(outer, momentum, replicas):
+        out = jax.tree.map(one, outer, momentum, replicas)
+        pick = lambda i: jax.tree.map(lambda _, o: o[i], outer, out)  # noqa: E731
+        return pick(0), pick(1), pick(2)
+
+    stored = layout.specs["stored"]
+    lead = jax.tree.map(_lead, stored, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return layout.shard_map(per_device, (stored, stored, lead), (stored, stored, lead))
+
+
+def make_update(cfg: Config, tx, gradients, sync, scale, update_bias):
+    """update(state, batch, lr) -> (state, loss, grad norm, targets, MoE statistics) under
+    DiLoCo: every replica one inner step (`gradients` with a leading replica axis, the
+    optimizer vmapped over it: clipping and Adam per replica), then, every H-th step,
+    `sync` (`synchronise`) inside a conditional: the compiled program reduces over `data`
+    only there.
+    `scale(updates, lr)` and `update_bias` are the plain step's (train/step.py)."""
+    h = cfg.parallel.diloco_steps
+
+    def inner(p, g, o, lr):
+        updates, o = tx.update(g, o, p)
+        return optax.apply_updates(p, scale(updates, lr)), o, optax.tree.norm(g)
+
+    def update(state, batch, lr):
+        opt = state["opt_state"]
+        grads, loss, n_targets, stats = gradients(opt["replicas"], batch)
+        step = jax.vmap(inner, in_axes=(0, 0, 0, None))
+        replicas, inner_state, norms = step(opt["replicas"], grads, opt["inner"], lr)
+        if stats:  # MoE bias balance: each replica's router biases move by its own load
+            layers = replicas["layers"]
+            bias = update_bias(cfg.model, layers["router_bias"], stats["load"])
+            replicas = dict(replicas, layers=dict(layers, router_bias=bias))
+        count = state["step"] + 1
+        outer, momentum, replicas = jax.lax.cond(
+            count % h == 0,
+            lambda a: sync(*a),
+            lambda a: a,
+            (state["params"], opt["momentum"], replicas),
+        )
+        opt = {"inner": inner_state, "replicas": replicas, "momentum": momentum}
+        new = {"step": count, "params": outer, "opt_state": opt}
+        # per replica (a leading axis over `data`): averaged on the host, so that no
+        # collective over `data` runs for the metrics (across sites, its latency)
+        return new, loss, norms, n_targets, stats
+
+    return update
