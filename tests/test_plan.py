@@ -18,6 +18,7 @@ from ultrajax import cli
 from ultrajax.config import parse, validate
 from ultrajax.config import schema as config
 from ultrajax.cost import candidates, comms, hardware, memory, steptime
+from ultrajax.model.llama import param_count
 from ultrajax.tools import plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -286,9 +287,43 @@ def test_plan_command_ranks_layouts(tmp_path, capsys):
     assert png.stat().st_size > 10_000 and f"plot: {png}" in capsys.readouterr().out
 
 
+def test_a_wide_area_link_prices_data_parallelism_and_diloco_across_sites(tmp_path, capsys):
+    """--sites 2 --wan-gbps 100 --wan-km 4800: each site plans its 8 GPUs and half the
+    batch; one synchronisation of the whole model (fp32) is (N-1)/N of its bytes at the
+    link's bandwidth plus 2(N-1) crossings of 4,800 km of fibre; DiLoCo's step at H adds
+    1/H of it, data parallelism's a sync of its gradients every step; the smallest H is
+    the sync over the step, rounded up."""
+    path = tmp_path / "small.yaml"
+    path.write_text(parse.dump(_small()))
+    args = ["--config", str(path), "--gpus", "16", "--tokens-per-step", str(64 * 2048),
+            "--sites", "2", "--wan-gbps", "100", "--wan-km", "4800", "--top", "1"]  # fmt: skip
+    assert _run([*args, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    w, n = r["wan"], param_count(_small().model)
+    crossing = 4800 / (299_792.458 / 1.468)
+    sync = 0.5 * 4 * n / (100e9 / 8) + 2 * crossing
+    assert w["sync_s"] == pytest.approx(sync, rel=1e-9) and w["params"] == n
+    step = w["step_s"]
+    assert step == pytest.approx(r["best"][0]["step_s"])
+    assert w["diloco"]["4"]["step_s"] == pytest.approx(step + sync / 4)
+    assert w["data_parallel_step_s"] == pytest.approx(step + sync)  # fp32 gradients
+    assert w["hiding_h"] == max(1, math.ceil(sync / step))
+    # each site's layout is of its 8 GPUs
+    overrides = dict(kv.split("=") for kv in r["best"][0]["overrides"].split())
+    sizes = ("mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.pipeline", "mesh.sequence")
+    assert math.prod(int(overrides.get(k, 1)) for k in sizes) == 8
+    assert _run(args) == 0
+    out = capsys.readouterr().out
+    assert "8 x h100 (8 per node), 65,536 tokens per step (32 x 2048) a site, 2 sites" in out
+    assert "across 2 sites, 4,800 km apart (23.5 ms a crossing), 100 Gbit/s each way" in out
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
+        (["--gpus", "16", "--sites", "3", "--wan-gbps", "10"], "must divide by --sites (3)"),
+        (["--gpus", "16", "--sites", "2"], "needs --wan-gbps"),
+        (["--gpus", "16", "--sites", "0"], "--sites must be >= 1"),
         (["--gpus", "0"], "--gpus must be >= 1"),
         (["--gpus", "8", "--gpu", "tpu"], "unknown GPU 'tpu'"),
         (["--gpus", "8", "--tokens-per-step", "1000"], "multiple of model.seq_len"),

@@ -2,13 +2,16 @@
 
     python -m ultrajax.plan --config configs/llama-8b.yaml --gpus 64 [--gpu h100]
         [--gpus-per-node 8] [--tokens-per-step T] [--top K] [--json] [--plot FILE.png]
-        [key=value ...]
+        [--sites N --wan-gbps B [--wan-km D]] [key=value ...]
 
 Every layout that divides the model and the batch (cost/candidates.py) gets a predicted step
 time (cost/steptime.py) and, in order of speed, its memory (memory.estimate) until the
 `top` fastest that fit are found; the others are listed with why they lost, and the
 config's own layout with its rank (or why it has none), what #1 changes and the gain.
 No device is used and nothing is compiled. docs/planner.md explains the model and its accuracy.
+With --sites the GPUs and the batch split over N sites joined by a wide-area link: each site
+gets the plan, and the link's cost of data parallelism and of DiLoCo across the sites is
+printed after it (cost/wan.py, docs/diloco.md).
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from dataclasses import dataclass
 from ultrajax import cli
 from ultrajax.config import validate
 from ultrajax.config.schema import Config, ConfigError
-from ultrajax.cost import candidates, flops, hardware, steptime
-from ultrajax.cost.units import GiB
+from ultrajax.cost import candidates, flops, hardware, steptime, wan
+from ultrajax.cost.units import GiB, dtype_bytes
+from ultrajax.model import llama
 from ultrajax.parallel.pipeline import schedules
 from ultrajax.tools.plots import _pyplot
 
@@ -63,6 +67,19 @@ def _parser():
         default=None,
         metavar="T",
         help="global batch in tokens (default: the config's, on N GPUs)",
+    )
+    p.add_argument(
+        "--sites",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the GPUs split over N sites joined by a wide-area link (docs/diloco.md)",
+    )
+    p.add_argument(
+        "--wan-gbps", type=float, default=None, metavar="B", help="each site's link, Gbit/s a way"
+    )
+    p.add_argument(
+        "--wan-km", type=float, default=0.0, metavar="D", help="km between neighbouring sites"
     )
     p.add_argument("--top", type=int, default=5, metavar="K", help="layouts to rank (5)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -120,17 +137,20 @@ def plan(args) -> dict:
     gpn = acc.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
     if gpn < 1:
         raise ConfigError(f"--gpus-per-node must be >= 1, got {gpn}")
+    link = _wan(args)
     base = cli.load_config(args)
     tokens = args.tokens_per_step or candidates.tokens_per_step(base, args.gpus)
     if tokens < 1:
         raise ConfigError(f"--tokens-per-step must be >= 1, got {tokens}")
+    # with sites, each runs the layout on its share of the GPUs and of the batch
+    gpus, site_tokens = args.gpus // args.sites, tokens // args.sites
     start = time.perf_counter()
-    evaluated = candidates.evaluate(base, args.gpus, acc, gpn, tokens)
+    evaluated = candidates.evaluate(base, gpus, acc, gpn, site_tokens)
     if not evaluated:
         raise ConfigError(
-            f"no layout of {args.gpus} GPUs divides the model and {tokens} tokens per step "
-            f"({tokens // base.model.seq_len} sequences of {base.model.seq_len}): change --gpus "
-            "or --tokens-per-step"
+            f"no layout of {gpus} GPUs divides the model and {site_tokens} tokens per step "
+            f"({site_tokens // base.model.seq_len} sequences of {base.model.seq_len}): change "
+            "--gpus, --sites or --tokens-per-step"
         )
     shown = PLOTTED if args.plot else 0
     best = candidates.rank(base, evaluated, acc.memory, args.top, at_least=shown)
@@ -140,17 +160,85 @@ def plan(args) -> dict:
     r = {
         "base": base,
         "acc": acc,
-        "gpus": args.gpus,
+        "gpus": gpus,
         "gpus_per_node": gpn,
-        "tokens": tokens,
+        "tokens": site_tokens,
         "evaluated": evaluated,
         "best": best,
         "faster_oom": faster_oom,
         "slower": slower,
     }
     r["own"] = own_layout(base, r)
+    r["wan"] = _across(base, link, best[0].time) if link is not None and best else None
     r["seconds"] = time.perf_counter() - start
     return r
+
+
+def _wan(args) -> wan.Wan | None:
+    """The wide-area link of --sites, checked, or None (one site)."""
+    if args.sites < 1:
+        raise ConfigError(f"--sites must be >= 1, got {args.sites}")
+    if args.sites == 1:
+        return None
+    if args.gpus % args.sites:
+        raise ConfigError(f"--gpus ({args.gpus}) must divide by --sites ({args.sites})")
+    if args.wan_gbps is None or args.wan_gbps <= 0:
+        raise ConfigError("--sites > 1 needs --wan-gbps B > 0: each site's link, Gbit/s a way")
+    if args.wan_km < 0:
+        raise ConfigError(f"--wan-km must be >= 0, got {args.wan_km}")
+    return wan.Wan(args.sites, args.wan_gbps, args.wan_km)
+
+
+def _across(base: Config, link: wan.Wan, step: steptime.StepTime) -> dict:
+    """The sites joined by `link`, each running the plan's #1 (its step `step`): one
+    synchronisation of the whole model, data parallelism across the sites (its gradients
+    every step) and DiLoCo at each H of wan.INTERVALS (its pseudo-gradients every H)."""
+    n = llama.param_count(base.model)
+    par = base.parallel
+    sync = link.all_reduce_s(n * dtype_bytes(par.diloco_dtype))
+    grads = link.all_reduce_s(n * dtype_bytes(par.grad_reduce_dtype))
+    per_gpu = step.tokens_per_device
+    rows = {h: wan.step_with_sync(step.total, sync, h) for h in wan.INTERVALS}
+    return {
+        "sites": link.sites,
+        "gbps": link.gbps,
+        "km": link.km,
+        "latency_s": link.latency_s,
+        "params": n,
+        "sync_bytes": n * dtype_bytes(par.diloco_dtype),
+        "sync_dtype": par.diloco_dtype,
+        "sync_s": sync,
+        "step_s": step.total,
+        "data_parallel_step_s": step.total + grads,
+        "data_parallel_tokens_per_s_per_gpu": per_gpu / (step.total + grads),
+        "diloco": {h: {"step_s": t, "tokens_per_s_per_gpu": per_gpu / t} for h, t in rows.items()},
+        "hiding_h": wan.hiding_interval(step.total, sync),
+    }
+
+
+def _wan_lines(w: dict) -> list[str]:
+    km = f", {w['km']:,.0f} km apart ({w['latency_s'] * 1e3:.1f} ms a crossing)" if w["km"] else ""
+    gb = w["sync_bytes"] / 1e9
+    lines = [
+        f"across {w['sites']} sites{km}, {w['gbps']:,.0f} Gbit/s each way per site; each site "
+        f"runs #1 on its GPUs ({w['step_s']:.2f} s a step):",
+        f"    one synchronisation of the {w['params'] / 1e9:,.2f}B parameters "
+        f"({w['sync_dtype']}, {gb:,.1f} GB): {w['sync_s']:,.2f} s (cost/wan.py: a bidirectional "
+        "ring, the link's bandwidth and the fibre's latency only)",
+        f"    data parallelism across the sites (gradients every step): "
+        f"{w['data_parallel_step_s']:,.2f} s a step, "
+        f"{w['data_parallel_tokens_per_s_per_gpu']:,.0f} tok/s/GPU",
+    ]
+    rows = ", ".join(
+        f"H={h} {r['step_s']:,.2f} s ({r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU)"
+        for h, r in w["diloco"].items()
+    )
+    lines.append(f"    DiLoCo, the sync waited for every H steps: {rows}")
+    lines.append(
+        f"    the smallest H whose steps last as long as one sync: {w['hiding_h']:,} (hidden "
+        "only if the sync overlaps the next steps: streaming DiLoCo, not in ultrajax yet)"
+    )
+    return lines
 
 
 @dataclass
@@ -355,9 +443,10 @@ def _shown_parts(t: steptime.StepTime) -> list[str]:
 def report(r: dict, args) -> str:
     base, acc, best = r["base"], r["acc"], r["best"]
     seq = base.model.seq_len
+    site = f" a site, {args.sites} sites" if args.sites > 1 else ""
     lines = [
-        f"plan: {args.config} on {args.gpus} x {acc.name} ({r['gpus_per_node']} per node), "
-        f"{r['tokens']:,} tokens per step ({r['tokens'] // seq} x {seq}); "
+        f"plan: {args.config} on {r['gpus']} x {acc.name} ({r['gpus_per_node']} per node), "
+        f"{r['tokens']:,} tokens per step ({r['tokens'] // seq} x {seq}){site}; "
         f"{len(r['evaluated'])} layouts in {r['seconds']:.1f} s",
         f"memory: memory.estimate per device against {acc.memory / GiB:.1f} GiB; time: "
         "cost/steptime.py (docs/planner.md: what is fitted, and its measured accuracy)",
@@ -370,6 +459,8 @@ def report(r: dict, args) -> str:
         lines.append("    nothing fits: every layout needs more memory than the GPU has")
     lines += _legend(best)
     lines += ["", *_own_lines(r["own"], r, base)]
+    if r.get("wan"):
+        lines += ["", *_wan_lines(r["wan"])]
     oom = r["faster_oom"]
     if oom:
         lines += [
@@ -446,6 +537,7 @@ def main(argv=None) -> int:
             "faster_oom": [_summary(e, base, acc) for e in r["faster_oom"]],
             "slower": [_summary(e, base, acc, best[0]) for e in r["slower"][:100]] if best else [],
             "own": _own_json(r["own"], r, base),
+            "wan": r["wan"],
             "parts": {k: f"{label}: {what}" for k, (label, what) in PARTS.items()},
             "fit": vars(steptime.ULTRAJAX),
         }
