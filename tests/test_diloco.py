@@ -220,6 +220,7 @@ def test_the_replicas_and_the_outer_state_are_saved_and_restored_exactly(tmp_pat
         (("mesh.data=2", "mesh.pipeline=2", "train.grad_accum=2"), "mesh.pipeline > 1"),
         (("mesh.data=2", "parallel.diloco_outer_momentum=1"), "in \\[0, 1\\)"),
         (("mesh.data=2", "train.noise_every=5"), "train.noise_every=0"),
+        (("mesh.data=2", "parallel.diloco_fragments=3"), "must be >= 1 and divide"),
     ],
 )
 def test_settings_diloco_cannot_run_are_refused_in_one_line(overrides, message):
@@ -260,3 +261,67 @@ def test_diloco_settings_are_part_of_the_run_identity():
     h4 = run_identity(harness.make("mesh.data=2", "parallel.diloco_steps=4")[0])
     h8 = run_identity(harness.make("mesh.data=2", "parallel.diloco_steps=8")[0])
     assert len({plain, h4, h8}) == 3
+
+
+def test_streaming_fragments_take_turns():
+    """parallel.diloco_fragments=F: fragment f synchronises at the steps where step /
+    (H / F) = f mod F, each every H steps, one every H / F steps; F = 1 at every H-th."""
+    from ultrajax.parallel import diloco
+
+    def order(h, f):
+        return [int(diloco.due(count, h, f)) for count in range(1, 9)]
+
+    assert order(4, 1) == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert order(4, 2) == [0, 2, 0, 1, 0, 2, 0, 1]
+    assert order(4, 4) == [2, 3, 4, 1, 2, 3, 4, 1]
+
+
+def _fragment_rows(got, before, whole, f, axis, layered):
+    """Fragment f of 2: its half of a layer stack's rows as the whole sync left them, the
+    other half as before; the rest moved by fragment 0 alone."""
+    if not layered:
+        np.testing.assert_array_equal(got, whole if f == 0 else before)
+        return
+    n = got.shape[axis] // 2
+    mine = np.arange(f * n, (f + 1) * n)
+    rest = np.setdiff1d(np.arange(2 * n), mine)
+    np.testing.assert_array_equal(np.take(got, mine, axis), np.take(whole, mine, axis))
+    np.testing.assert_array_equal(np.take(got, rest, axis), np.take(before, rest, axis))
+
+
+def test_a_fragment_synchronises_its_own_layers_only():
+    """Streaming DiLoCo (F = 2): fragment 1's sync moves the second half of every layer
+    stack's rows (outer, momentum, replicas) as the whole sync would, and nothing else;
+    fragment 0's moves the first half and the embedding, final norm and LM head. The
+    compiled step holds one all-reduce over `data` per fragment, in the switch's
+    branches, together the whole sync's bytes (the formula's per step, unchanged)."""
+    from ultrajax.parallel import diloco
+    from ultrajax.parallel.layout import Layout
+
+    cfg = tp.make_cfg(tp.LAYOUTS[LAYOUT], "parallel.diloco_steps=4", "parallel.diloco_fragments=2")
+    mesh, rules, _, _, shardings, _ = harness.setup(cfg)
+    rng = np.random.default_rng(3)
+    state = jax.device_get(_run(LAYOUT, "parallel.diloco_steps=2")[2][0])
+    theta = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), state["params"])
+    mom = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), theta)
+    reps = jax.tree.map(lambda a: a + 0.01 * rng.standard_normal((R, *a.shape), np.float32), theta)
+    where = (shardings["params"], shardings["params"], shardings["opt_state"]["replicas"])
+    layout = Layout(cfg, mesh, rules)
+    with jax.set_mesh(mesh):
+        args = jax.device_put((theta, mom, reps), where)
+        whole = jax.device_get(jax.jit(diloco.synchronise(cfg, layout))(*args))
+        parts = [jax.device_get(jax.jit(diloco.synchronise(cfg, layout, f))(*args)) for f in (0, 1)]
+    for f, got in enumerate(parts):
+        for i, was in enumerate((theta, mom, reps)):
+            axis = 1 if i == 2 else 0  # the replicas' stack leads
+            for k in theta:
+                trees = (got[i][k], was[k], whole[i][k])
+                for a, b, w in zip(*map(jax.tree.leaves, trees), strict=True):
+                    _fragment_rows(a, b, w, f, axis, k == "layers")
+    text = _run(LAYOUT, "parallel.diloco_steps=4", "parallel.diloco_fragments=2")[3]
+    found, _ = hlo.collectives(text, branch=1 / 4)
+    over_data = [c for c in found if c.group == R]
+    assert [c.kind for c in over_data] == ["all-reduce"] * 2
+    assert len({c.computation for c in over_data}) == 2
+    (term,) = [t for t in comms.expected(cfg) if t.axis == "data"]
+    assert sum(c.traffic * c.count for c in over_data) == pytest.approx(term.traffic, rel=1e-6)

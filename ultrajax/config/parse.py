@@ -197,6 +197,7 @@ def run_identity(cfg: Config) -> str:
     par = cfg.parallel
     if par.diloco_steps:  # DiLoCo trains another way: its replicas (mesh.data) and outer step
         keys = ("diloco_steps", "diloco_outer_lr", "diloco_outer_momentum", "diloco_dtype")
+        keys += ("diloco_fragments",)
         tree["diloco"] = {k: getattr(par, k) for k in keys} | {"replicas": cfg.mesh.data}
     tree["seed"] = cfg.train.seed
     tree["optim"].pop("schedule_steps")  # checked on resume, like train.steps

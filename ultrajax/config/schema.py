@@ -209,6 +209,9 @@ class ParallelConfig:
     diloco_steps: int = 0
     diloco_outer_lr: float = 0.7
     diloco_outer_momentum: float = 0.9
+    # streaming DiLoCo: the layers synchronised in this many fragments, one every H / F
+    # steps (fragment f at the steps where step / (H / F) = f mod F); 1: all at once
+    diloco_fragments: int = 1
     # the pseudo-gradients' dtype over `data` (their mean is taken in it)
     diloco_dtype: Literal["float32", "bfloat16"] = "float32"
 

@@ -343,6 +343,15 @@ def _validate_diloco(cfg: Config) -> None:
         0 <= par.diloco_outer_momentum < 1,
         f"parallel.diloco_outer_momentum must be in [0, 1), got {par.diloco_outer_momentum}",
     )
+    h, f, m = par.diloco_steps, par.diloco_fragments, cfg.model
+    units = m.n_layers // (m.moe_every if m.moe else 1)
+    of = f"the layers ({units})" if units == m.n_layers else f"the units of moe_every ({units})"
+    _check(
+        f >= 1 and h % f == 0 and units % f == 0,
+        f"parallel.diloco_fragments ({f}) must be >= 1 and divide parallel.diloco_steps ({h}) "
+        f"and {of}: a fragment of whole layers synchronises every diloco_steps / "
+        "diloco_fragments steps",
+    )
     _check(
         par.collectives == "explicit",
         "parallel.diloco_steps with parallel.collectives=gspmd: DiLoCo runs in the explicit "

@@ -91,16 +91,38 @@ def per_replica(layout, per_device, out_specs, batch_spec):
     return layout.shard_map(fn, in_specs, (lead(grads), row, row, row))
 
 
-def synchronise(cfg: Config, layout):
+def due(count, h: int, fragments: int):
+    """Which synchronisation runs after the `count`-th step: 0 none, f + 1 fragment f.
+    Fragment f syncs at the steps where count / (H / F) = f (mod F): every H steps each,
+    one every H / F steps in turn (streaming DiLoCo); F = 1: all at every H-th step."""
+    every = h // fragments
+    return jnp.where(count % every == 0, (count // every) % fragments + 1, 0)
+
+
+def _rows(layered: bool, fragment: int | None, fragments: int):
+    """The part of a leaf fragment `fragment` synchronises: a layer stack's rows of its
+    share of the layers (fragments of whole layers, in the model's order), the rest
+    (embedding, final norm, LM head) with fragment 0; everything when not streaming."""
+    if fragment is None:
+        return lambda a: slice(None)
+    if layered:
+        return lambda a: slice(
+            fragment * a.shape[0] // fragments, (fragment + 1) * a.shape[0] // fragments
+        )
+    return lambda a: slice(None) if fragment == 0 else slice(0, 0)
+
+
+def synchronise(cfg: Config, layout, fragment: int | None = None):
     """sync(outer, momentum, replicas) -> the same after the outer step, per device (every
     axis manual, as the explicit step): each device's shard of the pseudo-gradient
     (outer minus its replica), summed over `data` in `diloco_dtype` (one all-reduce of
     this device's share of the parameters), the outer Nesterov step on the mean, and the
-    replica set to the new outer parameters."""
+    replica set to the new outer parameters. `fragment`: streaming DiLoCo's fragment
+    (`_rows`), whose rows alone move; None, all of them."""
     par = cfg.parallel
     lr, mu = par.diloco_outer_lr, par.diloco_outer_momentum
     dt, f32 = jnp.dtype(par.diloco_dtype), jnp.float32
-    r = cfg.mesh.data
+    r, fragments = cfg.mesh.data, par.diloco_fragments
 
     def one(theta, m, rep):
         pseudo = (theta.astype(f32) - rep[0].astype(f32)).astype(dt)
@@ -109,8 +131,22 @@ def synchronise(cfg: Config, layout):
         theta = (theta.astype(f32) - lr * (delta + mu * m)).astype(theta.dtype)
         return theta, m, theta[None].astype(rep.dtype)
 
+    def part(rows, theta, m, rep):
+        """`one` on this fragment's rows of the leaf, the other rows as they were."""
+        at = rows(theta)
+        if at == slice(None):
+            return one(theta, m, rep)
+        if at.start == at.stop:
+            return theta, m, rep
+        new = one(theta[at], m[at], rep[:, at])
+        return theta.at[at].set(new[0]), m.at[at].set(new[1]), rep.at[:, at].set(new[2])
+
     def per_device(outer, momentum, replicas):
-        out = jax.tree.map(one, outer, momentum, replicas)
+        out = {}
+        for k in outer:
+            rows = _rows(k == "layers", fragment, fragments)
+            out[k] = jax.tree.map(lambda *a, rows=rows: part(rows, *a), outer[k], momentum[k],
+                                  replicas[k])  # fmt: skip
         pick = lambda i: jax.tree.map(lambda _, o: o[i], outer, out)  # noqa: E731
         return pick(0), pick(1), pick(2)
 
@@ -119,12 +155,12 @@ def synchronise(cfg: Config, layout):
     return layout.shard_map(per_device, (stored, stored, lead), (stored, stored, lead))
 
 
-def make_update(cfg: Config, tx, gradients, sync, scale, update_bias):
+def make_update(cfg: Config, tx, gradients, syncs, scale, update_bias):
     """update(state, batch, lr) -> (state, loss, grad norm, targets, MoE statistics) under
     DiLoCo: every replica one inner step (`gradients` with a leading replica axis, the
-    optimizer vmapped over it: clipping and Adam per replica), then, every H-th step,
-    `sync` (`synchronise`) inside a conditional: the compiled program reduces over `data`
-    only there.
+    optimizer vmapped over it: clipping and Adam per replica), then the synchronisation
+    `due` (`syncs`: one `synchronise` per fragment) as a branch of a switch whose other
+    branch does nothing: the compiled program reduces over `data` only there.
     `scale(updates, lr)` and `update_bias` are the plain step's (train/step.py)."""
     h = cfg.parallel.diloco_steps
 
@@ -142,11 +178,9 @@ def make_update(cfg: Config, tx, gradients, sync, scale, update_bias):
             bias = update_bias(cfg.model, layers["router_bias"], stats["load"])
             replicas = dict(replicas, layers=dict(layers, router_bias=bias))
         count = state["step"] + 1
-        outer, momentum, replicas = jax.lax.cond(
-            count % h == 0,
-            lambda a: sync(*a),
-            lambda a: a,
-            (state["params"], opt["momentum"], replicas),
+        branches = [lambda a: a] + [lambda a, sync=sync: sync(*a) for sync in syncs]
+        outer, momentum, replicas = jax.lax.switch(
+            due(count, h, len(syncs)), branches, (state["params"], opt["momentum"], replicas)
         )
         opt = {"inner": inner_state, "replicas": replicas, "momentum": momentum}
         new = {"step": count, "params": outer, "opt_state": opt}

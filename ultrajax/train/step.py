@@ -147,8 +147,9 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
 
     if diloco.active(cfg):  # the replicas' inner steps, every H-th the outer one
         layout = Layout(cfg, *_mesh_rules(cfg, mesh, rules))
-        sync = diloco.synchronise(cfg, layout)
-        update = diloco.make_update(cfg, tx, gradients, sync, optim.scale, moe.update_bias)
+        f = cfg.parallel.diloco_fragments
+        syncs = [diloco.synchronise(cfg, layout, i if f > 1 else None) for i in range(f)]
+        update = diloco.make_update(cfg, tx, gradients, syncs, optim.scale, moe.update_bias)
 
     def train_step(state, batch, position=None):
         lr = schedule(state["step"] if position is None else position)
