@@ -139,6 +139,23 @@ def test_the_step_reduces_over_data_only_when_it_synchronises():
     assert sync.traffic * sync.count == pytest.approx(terms[0].traffic, rel=1e-6)
 
 
+def _sync_inputs(cfg, seed):
+    """(mesh, rules, fresh random (outer, momentum, replicas) shaped as the layout's
+    state, their shardings): the replicas 1% apart from the outer parameters."""
+    mesh, rules, _, _, shardings, _ = harness.setup(cfg)
+    rng = np.random.default_rng(seed)
+    state = jax.device_get(_run(LAYOUT, "parallel.diloco_steps=2")[2][0])
+
+    def fresh(a):
+        return rng.standard_normal(a.shape).astype(np.float32)
+
+    theta = jax.tree.map(fresh, state["params"])
+    mom = jax.tree.map(fresh, theta)
+    reps = jax.tree.map(lambda a: a + 0.01 * rng.standard_normal((R, *a.shape), np.float32), theta)
+    where = (shardings["params"], shardings["params"], shardings["opt_state"]["replicas"])
+    return mesh, rules, (theta, mom, reps), where
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_outer_step_is_nesterov_on_the_mean_pseudo_gradient(dtype):
     """diloco.synchronise on fresh random values: delta = the replicas' mean of (outer -
@@ -151,17 +168,10 @@ def test_the_outer_step_is_nesterov_on_the_mean_pseudo_gradient(dtype):
 
     cfg = tp.make_cfg(tp.LAYOUTS[LAYOUT], "parallel.diloco_steps=2",
                       f"parallel.diloco_dtype={dtype}")  # fmt: skip
-    mesh, rules, _, _, shardings, _ = harness.setup(cfg)
-    rng = np.random.default_rng(7)
-    state = jax.device_get(_run(LAYOUT, "parallel.diloco_steps=2")[2][0])
-    theta = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), state["params"])
-    mom = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), theta)
-    reps = jax.tree.map(lambda a: a + 0.01 * rng.standard_normal((R, *a.shape), np.float32), theta)
+    mesh, rules, (theta, mom, reps), where = _sync_inputs(cfg, 7)
     with jax.set_mesh(mesh):
         sync = jax.jit(diloco.synchronise(cfg, Layout(cfg, mesh, rules)))
-        args = jax.device_put((theta, mom, reps), (shardings["params"], shardings["params"],
-                              shardings["opt_state"]["replicas"]))  # fmt: skip
-        got = jax.device_get(sync(*args))
+        got = jax.device_get(sync(*jax.device_put((theta, mom, reps), where)))
 
     def bf(x):
         return np.asarray(x, ml_dtypes.bfloat16) if dtype == "bfloat16" else np.asarray(x)
@@ -299,13 +309,7 @@ def test_a_fragment_synchronises_its_own_layers_only():
     from ultrajax.parallel.layout import Layout
 
     cfg = tp.make_cfg(tp.LAYOUTS[LAYOUT], "parallel.diloco_steps=4", "parallel.diloco_fragments=2")
-    mesh, rules, _, _, shardings, _ = harness.setup(cfg)
-    rng = np.random.default_rng(3)
-    state = jax.device_get(_run(LAYOUT, "parallel.diloco_steps=2")[2][0])
-    theta = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), state["params"])
-    mom = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), theta)
-    reps = jax.tree.map(lambda a: a + 0.01 * rng.standard_normal((R, *a.shape), np.float32), theta)
-    where = (shardings["params"], shardings["params"], shardings["opt_state"]["replicas"])
+    mesh, rules, (theta, mom, reps), where = _sync_inputs(cfg, 3)
     layout = Layout(cfg, mesh, rules)
     with jax.set_mesh(mesh):
         args = jax.device_put((theta, mom, reps), where)
