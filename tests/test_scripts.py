@@ -35,3 +35,21 @@ def test_bench_cpu_attention_prints_each_backend_beside_xla(capsys):
     for name in ("xla", "blocked", "tiled"):
         assert float(rows[name][1]) > 0  # ms
         assert float(rows[name][3]) < 1e-5  # the same attention as xla's, fp32
+
+
+def test_diloco_tiny_reads_its_runs_and_compares_them_with_data_parallelism(tmp_path, capsys):
+    """scripts/diloco_tiny.py reads a run it already has (never trains it again) and
+    prints each final eval loss against data parallelism's."""
+    import json
+
+    import diloco_tiny
+
+    for i, name in enumerate(diloco_tiny.RUNS):
+        run = diloco_tiny._dir(tmp_path, name)
+        run.mkdir(parents=True)
+        lines = [{"step": 100, "eval_loss": 2.0 + i}, {"step": 200, "eval_loss": 1.5 + i / 10}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert len({diloco_tiny._dir(tmp_path, n) for n in diloco_tiny.RUNS}) == len(diloco_tiny.RUNS)
+    assert diloco_tiny.main(["--runs", str(tmp_path)]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| H=4, outer")]
+    assert rows == ["| H=4, outer 0.7 / Nesterov 0.9 | 1.6000 (step 200) | +6.7% |"]
