@@ -29,7 +29,7 @@ from ultrajax.train import resume as resume_lib
 from ultrajax.train.checkpoint import Checkpoints
 from ultrajax.train.noise_probe import NoiseProbe
 from ultrajax.train.ramp import Ramp
-from ultrajax.train.record import Throughput, log_line, scalar, step_record
+from ultrajax.train.record import Throughput, fetch, log_line, scalar, step_record
 from ultrajax.train.setup import RunParts, build_run, compile_steps, rows_to_global, to_global
 
 
@@ -176,7 +176,7 @@ class Training:
         is_log, is_eval = self.due(stop, switched)
         record = None
         if is_log or is_eval:
-            out = jax.device_get(out)  # the only host sync: at log steps
+            out = fetch(out)  # the only host sync: at log steps
             switched |= ramp.observe(scalar(out["loss"]))  # a loss threshold reached
             self.noise.fold()
             rate = self.speed.lap(ramp.tokens)

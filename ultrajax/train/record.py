@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+import jax
 import numpy as np
 
 from ultrajax.config.schema import Config
@@ -96,6 +97,18 @@ def step_record(
     if "moe" in out:
         record.update(moe_record(out["moe"]))
     return record
+
+
+def fetch(out):
+    """A step's metrics on the host. DiLoCo's come one per replica, split over `data`, and
+    across hosts no process holds them all: they are gathered then (every process calls
+    this at the same steps), not inside the step, where a collective over `data` would
+    run at every step."""
+    if all(getattr(a, "is_fully_addressable", True) for a in jax.tree.leaves(out)):
+        return jax.device_get(out)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(out, tiled=True)
 
 
 def scalar(value) -> float:
