@@ -156,13 +156,14 @@ def _sync_inputs(cfg, seed):
     return mesh, rules, (theta, mom, reps), where
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 def test_the_outer_step_is_nesterov_on_the_mean_pseudo_gradient(dtype):
     """diloco.synchronise on fresh random values: delta = the replicas' mean of (outer -
     replica), summed in parallel.diloco_dtype (bf16: each pseudo-gradient and their sum
-    rounded to it), m <- 0.9 m + delta, outer <- outer - 0.7 (delta + 0.9 m), every
-    replica the new outer parameters. (XLA:CPU promotes a bf16 all-reduce to fp32 after
-    the rounding, so its bytes are a GPU's to show; the numbers are bf16's.)"""
+    rounded to it; fp8: each scaled by its own amax to e4m3 and back, then averaged),
+    m <- 0.9 m + delta, outer <- outer - 0.7 (delta + 0.9 m), every replica the new outer
+    parameters. (XLA:CPU promotes a bf16 all-reduce to fp32 after the rounding, so its
+    bytes are a GPU's to show; the numbers are bf16's.)"""
     from ultrajax.parallel import diloco
     from ultrajax.parallel.layout import Layout
 
@@ -176,9 +177,16 @@ def test_the_outer_step_is_nesterov_on_the_mean_pseudo_gradient(dtype):
     def bf(x):
         return np.asarray(x, ml_dtypes.bfloat16) if dtype == "bfloat16" else np.asarray(x)
 
+    def e4m3(x):  # a replica's pseudo-gradient as it arrives: scaled by its amax, e4m3
+        scale = np.float32(448.0) / np.abs(x).max()
+        return (x * scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) / scale
+
     for t, m, r, g_t, g_m, g_r in zip(*map(jax.tree.leaves, (theta, mom, reps, *got)),
                                       strict=True):  # fmt: skip
-        delta = np.asarray(bf(bf(t - r[0]) + bf(t - r[1])) / 2, np.float32)
+        if dtype == "float8_e4m3fn":
+            delta = (e4m3(t - r[0]) + e4m3(t - r[1])) / 2
+        else:
+            delta = np.asarray(bf(bf(t - r[0]) + bf(t - r[1])) / 2, np.float32)
         want_m = 0.9 * m + delta
         want_t = t - 0.7 * (delta + 0.9 * want_m)
         np.testing.assert_allclose(g_m, want_m, rtol=1e-6, atol=1e-7)
@@ -329,3 +337,26 @@ def test_a_fragment_synchronises_its_own_layers_only():
     assert len({c.computation for c in over_data}) == 2
     (term,) = [t for t in comms.expected(cfg) if t.axis == "data"]
     assert sum(c.traffic * c.count for c in over_data) == pytest.approx(term.traffic, rel=1e-6)
+
+
+def test_fp8_pseudo_gradients_travel_as_one_byte_and_a_scale():
+    """parallel.diloco_dtype=float8_e4m3fn: the sync gathers each replica's e4m3
+    pseudo-gradients (a byte a value) and their fp32 scales over `data` instead of an
+    fp32 all-reduce: a quarter of fp32's bytes a value for 2 replicas, what the
+    communication model's term says."""
+    from ultrajax.tools import analyze
+
+    fp8 = ("parallel.diloco_steps=4", "parallel.diloco_dtype=float8_e4m3fn")
+    cfg = tp.make_cfg(tp.LAYOUTS[LAYOUT], *fp8)
+    # as the partitioner left it: XLA:CPU then moves an f8 all-gather as f16 (analyze reads
+    # this module too)
+    text = analyze.compile_step_partitioned(cfg, jax.devices(), harness.FAST)[1]
+    found, _ = hlo.collectives(text, branch=1 / 4)
+    over_data = [c for c in found if c.group == R]
+    assert {c.kind for c in over_data} == {"all-gather"}, over_data
+    values = [c for c in over_data if "f8" in c.dtype]
+    states = _run(LAYOUT, "parallel.diloco_steps=4")[2]
+    elements = sum(np.prod(a.shape) for a in jax.tree.leaves(states[-1]["params"])) / 4
+    assert sum(c.bytes for c in values) == pytest.approx(R * elements, rel=0.02)
+    (term,) = [t for t in comms.expected(cfg) if t.axis == "data"]
+    assert sum(c.traffic * c.count for c in over_data) == pytest.approx(term.traffic, rel=0.02)

@@ -212,8 +212,9 @@ class ParallelConfig:
     # streaming DiLoCo: the layers synchronised in this many fragments, one every H / F
     # steps (fragment f at the steps where step / (H / F) = f mod F); 1: all at once
     diloco_fragments: int = 1
-    # the pseudo-gradients' dtype over `data` (their mean is taken in it)
-    diloco_dtype: Literal["float32", "bfloat16"] = "float32"
+    # the pseudo-gradients' dtype over `data`: float32 and bfloat16 are summed in it;
+    # float8_e4m3fn is each replica's scaled by its own amax, gathered with its scale
+    diloco_dtype: Literal["float32", "bfloat16", "float8_e4m3fn"] = "float32"
 
 
 @dataclass

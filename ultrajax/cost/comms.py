@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from ultrajax.config.schema import Config
 from ultrajax.cost import activations, sizes, units
 from ultrajax.cost.units import dtype_bytes
+from ultrajax.model import llama
 from ultrajax.parallel import mesh as mesh_lib
 from ultrajax.parallel.axes import FSDP
 from ultrajax.parallel.pipeline import schedules as schedule
@@ -95,10 +96,17 @@ def _diloco_terms(cfg: Config) -> list[Term]:
     if not h or n == 1:
         return []
     nbytes = units.dtype_bytes(cfg.parallel.diloco_dtype) * sizes.param_elements(cfg)
-    return [
-        Term("all-reduce", f"pseudo-gradients over data (DiLoCo, once every {h} steps)",
-             "2Ψ(N-1)/N / H", _ring(nbytes, n, 2.0) / h, "data", "exposed")
-    ]  # fmt: skip
+    what = f"pseudo-gradients over data (DiLoCo, once every {h} steps)"
+    if units.dtype_bytes(cfg.parallel.diloco_dtype) == 1:  # fp8: gathered, each with its scale
+        per = n * (nbytes + 4 * _leaves(cfg))  # every replica's bytes arrive at every rank
+        return [Term("all-gather", what + ", fp8 and scales", "Ψ(N-1) / H",
+                     _ring(per, n) / h, "data", "exposed")]  # fmt: skip
+    return [Term("all-reduce", what, "2Ψ(N-1)/N / H", _ring(nbytes, n, 2.0) / h, "data", "exposed")]
+
+
+def _leaves(cfg: Config) -> int:
+    """How many parameter arrays the model has (fp8 pseudo-gradients: one scale each)."""
+    return sum(1 for _ in llama.params_of(cfg.model))
 
 
 def _data_axes(cfg: Config) -> tuple[int, int, int]:

@@ -25,12 +25,12 @@ E4M3 = jnp.float8_e4m3fn  # forward operands
 E5M2 = jnp.float8_e5m2  # the backward's gradient operand
 
 
-def quantize(x, dtype):
+def quantize(x, dtype, amax=None):
     """(q, scale): x ~ q / scale, q in `dtype`, scale = the format's max / amax(x) (1
-    where x is all zeros), fp32."""
+    where x is all zeros), fp32. `amax`: the whole tensor's, where x is a shard of it."""
     top = float(jnp.finfo(dtype).max)
     x32 = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x32))
+    amax = jnp.max(jnp.abs(x32)) if amax is None else amax
     scale = jnp.where(amax > 0, top / jnp.maximum(amax, jnp.finfo(jnp.float32).tiny), 1.0)
     return jnp.clip(x32 * scale, -top, top).astype(dtype), scale
 

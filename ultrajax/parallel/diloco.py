@@ -19,12 +19,16 @@ optimizer states, stacked along a leading axis split over `data`, and the outer 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ultrajax.config.schema import Config
+from ultrajax.kernels.varying import vma
+from ultrajax.model import fp8
 from ultrajax.parallel.axes import DATA
 
 
@@ -116,7 +120,9 @@ def synchronise(cfg: Config, layout, fragment: int | None = None):
     """sync(outer, momentum, replicas) -> the same after the outer step, per device (every
     axis manual, as the explicit step): each device's shard of the pseudo-gradient
     (outer minus its replica), summed over `data` in `diloco_dtype` (one all-reduce of
-    this device's share of the parameters), the outer Nesterov step on the mean, and the
+    this device's share of the parameters; fp8: each replica's quantised with its own
+    scale and all-gathered, a byte a value from each), the outer Nesterov step on the
+    mean, and the
     replica set to the new outer parameters. `fragment`: streaming DiLoCo's fragment
     (`_rows`), whose rows alone move; None, all of them."""
     par = cfg.parallel
@@ -124,9 +130,22 @@ def synchronise(cfg: Config, layout, fragment: int | None = None):
     dt, f32 = jnp.dtype(par.diloco_dtype), jnp.float32
     r, fragments = cfg.mesh.data, par.diloco_fragments
 
+    def mean(pseudo):
+        """The replicas' mean pseudo-gradient, sent over `data` in `dt`."""
+        if dt.itemsize == 1:  # fp8: each replica's scaled by its own amax, with its scale
+            # the replica's whole tensor's amax (a shard's would make the scale depend
+            # on the layout): over the axes that split it, inside the replica
+            split = tuple(sorted(vma(pseudo) - {DATA}))
+            amax = jnp.max(jnp.abs(pseudo))
+            q, scale = fp8.quantize(pseudo, dt, jax.lax.pmax(amax, split) if split else amax)
+            gather = functools.partial(jax.lax.all_gather, axis_name=DATA, to="invarying")
+            qs, scales = gather(q), gather(scale)
+            each = qs.astype(f32) / scales.reshape(-1, *(1,) * q.ndim)
+            return jnp.mean(each, axis=0)
+        return (jax.lax.psum(pseudo.astype(dt), DATA) / jnp.asarray(r, dt)).astype(f32)
+
     def one(theta, m, rep):
-        pseudo = (theta.astype(f32) - rep[0].astype(f32)).astype(dt)
-        delta = (jax.lax.psum(pseudo, DATA) / jnp.asarray(r, dt)).astype(f32)
+        delta = mean(theta.astype(f32) - rep[0].astype(f32))
         m = mu * m + delta
         theta = (theta.astype(f32) - lr * (delta + mu * m)).astype(theta.dtype)
         return theta, m, theta[None].astype(rep.dtype)
