@@ -25,10 +25,8 @@ CASES = {
     ),
     # zero bubble: the experts' weight gradients from the pairs the input step kept, on the
     # rows each expert rank received; the router's bias (no gradient) passes through W
+    # (the blocks' deferred gradient: tests/test_grouped.py)
     "p2-expert2-data2-zb-h1": pp(2, "zb-h1", ("mesh.expert", 2), ("mesh.data", 2)),
-    # the blocks (a CPU's default), against the same ragged reference: fp32 summation
-    # order is their only difference (tests/test_expert.py)
-    "p2-data2-zb-h1-blocked": pp(2, "zb-h1", ("mesh.data", 2)),
     # 1F1B beside expert and data parallelism, with a dense layer before each MoE layer
     # (model.moe_every=2): each stage one unit of the two (model/units.py), each layer
     # recomputed on its own; its own one-device reference
@@ -38,9 +36,8 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_moe_pipelines_match_single_device(name):
-    model = (*MOE[:-1], "model.moe_grouped=blocked") if name.endswith("-blocked") else MOE
     every = ("model.moe_every=2", "model.remat=full") if name.endswith("-every2") else ()
-    got, ref = run(CASES[name], 4, *model, *every), run((), 4, *MOE, *every)
+    got, ref = run(CASES[name], 4, *MOE, *every), run((), 4, *MOE, *every)
     grid.assert_same_training(got, ref)
     total, count, _ = got[4]
     assert count == ref[4][1] > 0

@@ -425,8 +425,6 @@ MOE_SHAPE = (
         ("mesh.data=2", "mesh.expert=4", "model.remat=full"),
         ("mesh.expert=8",),
         ("mesh.data=2", "mesh.expert=4", "model.moe_grouped=ragged"),
-        # a dense layer before each MoE layer: the larger kind's working set
-        ("mesh.data=2", "mesh.expert=4", "model.n_layers=4", "model.moe_every=2"),
     ],
 )
 def test_moe_estimate_follows_the_compiled_step(layout):
