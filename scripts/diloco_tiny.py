@@ -5,7 +5,8 @@
 Trains configs/tiny.yaml on 8 simulated CPU devices, data=2 x fsdp=4 (2 replicas under
 DiLoCo), micro-batch 1 x 2 accumulated: the tiny run's global batch of 16 sequences in
 every run. One run of data parallelism, then DiLoCo at H = 4 and 16, each with the
-paper's outer step (lr 0.7, Nesterov 0.9) and with plain averaging (lr 1, no momentum).
+paper's outer step (lr 0.7, Nesterov 0.9) and with plain averaging (lr 1, no momentum),
+and streaming DiLoCo at H = 4 in 2 fragments with averaging.
 A run whose metrics.jsonl is already in --runs is read, not trained again. Prints the
 final eval losses against data parallelism's and draws the eval curves.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +31,10 @@ RUNS = {
     "H=4, averaging (outer 1, no momentum)": [
         "parallel.diloco_steps=4", "parallel.diloco_outer_lr=1", "parallel.diloco_outer_momentum=0"
     ],
+    "H=4, 2 fragments (streaming), averaging": [
+        "parallel.diloco_steps=4", "parallel.diloco_fragments=2", "parallel.diloco_outer_lr=1",
+        "parallel.diloco_outer_momentum=0",
+    ],
     "H=16, outer 0.7 / Nesterov 0.9": ["parallel.diloco_steps=16"],
     "H=16, averaging (outer 1, no momentum)": [
         "parallel.diloco_steps=16", "parallel.diloco_outer_lr=1", "parallel.diloco_outer_momentum=0"
@@ -37,11 +43,8 @@ RUNS = {
 
 
 def _dir(runs: Path, name: str) -> Path:
-    return (
-        runs
-        / name.split(",")[0].replace("=", "").replace(" ", "-").lower()
-        / ("avg" if "averaging" in name else "nesterov" if "Nesterov" in name else "dp")
-    )
+    """A run's directory, named after it."""
+    return runs / re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def evals(run_dir: Path) -> list[tuple[int, float]]:
