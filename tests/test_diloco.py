@@ -7,6 +7,7 @@ synchronisation's conditional (fp32, 3 steps)."""
 from __future__ import annotations
 
 import functools
+import json
 
 import harness
 import jax
@@ -360,3 +361,19 @@ def test_fp8_pseudo_gradients_travel_as_one_byte_and_a_scale():
     assert sum(c.bytes for c in values) == pytest.approx(R * elements, rel=0.02)
     (term,) = [t for t in comms.expected(cfg) if t.axis == "data"]
     assert sum(c.traffic * c.count for c in over_data) == pytest.approx(term.traffic, rel=0.02)
+
+
+def test_analyze_reports_the_sync_beside_its_formula(tmp_path, capsys):
+    """python -m ultrajax.analyze on a DiLoCo config compiles its step (the other
+    collectives mode is noted as not compiled: DiLoCo runs in the explicit step) and
+    shows the pseudo-gradients' term over `data`, 1/H a step."""
+    from ultrajax.config import parse
+    from ultrajax.tools import analyze
+
+    path = tmp_path / "diloco.yaml"
+    path.write_text(parse.dump(tp.make_cfg(tp.LAYOUTS[LAYOUT], "parallel.diloco_steps=4")))
+    assert analyze.main(["--config", str(path), "--cpu-devices", "8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    text = json.dumps(report)
+    assert "pseudo-gradients over data (DiLoCo, once every 4 steps)" in text
+    assert "gspmd not compiled: DiLoCo runs in the explicit step only" in text

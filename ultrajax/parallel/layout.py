@@ -37,6 +37,8 @@ from ultrajax.parallel.zero import Zero, prefetches
 def unsupported(cfg: Config, backend: str) -> str | None:
     """Why this step cannot compile on `backend`, or None."""
     p = cfg.parallel
+    if p.diloco_steps and p.collectives == "gspmd":  # the config's validation refuses it
+        return "DiLoCo runs in the explicit step only (each rank reads its own replica there)"
     if backend == "cpu" and p.collectives == "gspmd" and p.grad_reduce_dtype == "bfloat16":
         return (
             "parallel.grad_reduce_dtype=bfloat16 with parallel.collectives=gspmd aborts XLA's "
