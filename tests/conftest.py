@@ -17,13 +17,7 @@ _TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
 # The suite is compile-bound: XLA's lowest backend optimisation level gives the same HLO
 # and buffers (what the tests read) for half the compile time (harness.FAST)
 _FAST = "--xla_backend_optimization_level=0"
-# XLA:CPU compiles a module in parallel pieces on LLVM worker threads by default. A worker
-# of this suite segfaulted inside XLA:CPU's compile (test_remat, 2026-11-27) and twice in
-# executable.serialize() (2026-11-27, earlier), never alone; the xdist controller then
-# waits for ever. One piece a module takes those threads out; with two workers on two
-# cores they had little to gain.
-_SERIAL = "--xla_cpu_parallel_codegen_split_count=1"
-for _flag in (_TIMEOUT, _FAST, _SERIAL):
+for _flag in (_TIMEOUT, _FAST):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
