@@ -251,21 +251,15 @@ def test_settings_diloco_cannot_run_are_refused_in_one_line(overrides, message):
 def test_the_memory_model_holds_the_replicas_state():
     """The step's arguments are the outer parameters, this rank's replica and its
     optimizer state (Adam's moments and counts) and the fp32 outer momentum:
-    memory.estimate's equal the compiled step's to 0.1%, and the peak grows over plain
-    data parallelism's as the compiled one does, within 15% (the model reads 0.71 of
-    XLA:CPU's peak at this test's tiny shape either way)."""
+    memory.estimate's equal the compiled step's to 0.1% (the plain step's: tests/
+    test_memory.py; dropping the replica or the momentum misses by a third)."""
     from ultrajax.cost import memory
     from ultrajax.tools import analyze
 
-    def both(*extra):
-        cfg = tp.make_cfg(tp.LAYOUTS[LAYOUT], *extra)
-        step = analyze.compile_step(cfg, jax.devices(), harness.FAST)
-        return analyze.compiled_memory(step), memory.estimate(cfg)
-
-    (compiled, est), (plain, plain_est) = both("parallel.diloco_steps=4"), both()
-    assert est.arguments == pytest.approx(compiled["argument"], rel=1e-3)
-    grown = (est.peak - plain_est.peak) / (compiled["peak"] - plain["peak"])
-    assert 0.85 <= grown <= 1.15, (est.parts, compiled, plain)
+    cfg = tp.make_cfg(tp.LAYOUTS[LAYOUT], "parallel.diloco_steps=4")
+    step = analyze.compile_step(cfg, jax.devices(), harness.FAST)
+    est = memory.estimate(cfg)
+    assert est.arguments == pytest.approx(analyze.compiled_memory(step)["argument"], rel=1e-3)
 
 
 def test_diloco_settings_are_part_of_the_run_identity():
