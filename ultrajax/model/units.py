@@ -88,7 +88,7 @@ def layers(cfg: ModelConfig, unit) -> list:
 
     def pick(j):
         def one(p, v):
-            if p.when in (llama.DENSE,):
+            if p.when == llama.DENSE:
                 return _DROP if j == m - 1 else jax.tree.map(lambda a: a[j], v)
             if p.when in (llama.MOE, llama.SHARED):
                 return jax.tree.map(lambda a: a[0], v) if j == m - 1 else _DROP

@@ -17,7 +17,6 @@ Which one, and everything else about the layout, is decided once in parallel/lay
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -167,10 +166,8 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
 
 def jit_grad_norm(cfg: Config, mesh, rules: Rules, shardings: dict, batch_sh):
     """(params, batch) -> (|gradient|, targets) of one batch, nothing updated: the gradient
-    noise scale's small-batch measurement (one micro-batch at a time). Under DiLoCo: at
-    the outer parameters, over every replica's rows (the data-parallel gradient)."""
-    if diloco.active(cfg):
-        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, diloco_steps=0))
+    noise scale's small-batch measurement (one micro-batch at a time; not with DiLoCo,
+    whose steps have a gradient per replica: the config's validation refuses both)."""
     gradients = make_gradients(cfg, mesh, rules)
 
     def grad_norm(params, batch):
