@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     if platform == "cpu":
         source = "measured: fp32 1024x1024 matmul on this CPU, just before each size's steps"
     else:
-        source = peaks.device_peak(device, cfgs[0][1].model.dtype)[1] + " x devices"
+        source = peaks.device_peak(device, cfgs[0][1].model)[1] + " x devices"
     print(f"peak: {source}")
     print(f"timing: {args.warmup} warm-up + {args.steps} timed steps per size, random tokens")
     rows = []

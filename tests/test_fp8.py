@@ -1,4 +1,4 @@
-"""model/fp8.py (model.fp8=tensorwise): each FP8 matmul against a reference that quantises,
+"""model/fp8.py (model.fp8=tensorwise|rowwise): each FP8 matmul against a reference that quantises,
 dequantises and multiplies in fp32 (fresh random inputs), no inf or NaN far beyond the
 formats' range, and a train step whose lowered program multiplies e4m3 and e5m2."""
 
@@ -10,6 +10,7 @@ import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ultrajax.model import fp8
 from ultrajax.model.ops import Reduce, Weight, dense
@@ -25,8 +26,8 @@ def _inputs(seed=0, scale=1.0):
     return x, w, g
 
 
-def _dequantised(a, dtype):
-    q, s = fp8.quantize(a, dtype)
+def _dequantised(a, dtype, axes=None):
+    q, s = fp8.quantize(a, dtype, axes=axes)
     return q.astype(jnp.float32) / s
 
 
@@ -58,14 +59,55 @@ def test_matmul_and_its_gradients_are_the_quantised_products():
     assert float(jnp.max(jnp.abs(y - exact))) < 0.1 * float(jnp.max(jnp.abs(exact)))
 
 
-def test_values_far_beyond_the_formats_give_no_inf_or_nan():
+def test_rowwise_scales_each_row_onto_the_formats_largest_value():
+    x, _, _ = _inputs(4)
+    q, s = fp8.quantize(x, fp8.E4M3, axes=(2,))
+    assert s.shape == (2, 16, 1)
+    np.testing.assert_array_equal(jnp.max(jnp.abs(q.astype(jnp.float32)), axis=2), 448.0)
+
+
+def test_rowwise_products_are_the_quantised_products():
+    """Forward: x per token (amax over d) against w per output column (amax over d);
+    dx: g per token (over f) against w per input row (over f); dw: x and g per feature
+    (amax over the tokens). Each the fp32 product of the dequantised operands."""
+    x, w, g = _inputs(5)
+    y, pull = jax.vjp(lambda x, w: fp8.matmul(EQ, x, w, "rowwise"), x, w)
+    dx, dw = pull(g)
+    e4, e5 = fp8.E4M3, fp8.E5M2
+    y_ref = jnp.einsum(EQ, _dequantised(x, e4, (2,)), _dequantised(w, e4, (0,)))
+    dx_ref = jnp.einsum("btf,df->btd", _dequantised(g, e5, (2,)), _dequantised(w, e4, (1,)))
+    dw_ref = jnp.einsum("btd,btf->df", _dequantised(x, e4, (0, 1)), _dequantised(g, e5, (0, 1)))
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-5, atol=1e-4)
+    # not the tensorwise products: the scales differ row by row
+    assert float(jnp.max(jnp.abs(y - fp8.matmul(EQ, x, w)))) > 1e-4
+
+
+def test_rowwise_tokens_do_not_see_each_others_outliers():
+    """One token at 1e6: under rowwise scaling every other token's output is unchanged
+    (and a token's output does not depend on the batch it came in); under tensorwise
+    the outlier pushes every other token below e4m3's smallest values."""
+    x, w, _ = _inputs(6)
+    big = x.at[0, 0].multiply(1e6)
+    rows = fp8.matmul(EQ, x, w, "rowwise")
+    np.testing.assert_allclose(fp8.matmul(EQ, big, w, "rowwise")[:, 1:], rows[:, 1:], rtol=1e-6)
+    np.testing.assert_allclose(fp8.matmul(EQ, x[1:], w, "rowwise"), rows[1:], rtol=1e-6)
+    exact = jnp.einsum(EQ, x, w)[:, 1:]
+    err_rows = jnp.abs(fp8.matmul(EQ, big, w, "rowwise")[:, 1:] - exact).max()
+    err_tensor = jnp.abs(fp8.matmul(EQ, big, w)[:, 1:] - exact).max()
+    assert float(err_tensor) > 10 * float(err_rows)
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_values_far_beyond_the_formats_give_no_inf_or_nan(recipe):
     """Activations at 1e6 with an outlier at 1e9 and gradients at 1e5 (e4m3's range ends
     at 448, e5m2's at 57344; the true results fit fp32): every operand is scaled by its
     own amax before the cast, so nothing overflows, and the outlier's row is still right
     to e4m3's precision."""
     x, w, g = _inputs(2, scale=1e6)
     x = x.at[0, 0, 0].set(1e9)
-    y, pull = jax.vjp(lambda x, w: fp8.matmul(EQ, x, w), x, w)
+    y, pull = jax.vjp(lambda x, w: fp8.matmul(EQ, x, w, recipe), x, w)
     dx, dw = pull(g * 1e5)
     for a in (y, dx, dw):
         assert bool(jnp.all(jnp.isfinite(a)))
@@ -73,7 +115,8 @@ def test_values_far_beyond_the_formats_give_no_inf_or_nan():
     assert float(jnp.max(jnp.abs(y[0, 0] - exact))) < 0.1 * float(jnp.max(jnp.abs(exact)))
 
 
-def test_a_trained_weight_takes_the_same_fp8_rule():
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_a_trained_weight_takes_the_same_fp8_rule(recipe):
     """ops.dense with fp8 on a Weight (the step's path: the weight gradient reduced in its
     rule) gives fp8.matmul's output and gradients."""
     x, w, g = _inputs(3)
@@ -81,23 +124,24 @@ def test_a_trained_weight_takes_the_same_fp8_rule():
 
     def through_weight(x, sink):
         weight = Weight.make(w, sink, None, red)
-        return dense(x, weight, EQ, jnp.float32, fp8_operands=True)
+        return dense(x, weight, EQ, jnp.float32, fp8_recipe=recipe)
 
     y, pull = jax.vjp(through_weight, x, jnp.zeros_like(w))
     dx, dw = pull(g)
-    y_ref, pull_ref = jax.vjp(lambda x, w: fp8.matmul(EQ, x, w), x, w)
+    y_ref, pull_ref = jax.vjp(lambda x, w: fp8.matmul(EQ, x, w, recipe), x, w)
     dx_ref, dw_ref = pull_ref(g)
     for a, b in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_the_train_step_multiplies_e4m3_and_e5m2():
-    """model.fp8=tensorwise: the lowered step (before XLA:CPU converts FP8 to fp32 for its
-    dots) multiplies e4m3 operands in the forward and e5m2 ones in the backward; with
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_the_train_step_multiplies_e4m3_and_e5m2(recipe):
+    """model.fp8: the lowered step (before XLA:CPU converts FP8 to fp32 for its dots)
+    multiplies e4m3 operands in the forward and e5m2 ones in the backward; with
     model.fp8=none it has no FP8 at all."""
     from ultrajax.tools import analyze
 
-    cfg, devices = harness.make("model.fp8=tensorwise", "model.dtype=bfloat16")
+    cfg, devices = harness.make(f"model.fp8={recipe}", "model.dtype=bfloat16")
     text = analyze.lower_step(cfg, devices[:1]).as_text()
     dots = [line for line in text.splitlines() if "dot_general" in line]
     assert any("f8E4M3FN" in line and "f8E5M2" not in line for line in dots)

@@ -7,7 +7,7 @@ from types import MappingProxyType, SimpleNamespace
 import pytest
 
 from ultrajax.config import schema as config
-from ultrajax.cost import hardware, steptime
+from ultrajax.cost import flops, hardware, steptime
 from ultrajax.cost import hardware as hardware_lib
 from ultrajax.train import peaks
 
@@ -37,7 +37,7 @@ def doubled(monkeypatch):
 def test_metrics_and_memory_read_the_table(doubled):
     h100, fast = doubled
     assert hardware.lookup(H100) is fast
-    peak, source = peaks.device_peak(_fake(H100), "bfloat16")
+    peak, source = peaks.device_peak(_fake(H100), config.ModelConfig(dtype="bfloat16"))
     assert peak == fast.flops("bfloat16") == 2 * 989e12 and "h100" in source
     assert hardware_lib.device_memory(_fake(H100))[0] == fast.memory == 2 * h100.memory
     assert hardware.lookup("NVIDIA H100 PCIe").name == "h100-pcie"  # the specific one first
@@ -74,6 +74,21 @@ def test_planner_step_time_reads_the_table():
     )
     one_node = steptime.features(cfg, h100, 16)  # a 16-GPU node: NVLink only
     assert not one_node.hidden[0][0].inter and one_node.hidden[0][0].bw == h100.intra_bw
+
+
+def test_planner_compute_takes_fp8_matmuls_at_the_fp8_peak():
+    """model.fp8: the predicted compute is the bf16 prediction x bf16's peak / the model's
+    blended peak (flops.model_peak); the A100, with no FP8 peak, predicts no change."""
+    cfg = _cfg(data=8)
+    cfg.model.dtype = "bfloat16"
+    h100, a100 = hardware.by_name("h100"), hardware.by_name("a100")
+    base, base_a100 = steptime.predict(cfg, h100, 8), steptime.predict(cfg, a100, 8)
+    cfg.model.fp8 = "rowwise"
+    blended = flops.model_peak(cfg.model, h100.flops)
+    assert 989e12 < blended < 1979e12
+    fp8 = steptime.predict(cfg, h100, 8)
+    assert fp8.compute == pytest.approx(base.compute * 989e12 / blended, rel=1e-9)
+    assert steptime.predict(cfg, a100, 8).compute == pytest.approx(base_a100.compute)
 
 
 def test_links_follow_the_mesh_order_and_node_size():

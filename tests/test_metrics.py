@@ -18,6 +18,8 @@ from ultrajax.model.llama import matmul_param_count
 from ultrajax.parallel import mesh as mesh_lib
 from ultrajax.train import metrics, peaks, record, report
 
+BF16 = config.ModelConfig(dtype="bfloat16")
+
 
 @pytest.mark.parametrize(
     "kind,peak",
@@ -29,12 +31,31 @@ from ultrajax.train import metrics, peaks, record, report
     ],
 )
 def test_known_gpu_peaks_bf16_dense(kind, peak):
-    got, source = peaks.device_peak(SimpleNamespace(device_kind=kind), "bfloat16")
+    got, source = peaks.device_peak(SimpleNamespace(device_kind=kind), BF16)
     assert got == peak and "data sheet" in source
 
 
+def test_fp8_mfu_divides_by_the_time_its_flops_take_at_peak():
+    """model.fp8: the FP8 matmuls' FLOPs at the FP8 peak (2x bf16's on an H100), the rest
+    (attention scores, LM head) at bf16's; the model's FLOPs over that time is the peak.
+    An A100 lists no FP8 peak: bf16's."""
+    m = parse.load(Path(__file__).parents[1] / "configs" / "tiny.yaml").model
+    m.dtype, m.fp8 = "bfloat16", "rowwise"
+    total, f8 = flops.flops_per_token(m), flops.fp8_flops_per_token(m)
+    per_layer = m.d_model * (2 * m.n_heads + 2 * m.n_kv_heads) * m.hd + 3 * m.d_model * m.d_ff
+    assert f8 == 6 * m.n_layers * per_layer and 0 < f8 < total
+    h100 = SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")
+    got, source = peaks.device_peak(h100, m)
+    assert got == pytest.approx(total / ((total - f8) / 989e12 + f8 / 1979e12), rel=1e-12)
+    assert 989e12 < got < 1979e12 and "float8" in source
+    a100 = SimpleNamespace(device_kind="NVIDIA A100-SXM4-80GB")
+    assert peaks.device_peak(a100, m)[0] == pytest.approx(312e12, rel=1e-12)
+    m.fp8 = "none"
+    assert flops.fp8_flops_per_token(m) == 0 and peaks.device_peak(h100, m)[0] == 989e12
+
+
 def test_unknown_device_has_no_peak():
-    got, source = peaks.device_peak(SimpleNamespace(device_kind="Some TPU"), "bfloat16")
+    got, source = peaks.device_peak(SimpleNamespace(device_kind="Some TPU"), BF16)
     assert got is None and "unknown" in source
 
 

@@ -59,9 +59,10 @@ class ModelConfig:
     scan_unroll: int = 1
     # RMSNorm over each head's queries and keys before the rotation (Qwen3, OLMo 2)
     qk_norm: bool = False
-    # FP8 matmuls in the attention projections and the MLP (model/fp8.py): none, or
-    # tensorwise (current per-tensor scaling: e4m3 forward operands, e5m2 gradients)
-    fp8: Literal["none", "tensorwise"] = "none"
+    # FP8 matmuls in the attention projections and the MLP (model/fp8.py; e4m3 forward
+    # operands, e5m2 gradients): none, tensorwise (current scaling, one scale a tensor)
+    # or rowwise (one scale per token of an activation, per output column of a weight)
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
     # mixture of experts (model/moe.py, docs/moe.md): experts per MoE layer (0: dense)
     moe_experts: int = 0
     moe_top_k: int = 2  # experts each token goes to

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ultrajax.config.schema import ModelConfig
 from ultrajax.model import grouped, remat
-from ultrajax.model.llama import matmul_param_count
+from ultrajax.model.llama import fp8_param_count, matmul_param_count
 from ultrajax.parallel.context import work
 
 
@@ -23,6 +23,25 @@ def flops_per_token(m: ModelConfig, *, causal: bool = False) -> float:
     """
     attention = attention_flops_per_token(m) / (2.0 if causal else 1.0)
     return 6.0 * matmul_param_count(m) + 3.0 * attention
+
+
+def fp8_flops_per_token(m: ModelConfig) -> float:
+    """Of `flops_per_token`, what runs through FP8 operands (model.fp8): the forward and
+    both backward products of the attention projections and the dense MLP, 6 x their
+    weights; 0 without FP8."""
+    return 6.0 * fp8_param_count(m)
+
+
+def model_peak(m: ModelConfig, peak_of) -> float:
+    """The peak FLOP/s that MFU divides by, `peak_of(dtype)` a device's dense peak: the
+    model dtype's, or with model.fp8 the FLOPs over the time they take at peak, the FP8
+    matmuls' at the FP8 peak and the rest at the dtype's (bf16's where a device lists
+    no FP8 peak). Why: MFU against the bf16 peak alone would read above what FP8 leaves."""
+    total, f8 = flops_per_token(m), fp8_flops_per_token(m)
+    high = peak_of(m.dtype)
+    if not f8:
+        return high
+    return total / ((total - f8) / high + f8 / peak_of("float8_e4m3fn"))
 
 
 def recompute_flops_per_token(m: ModelConfig) -> float:

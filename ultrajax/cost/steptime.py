@@ -292,7 +292,7 @@ def features(
         layers=layers,
         tensor=tp,
         attention_share=attn,
-        peak=acc.flops(m.dtype),
+        peak=flops.model_peak(m, acc.flops),
         hbm_bw=acc.hbm_bw or 2e12,
         nodes=max(1, -(-n // gpus_per_node)),
         gathers_overlap=balanced or cfg.parallel.prefetch or cfg.parallel.pipeline_collectives,

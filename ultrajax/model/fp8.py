@@ -1,5 +1,5 @@
-"""FP8 matmuls with current per-tensor scaling (model.fp8=tensorwise): one byte a value
-in the matmul's operands, fp32 accumulation and scales.
+"""FP8 matmuls with current scaling (model.fp8=tensorwise|rowwise): one byte a value in
+the matmul's operands, fp32 accumulation and scales.
 
 Why this recipe: the forward operands (activations, weights) go to e4m3, more mantissa
 for values whose range a per-tensor scale already fits; the backward's gradient operand
@@ -9,9 +9,19 @@ for e5m2), clipped there, cast; the product of two quantised operands is divided
 both scales. Nothing overflows to inf: a value far beyond the format is clipped after
 scaling by its own tensor's amax, so it lands on the largest finite value.
 
-`matmul(eq, x, w)` is einsum(eq, x, w) in fp32 through FP8 operands; its backward
-quantises the output's cotangent to e5m2 and reuses the forward's e4m3 operands (kept
-for the backward: one byte a value instead of two).
+Two recipes (model.fp8):
+
+- tensorwise: one scale a tensor. The backward quantises the output's cotangent to e5m2
+  and reuses the forward's e4m3 operands (kept for the backward: one byte a value).
+- rowwise: one scale per index an operand keeps in the product, its amax taken over
+  the indices the product contracts: per token (row) of an activation, per output
+  column of a weight, and in the weight gradient per feature over the tokens. Why: one
+  outlier token no longer coarsens every other token's grid, and a token's forward
+  does not depend on the rest of the batch. The scales factor out of the sum, so the
+  product divides by their outer product. Each product quantises along its own axes,
+  so the backward re-quantises the forward's inputs (kept in their own dtype).
+
+`matmul(eq, x, w, recipe)` is einsum(eq, x, w) in fp32 through FP8 operands.
 """
 
 from __future__ import annotations
@@ -25,18 +35,24 @@ E4M3 = jnp.float8_e4m3fn  # forward operands
 E5M2 = jnp.float8_e5m2  # the backward's gradient operand
 
 
-def quantize(x, dtype, amax=None):
+RECIPES = ("tensorwise", "rowwise")
+
+
+def quantize(x, dtype, amax=None, axes=None):
     """(q, scale): x ~ q / scale, q in `dtype`, scale = the format's max / amax(x) (1
-    where x is all zeros), fp32. `amax`: the whole tensor's, where x is a shard of it."""
+    where x is all zeros), fp32. `axes`: the axes the amax is taken over, kept as size-1
+    axes of the scale (None: all, one scalar scale). `amax`: the whole tensor's, where x
+    is a shard of it."""
     top = float(jnp.finfo(dtype).max)
     x32 = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x32)) if amax is None else amax
+    if amax is None:
+        amax = jnp.max(jnp.abs(x32), axis=axes, keepdims=axes is not None)
     scale = jnp.where(amax > 0, top / jnp.maximum(amax, jnp.finfo(jnp.float32).tiny), 1.0)
     return jnp.clip(x32 * scale, -top, top).astype(dtype), scale
 
 
 def scaled(eq: str, a, sa, b, sb):
-    """einsum(eq) of two quantised operands, fp32, their scales divided out."""
+    """einsum(eq) of two quantised operands, fp32, their scalar scales divided out."""
     return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32) / (sa * sb)
 
 
@@ -47,38 +63,66 @@ def _transposes(eq: str) -> tuple[str, str]:
     return f"{out},{b}->{a}", f"{a},{out}->{b}"
 
 
-def forward(eq: str, x, w):
-    """(einsum(eq, x, w) in fp32 through e4m3 operands, what `backward` needs: the
-    quantised operands and their scales, one byte a value)."""
+def rowwise(eq: str, a, b, a_dtype, b_dtype):
+    """einsum(eq, a, b) in fp32 with a in `a_dtype` and b in `b_dtype`, each scaled per
+    index it keeps (amax over the indices eq contracts), the scales' outer product
+    divided out."""
+    ins, out = eq.split("->")
+    spec_a, spec_b = ins.split(",")
+    summed_a = tuple(i for i, c in enumerate(spec_a) if c not in out)
+    summed_b = tuple(i for i, c in enumerate(spec_b) if c not in out)
+    aq, sa = quantize(a, a_dtype, axes=summed_a)
+    bq, sb = quantize(b, b_dtype, axes=summed_b)
+    kept_a = "".join(c for c in spec_a if c in out)
+    kept_b = "".join(c for c in spec_b if c in out)
+    inv = jnp.einsum(
+        f"{kept_a},{kept_b}->{out}",
+        1.0 / jnp.squeeze(sa, summed_a),
+        1.0 / jnp.squeeze(sb, summed_b),
+    )
+    return jnp.einsum(eq, aq, bq, preferred_element_type=jnp.float32) * inv
+
+
+def forward(eq: str, x, w, recipe: str = "tensorwise"):
+    """(einsum(eq, x, w) in fp32 through e4m3 operands, what `backward` needs: tensorwise,
+    the quantised operands and their scales (one byte a value); rowwise, x and w)."""
+    if recipe == "rowwise":
+        return rowwise(eq, x, w, E4M3, E4M3), (x, w)
     (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
     return scaled(eq, xq, sx, wq, sw), (xq, sx, wq, sw)
 
 
-def backward(eq: str, res, g):
-    """(dx, dw) in fp32 from `forward`'s residuals: the cotangent in e5m2 against the
-    forward's e4m3 operands."""
+def backward(eq: str, res, g, recipe: str = "tensorwise"):
+    """(dx, dw) in fp32 from `forward`'s residuals: the cotangent in e5m2 against e4m3
+    operands (tensorwise: the forward's own; rowwise: re-quantised along each product's
+    kept indices)."""
+    eq_dx, eq_dw = _transposes(eq)
+    if recipe == "rowwise":
+        x, w = res
+        return rowwise(eq_dx, g, w, E5M2, E4M3), rowwise(eq_dw, x, g, E4M3, E5M2)
     xq, sx, wq, sw = res
     gq, sg = quantize(g, E5M2)
-    eq_dx, eq_dw = _transposes(eq)
     return scaled(eq_dx, gq, sg, wq, sw), scaled(eq_dw, xq, sx, gq, sg)
 
 
-def matmul(eq: str, x, w):
+def matmul(eq: str, x, w, recipe: str = "tensorwise"):
     """einsum(eq, x, w) in fp32 with e4m3 operands (module docstring)."""
-    return _matmul(eq, x.dtype.name, w.dtype.name, x, w)
+    if recipe not in RECIPES:
+        raise ValueError(f"FP8 recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+    return _matmul(eq, recipe, x.dtype.name, w.dtype.name, x, w)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _matmul(eq: str, x_dtype: str, w_dtype: str, x, w):
-    return forward(eq, x, w)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _matmul(eq: str, recipe: str, x_dtype: str, w_dtype: str, x, w):
+    return forward(eq, x, w, recipe)[0]
 
 
-def _matmul_fwd(eq, x_dtype, w_dtype, x, w):
-    return forward(eq, x, w)
+def _matmul_fwd(eq, recipe, x_dtype, w_dtype, x, w):
+    return forward(eq, x, w, recipe)
 
 
-def _matmul_bwd(eq, x_dtype, w_dtype, res, g):
-    dx, dw = backward(eq, res, g)
+def _matmul_bwd(eq, recipe, x_dtype, w_dtype, res, g):
+    dx, dw = backward(eq, res, g, recipe)
     return dx.astype(x_dtype), dw.astype(w_dtype)
 
 

@@ -75,7 +75,7 @@ def block_stats(p, x, positions, segment_ids, *, cfg, tp=SINGLE, cp=LOCAL, ep=ON
     """`block`'s output and the layer's MoE statistics (model/moe.py STATS; {}: dense)."""
     heads = ("batch", "length", "heads", "head_dim")
     kv_heads = ("batch", "length", "kv_heads", "head_dim")
-    f8 = cfg.fp8 != "none"  # the projections' and the MLP's matmuls through FP8 operands
+    f8 = cfg.fp8  # the projections' and the MLP's matmuls through FP8 operands (or "none")
     h = tp.enter(rms_norm(x, p["attn_norm"], cfg.norm_eps))
     if tp.join_inputs:  # one matmul, each kv head's group of queries beside its k and v
         d, kv, hd = p["wk"].shape
@@ -83,7 +83,7 @@ def block_stats(p, x, positions, segment_ids, *, cfg, tp=SINGLE, cp=LOCAL, ep=ON
         groups = [(d, kv, g, hd), (d, kv, 1, hd), (d, kv, 1, hd)]
         q, k, v = dense_joined(h, [p["wq"], p["wk"], p["wv"]], groups, 2, f8)
     else:
-        q, k, v = (dense(h, p[n], e, fp8_operands=f8) for n, e in QKV)
+        q, k, v = (dense(h, p[n], e, fp8_recipe=f8) for n, e in QKV)
     if cfg.qk_norm:  # over each head's own dimensions, before the rotation
         q = rms_norm(q, p["q_norm"], cfg.norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.norm_eps)
@@ -107,7 +107,7 @@ def block_stats(p, x, positions, segment_ids, *, cfg, tp=SINGLE, cp=LOCAL, ep=ON
         v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, 1)
         o = attend(q, k, v, implementation="xla", q_offset=start)
     o = checkpoint_name(tp.constrain(o, heads), remat.ATTN_OUT)
-    x = x + tp.exit(dense(o, p["wo"], "btnh,nhd->btd", fp8_operands=f8))  # row-parallel
+    x = x + tp.exit(dense(o, p["wo"], "btnh,nhd->btd", fp8_recipe=f8))  # row-parallel
 
     h = tp.enter(rms_norm(x, p["mlp_norm"], cfg.norm_eps))
     if "router" in p:  # an MoE layer (with model.moe_every > 1, every moe_every-th)
@@ -119,11 +119,11 @@ def block_stats(p, x, positions, segment_ids, *, cfg, tp=SINGLE, cp=LOCAL, ep=ON
         d, f = p["w_up"].shape
         gate, up = dense_joined(h, [p["w_gate"], p["w_up"]], [(d, 1, f)] * 2, 1, f8)
     else:
-        gate = dense(h, p["w_gate"], "btd,df->btf", fp8_operands=f8)
-        up = dense(h, p["w_up"], "btd,df->btf", fp8_operands=f8)
+        gate = dense(h, p["w_gate"], "btd,df->btf", fp8_recipe=f8)
+        up = dense(h, p["w_up"], "btd,df->btf", fp8_recipe=f8)
     gate = checkpoint_name(tp.constrain(gate, hidden), remat.MLP_IN)
     up = checkpoint_name(tp.constrain(up, hidden), remat.MLP_IN)
-    out = dense(jax.nn.silu(gate) * up, p["w_down"], "btf,fd->btd", fp8_operands=f8)
+    out = dense(jax.nn.silu(gate) * up, p["w_down"], "btf,fd->btd", fp8_recipe=f8)
     x = x + tp.exit(checkpoint_name(out, remat.MLP_OUT))
     return (x if cache is None else (x, (k, v))), {}
 
@@ -381,6 +381,18 @@ def active_param_count(cfg: ModelConfig) -> int:
         return param_count(cfg)
     drop = _moe_params(cfg, cfg.moe_experts) - _moe_params(cfg, cfg.moe_top_k)
     return int(param_count(cfg) - moe_layers(cfg) * drop)
+
+
+# the weights whose matmuls take FP8 operands under model.fp8 (`block_stats`): the
+# attention projections and the dense MLP; embedding, head, norms and experts do not
+FP8_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def fp8_param_count(cfg: ModelConfig) -> int:
+    """Parameters whose matmuls run through FP8 operands (0 with model.fp8=none)."""
+    if cfg.fp8 == "none":
+        return 0
+    return sum(p.size(cfg) for p in PARAMS if p.key in FP8_WEIGHTS and p.present(cfg))
 
 
 def matmul_param_count(cfg: ModelConfig) -> float:

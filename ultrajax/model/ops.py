@@ -196,35 +196,37 @@ def _dense_bwd(eq, out_dtype, red, res, g):
 _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 7))
-def _dense_fp8(eq, out_dtype, x_dtype, x, value, sink, acc, red):
-    return fp8.matmul(eq, x, value).astype(out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 8))
+def _dense_fp8(eq, recipe, out_dtype, x_dtype, x, value, sink, acc, red):
+    return fp8.matmul(eq, x, value, recipe).astype(out_dtype)
 
 
-def _dense_fp8_fwd(eq, out_dtype, x_dtype, x, value, sink, acc, red):
-    y, res = fp8.forward(eq, x, value)
+def _dense_fp8_fwd(eq, recipe, out_dtype, x_dtype, x, value, sink, acc, red):
+    y, res = fp8.forward(eq, x, value, recipe)
     return y.astype(out_dtype), (res, acc)
 
 
-def _dense_fp8_bwd(eq, out_dtype, x_dtype, red, res, g):
+def _dense_fp8_bwd(eq, recipe, out_dtype, x_dtype, red, res, g):
     """_dense_bwd's through fp8.matmul's rule, the weight gradient reduced by `finish`."""
     res, acc = res
-    dx, dw = fp8.backward(eq, res, g)
+    dx, dw = fp8.backward(eq, res, g, recipe)
     return dx.astype(x_dtype), None, finish(dw, acc, red), None
 
 
 _dense_fp8.defvjp(_dense_fp8_fwd, _dense_fp8_bwd)
 
 
-def dense(x, w, eq: str, out_dtype=None, fp8_operands: bool = False):
-    """einsum(eq, x, w) in x's dtype (or `out_dtype`), w cast to x's dtype; with
-    `fp8_operands` through FP8 operands (model/fp8.py, model.fp8=tensorwise)."""
+def dense(x, w, eq: str, out_dtype=None, fp8_recipe: str = "none"):
+    """einsum(eq, x, w) in x's dtype (or `out_dtype`), w cast to x's dtype; with an
+    `fp8_recipe` (model.fp8) through FP8 operands (model/fp8.py)."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if fp8_operands and isinstance(w, Weight):
+    if fp8_recipe != "none" and isinstance(w, Weight):
         value = w.value.astype(x.dtype)
-        return _dense_fp8(eq, out_dtype, x.dtype.name, x, value, w.sink, w.acc, w.reduce)
-    if fp8_operands:
-        return fp8.matmul(eq, x, w.astype(x.dtype)).astype(out_dtype)
+        return _dense_fp8(
+            eq, fp8_recipe, out_dtype, x.dtype.name, x, value, w.sink, w.acc, w.reduce
+        )
+    if fp8_recipe != "none":
+        return fp8.matmul(eq, x, w.astype(x.dtype), fp8_recipe).astype(out_dtype)
     if isinstance(w, Weight):
         out = _dense(eq, out_dtype, x, w.value.astype(x.dtype), w.sink, w.acc, w.reduce)
         if w.reduce.defer is not None and w.acc is None:  # the shape trace
@@ -278,16 +280,18 @@ def _contract_first(x_ndim: int, w_ndim: int) -> str:
     return f"{lead}z,z{rest}->{lead}{rest}"
 
 
-def dense_joined(x, ws, shapes, axis: int, fp8_operands: bool = False):
+def dense_joined(x, ws, shapes, axis: int, fp8_recipe: str = "none"):
     """[dense(x, w) for w in ws], contracting x's last axis with each weight's first, as
     one matmul: each weight reshaped to its entry of `shapes` (same rank, equal but for
     `axis`) and joined along `axis`. Why: the input gradient is then one sum of partial
     products, which the partitioner reduces once, where separate matmuls are reduced
     once each (parallel/partitioned.py). Same values as separate `dense` calls, which
     plain arrays (decoding), split backwards (zero bubble) and FP8 operands still take."""
-    if fp8_operands or not all(isinstance(w, Weight) and w.reduce.defer is None for w in ws):
+    if fp8_recipe != "none" or not all(
+        isinstance(w, Weight) and w.reduce.defer is None for w in ws
+    ):
         eqs = [_contract_first(x.ndim, len(w.shape)) for w in ws]
-        return [dense(x, w, eq, fp8_operands=fp8_operands) for w, eq in zip(ws, eqs, strict=True)]
+        return [dense(x, w, eq, fp8_recipe=fp8_recipe) for w, eq in zip(ws, eqs, strict=True)]
     eq = _contract_first(x.ndim, len(shapes[0]))
     shapes = tuple(tuple(s) for s in shapes)
     out = _dense_joined(

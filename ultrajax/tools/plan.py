@@ -94,7 +94,8 @@ def _parser():
 
 def _mfu(e: candidates.Evaluated | steptime.StepTime, base, acc) -> float:
     t = e.time if isinstance(e, candidates.Evaluated) else e
-    return t.tokens_per_s_per_gpu * flops.flops_per_token(base.model) / acc.flops(base.model.dtype)
+    peak = flops.model_peak(base.model, acc.flops)
+    return t.tokens_per_s_per_gpu * flops.flops_per_token(base.model) / peak
 
 
 def _where(t: steptime.StepTime) -> str:

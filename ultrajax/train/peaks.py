@@ -13,17 +13,22 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from ultrajax.config.schema import Config
-from ultrajax.cost import hardware
+from ultrajax.config.schema import Config, ModelConfig
+from ultrajax.cost import flops, hardware
 
 
-def device_peak(device, dtype: str) -> tuple[float | None, str]:
-    """(peak FLOP/s of one device, where the figure comes from) for a known GPU."""
+def device_peak(device, model: ModelConfig) -> tuple[float | None, str]:
+    """(peak FLOP/s of one device for this model, where the figure comes from) for a
+    known GPU: its dtype's, blended with the FP8 peak under model.fp8 (flops.model_peak)."""
     kind = getattr(device, "device_kind", "")
     acc = hardware.lookup(kind)
     if acc is None:
         return None, f"unknown device {kind!r}"
-    return acc.flops(dtype), f"{acc.name} data sheet, {dtype} dense"
+    source = f"{acc.name} data sheet, {model.dtype} dense"
+    if model.fp8 != "none":
+        share = flops.fp8_flops_per_token(model) / flops.flops_per_token(model)
+        source += f", float8 for the FP8 matmuls' {share:.0%} of the FLOPs"
+    return flops.model_peak(model, acc.flops), source
 
 
 def measure_matmul_rate(n: int = 1024, repeats: int = 5, dtype=jnp.float32) -> float:
@@ -92,7 +97,7 @@ def cached_cpu_peak(tries: int = 3) -> tuple[float, str]:
 def host_peak(cfg: Config) -> tuple[float, str]:
     """Peak FLOP/s for all devices of this run, and the label saying where it came from."""
     devices = jax.devices()
-    peak, source = device_peak(devices[0], cfg.model.dtype)
+    peak, source = device_peak(devices[0], cfg.model)
     if peak is not None:
         return peak * len(devices), source
     if devices[0].platform == "cpu":
