@@ -14,11 +14,9 @@ final eval losses against data parallelism's and draws the eval curves.
 from __future__ import annotations
 
 import argparse
-import json
-import re
-import subprocess
-import sys
 from pathlib import Path
+
+import tiny_runs
 
 COMMON = [
     "--config", "configs/tiny.yaml", "--cpu-devices", "8", "mesh.data=2", "mesh.fsdp=4",
@@ -42,52 +40,16 @@ RUNS = {
 }  # fmt: skip
 
 
-def _dir(runs: Path, name: str) -> Path:
-    """A run's directory, named after it."""
-    return runs / re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def evals(run_dir: Path) -> list[tuple[int, float]]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-    return [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", default="runs/diloco-tiny", help="where the runs are kept")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="the eval curves")
     args = p.parse_args(argv)
-    runs = Path(args.runs)
-    curves = {}
-    for name, extra in RUNS.items():
-        run_dir = _dir(runs, name)
-        if not (run_dir / "metrics.jsonl").is_file():
-            cmd = [sys.executable, "-m", "ultrajax.train", *COMMON, *extra]
-            subprocess.run([*cmd, f"train.run_dir={run_dir}"], check=True)
-        curves[name] = evals(run_dir)
-    base = curves["data parallelism"][-1][1]
-    print("| run | final eval loss | against data parallelism |")
-    print("|---|---|---|")
-    for name, points in curves.items():
-        step, loss = points[-1]
-        print(f"| {name} | {loss:.4f} (step {step}) | {loss / base - 1:+.1%} |")
+    curves = tiny_runs.compare(Path(args.runs), COMMON, RUNS, "data parallelism")
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for name, points in curves.items():
-            ax.plot(*zip(*points, strict=True), marker="o", ms=3, label=name)
-        ax.set_xlabel("step (16 sequences of 256 tokens each, in every run)")
-        ax.set_ylabel("eval loss")
-        ax.set_title("tiny, 8 CPU devices: DiLoCo (2 replicas) against data parallelism")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.plot, dpi=110)
-        print(f"plot: {args.plot}")
+        xlabel = "step (16 sequences of 256 tokens each, in every run)"
+        title = "tiny, 8 CPU devices: DiLoCo (2 replicas) against data parallelism"
+        tiny_runs.plot(curves, args.plot, xlabel, title)
     return 0
 
 

@@ -31,6 +31,7 @@ from ultrajax.train.step import state_shardings
 # --------------------------------------------------------------------------- exact parts
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "bool": 1, "u32": 4, "i64": 8}
+DTYPE_BYTES |= {"f8_e4m3fn": 1, "f8_e5m2": 1}
 
 
 def stacked_residuals(cfg, capsys) -> int:
@@ -65,6 +66,27 @@ def test_saved_activations_equal_print_saved_residuals(remat, dtype, capsys):
         "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=80", "model.vocab_size=56",
         f"model.remat={remat}", f"model.dtype={dtype}", "model.attention=xla",
     ]  # fmt: skip
+    cfg, _ = make(base=over)
+    want = stacked_residuals(cfg, capsys)
+    got = cfg.model.n_layers * sum(activations.saved_per_layer(cfg).values())
+    assert got == want, (activations.saved_per_layer(cfg), want / cfg.model.n_layers)
+
+
+@pytest.mark.parametrize("fp8", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("remat", ["none", "selective"])
+@pytest.mark.parametrize("moe", [False, True])
+def test_saved_activations_with_fp8_matmuls(fp8, remat, moe, capsys):
+    """model.fp8 (bf16): without recomputation tensorwise keeps each FP8 matmul's e4m3
+    operands (weights included) and scales in place of its bf16 input, rowwise its
+    inputs as they are; a recomputing policy keeps what it names either way."""
+    over = [
+        "model.n_layers=3", "train.micro_batch_size=2", "model.seq_len=40", "model.d_model=48",
+        "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=80", "model.vocab_size=56",
+        f"model.remat={remat}", "model.dtype=bfloat16", "model.attention=xla",
+        f"model.fp8={fp8}",
+    ]  # fmt: skip
+    if moe:
+        over += ["model.moe_experts=6", "model.moe_d_ff=28"]
     cfg, _ = make(base=over)
     want = stacked_residuals(cfg, capsys)
     got = cfg.model.n_layers * sum(activations.saved_per_layer(cfg).values())

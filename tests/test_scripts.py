@@ -43,13 +43,34 @@ def test_diloco_tiny_reads_its_runs_and_compares_them_with_data_parallelism(tmp_
     import json
 
     import diloco_tiny
+    import tiny_runs
 
     for i, name in enumerate(diloco_tiny.RUNS):
-        run = diloco_tiny._dir(tmp_path, name)
+        run = tiny_runs.run_dir(tmp_path, name)
         run.mkdir(parents=True)
         lines = [{"step": 100, "eval_loss": 2.0 + i}, {"step": 200, "eval_loss": 1.5 + i / 10}]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    assert len({diloco_tiny._dir(tmp_path, n) for n in diloco_tiny.RUNS}) == len(diloco_tiny.RUNS)
+    dirs = {tiny_runs.run_dir(tmp_path, n) for n in diloco_tiny.RUNS}
+    assert len(dirs) == len(diloco_tiny.RUNS)
     assert diloco_tiny.main(["--runs", str(tmp_path)]) == 0
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| H=4, outer")]
     assert rows == ["| H=4, outer 0.7 / Nesterov 0.9 | 1.6000 (step 200) | +6.7% |"]
+
+
+def test_fp8_tiny_says_whether_each_recipe_is_within_its_bound(tmp_path, capsys):
+    """scripts/fp8_tiny.py reads its runs and says, per recipe, whether the final eval
+    loss is within 1.5% of bf16's."""
+    import json
+
+    import fp8_tiny
+    import tiny_runs
+
+    finals = {"bf16": 2.0, "fp8 tensorwise": 2.02, "fp8 rowwise": 2.04}
+    for name, loss in finals.items():
+        run = tiny_runs.run_dir(tmp_path, name)
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 300, "eval_loss": loss}) + "\n")
+    assert fp8_tiny.main(["--runs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "fp8 tensorwise: +1.00% of bf16's final eval loss, within 1.5%" in out
+    assert "fp8 rowwise: +2.00% of bf16's final eval loss, NOT within 1.5%" in out

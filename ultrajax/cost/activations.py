@@ -132,8 +132,10 @@ def _saved_one(cfg: Config) -> dict[str, float]:
         else:
             attention = c * (2 * d.Q + 2 * d.K) + (4 + c) * d.S + 8 * d.a * d.N
         if m.moe:  # the router reads the normalised stream in fp32, not in c (below)
-            return {"attention": attention, "mlp": moe_saved(cfg), "norms": norms - c * d.X}
-        return {"attention": attention, "mlp": 6 * c * d.F, "norms": norms}
+            out = {"attention": attention, "mlp": moe_saved(cfg), "norms": norms - c * d.X}
+        else:
+            out = {"attention": attention, "mlp": 6 * c * d.F, "norms": norms}
+        return _fp8_saved(cfg, out) if m.fp8 == "tensorwise" else out
     if pol in ("full", "offload"):
         return {"attention": 0.0, "mlp": 0.0, "norms": block_input}
     names = set(remat.SELECTIVE) if pol == "selective" else set(m.remat)
@@ -146,6 +148,29 @@ def _saved_one(cfg: Config) -> dict[str, float]:
     hidden = expert_rows(cfg) * m.expert_ff // cfg.mesh.tensor if m.moe else d.F
     mlp = 2 * c * hidden * (remat.MLP_IN in names)
     return {"attention": attention, "mlp": mlp, "norms": block_input}
+
+
+def _fp8_saved(cfg: Config, parts: dict[str, float]) -> dict[str, float]:
+    """`_saved_one`'s parts without recomputation under model.fp8=tensorwise (model/fp8.py):
+    each FP8 matmul keeps its e4m3 operands and two fp32 scales for the backward, in
+    place of its input in the compute dtype. Read off print_saved_residuals: the
+    normalised stream once per matmul that reads it (q, k, v; gate, up: no sharing in
+    the saved set), wo's input, w_down's input, and an e4m3 copy of each FP8 weight as
+    the layer uses it (gathered over fsdp). An MoE layer's experts stay in the compute
+    dtype: only its attention changes. Rowwise keeps the inputs themselves (it
+    re-quantises along other axes), so its parts are the plain ones."""
+    d, c = dims(cfg), dims(cfg).c
+    weights = layer_weight_elements(cfg)
+    moe = cfg.model.moe
+    parts = dict(parts)
+    parts["norms"] -= c * d.X * (1 if moe else 2)  # the matmuls' inputs in c
+    parts["attention"] -= c * d.Q  # wo's input
+    copies = 3 * d.X + d.Q + weights[llama.ATTENTION] + 4 * 2 * 4  # 4 matmuls, 2 scales
+    if not moe:
+        parts["mlp"] -= c * d.F  # w_down's input
+        copies += 2 * d.X + d.F + weights[llama.MLP] + 3 * 2 * 4
+    parts["fp8 operands"] = copies
+    return parts
 
 
 def _moe_rows(cfg: Config) -> int:
