@@ -96,6 +96,30 @@ _CRASHES = pytest.StashKey[dict]()
 
 
 @pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's file scheduler (--dist loadfile), less a stall after a worker dies.
+
+    When a worker dies, xdist 3.8 puts back in the queue every file the worker was ever
+    given, the finished ones too. A worker handed a finished file gets no tests, and it
+    holds its last test until it gets more (pytest runs a test knowing the next), so
+    nothing reports again: with both workers holding one, the run waited for ever (CI,
+    2026-11-27, after a worker aborted inside XLA:CPU; then here, with a debugger on the
+    controller: the queue's front was 14 finished files). This scheduler leaves finished
+    files out of the queue before it hands one out."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _reschedule(self, node):
+            for scope in [s for s, unit in self.workqueue.items() if all(unit.values())]:
+                del self.workqueue[scope]
+            super()._reschedule(node)
+
+    return Scheduling(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_handlecrashitem(crashitem, report, sched):
     """A test whose worker died runs once more in a fresh worker; a second death fails it.
 
@@ -110,6 +134,7 @@ def pytest_handlecrashitem(crashitem, report, sched):
         report.outcome = "rerun"
         return
     # the scheduler would run it again until its worker restarts run out: mark it done
+    # (a file left with nothing to run leaves the queue: pytest_xdist_make_scheduler)
     for unit in getattr(sched, "workqueue", {}).values():
         if crashitem in unit:
             unit[crashitem] = True

@@ -8,6 +8,7 @@ import dataclasses
 
 import harness
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -148,3 +149,43 @@ def test_the_train_step_multiplies_e4m3_and_e5m2(recipe):
     assert any("f8E5M2" in line for line in dots)
     plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8="none"))
     assert "f8E4M3FN" not in analyze.lower_step(plain, devices[:1]).as_text()
+
+
+def _f8_dot_flops(jaxpr, times=1) -> float:
+    """FLOPs of the dots with an FP8 operand in a jaxpr, each loop's body times its trip
+    count (scan lengths; a step's other sub-jaxprs run once)."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            lhs, rhs = (v.aval for v in eqn.invars)
+            if any(jnp.dtype(a.dtype).itemsize == 1 for a in (lhs, rhs)):
+                (contract, _), _ = eqn.params["dimension_numbers"]
+                k = np.prod([lhs.shape[d] for d in contract])
+                total += 2.0 * np.prod(eqn.outvars[0].aval.shape) * k * times
+        inner = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            total += _f8_dot_flops(sub, inner)
+    return total
+
+
+def test_fp8_flops_are_the_fp8_dots_of_the_step():
+    """flops.fp8_flops_per_token x tokens equals the FLOPs of the step's dots that take
+    e4m3/e5m2 operands (forward, dx and dw of the 7 weights, 3 layers, 2 micro-batches),
+    read off the traced step."""
+    from ultrajax.cost import flops
+    from ultrajax.tools import analyze
+
+    cfg, devices = harness.make(
+        "model.fp8=tensorwise", "model.dtype=bfloat16", "model.n_layers=3",
+        "train.grad_accum=2", "model.remat=none",
+    )  # fmt: skip
+    mesh = analyze.mesh_lib.make_mesh(cfg, devices[:1])
+    rules = analyze.mesh_lib.rules(cfg)
+    tx, schedule = analyze.optim.optimizer(cfg), analyze.optim.lr_schedule(cfg)
+    state, batch, shardings, batch_sh = analyze.abstract_inputs(cfg, mesh, rules, tx)
+    with jax.set_mesh(mesh):
+        step = analyze.jit_train_step(cfg, mesh, rules, tx, schedule, shardings, batch_sh)
+        jaxpr = step.trace(state, batch).jaxpr
+    want = flops.fp8_flops_per_token(cfg.model) * cfg.tokens_per_step
+    assert want > 0
+    assert _f8_dot_flops(jaxpr.jaxpr) == pytest.approx(want, rel=1e-9)

@@ -183,6 +183,7 @@ def flops_report(cfg: Config, compiled=None, hlo_text: str | None = None) -> dic
         "hardware": flops.hardware_flops_per_token(m) * tokens / n,
         "recompute": flops.recompute_flops_per_token(m) * tokens / n,
         "grouped": flops.grouped_flops_per_token(m) * tokens / n,
+        "fp8": flops.fp8_flops_per_token(m) * tokens / n,  # of "model", FP8 operands
     }
     if compiled is not None:
         try:

@@ -323,6 +323,12 @@ def _flops_lines(f: dict) -> list[str]:
         f"  (recomputed {f['recompute']:.4g})"
         + (f" (MoE's dense grouped matmuls {f['grouped']:.4g})" if f.get("grouped") else ""),
     ]
+    if f.get("fp8"):
+        share = f["fp8"] / f["model"]
+        lines.append(
+            f"  of the model's, FP8 matmuls            {f['fp8']:.4g}  ({share:.0%}: counted at "
+            "the FP8 peak in MFU and the planner)"
+        )
     if "hlo_dots" in f:
         ratio = f" (hardware / compiled {f['ratio']:.3f})" if f.get("ratio") else ""
         lines.append(f"  compiled dots x loop trip counts       {f['hlo_dots']:.4g}{ratio}")
