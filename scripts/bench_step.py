@@ -53,6 +53,10 @@ SIZES = {
         vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192,
         seq_len=2048, micro_batch_size=2, tie_embeddings=True, remat="selective",
     ),
+    "8b-layers": dict(  # Llama 3 8B's layer and vocabulary, 8 of its 32 layers (issue 30)
+        vocab_size=128256, d_model=4096, n_layers=8, n_heads=32, n_kv_heads=8, d_ff=14336,
+        seq_len=2048, micro_batch_size=2, tie_embeddings=False, remat="selective",
+    ),
 }  # fmt: skip
 DEFAULTS = {"cpu": ("tiny", "small"), "gpu": ("125m", "350m", "1b")}
 

@@ -92,24 +92,6 @@ def random_params():
     return make
 
 
-# The files that take longest, longest first (a full run's seconds, this 2-core machine,
-# 2026-11-27: 268, 173, 173, 158, 100, 91, 75, 74, 69, 57, 52): the two workers start
-# on them and the short files fill the end, so neither waits long for the other. With
-# xdist's default order (most tests first) a 69 s file of 4 tests could come last.
-SLOWEST_FIRST = (
-    "test_parallel.py", "test_memory.py", "test_expert.py", "test_pipeline.py",
-    "test_analyze.py", "test_multihost.py", "test_diloco.py", "test_train_cli.py",
-    "test_expert_pipeline.py", "test_kernels.py", "test_checkpoint.py",
-)  # fmt: skip
-
-
-def pytest_collection_modifyitems(items):
-    """SLOWEST_FIRST's files first, the rest after in their order (a stable sort; with
-    --no-loadscope-reorder xdist hands out files in this order)."""
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 _CRASHES = pytest.StashKey[dict]()
 
 
