@@ -17,16 +17,10 @@ gradient doubled where it varies over `data` (an extra reduction) fails the norm
 
 from __future__ import annotations
 
-import functools
-
-import harness
 import jax
 import numpy as np
 import pytest
 import test_parallel as grid
-
-from ultrajax.train import batch as batch_lib
-from ultrajax.train import step as step_lib
 
 MARGIN = 4.0  # x one device's FP8 error: two quantisations' errors, with margin
 
@@ -64,24 +58,6 @@ CASES = {
         (),
     ),
 }
-
-
-@functools.cache
-def run(layout: tuple, *extra: str):
-    """3 steps under a layout (() for one device): (losses, grad norms, params)."""
-    cfg = grid.make_cfg(dict(layout), *extra)
-    mesh, rules, tx, schedule, shardings, batch_sh = harness.setup(cfg)
-    with jax.set_mesh(mesh):
-        state = harness.init_state(cfg, tx, shardings)
-        fn = step_lib.jit_train_step(cfg, mesh, rules, tx, schedule, shardings, batch_sh)
-        data = [batch_lib.place(b, batch_sh) for b in grid.batches(cfg=cfg)]
-        compiled = fn.lower(state, data[0]).compile(harness.FAST)
-        losses, norms = [], []
-        for b in data:
-            state, m = compiled(state, b)
-            losses.append(float(m["loss"]))
-            norms.append(float(m["grad_norm"]))
-    return losses, norms, jax.device_get(state["params"])
 
 
 def assert_within_fp8(got, ref, exact):
@@ -123,8 +99,9 @@ def test_the_fp8_comparison_fails_on_a_wrong_norm():
 def test_fp8_layout_matches_fp8_on_one_device(name):
     layout, recipe, model = CASES[name]
     fp8 = (f"model.fp8={recipe}", *model)
-    exact, ref = run(()), run((), f"model.fp8={recipe}")
+    # 3 steps on one device in fp32 and in FP8 (grid.run_layout: shared with test_parallel)
+    exact, ref = grid.run_layout(()), grid.run_layout((), f"model.fp8={recipe}")
     # the tolerance is FP8's own error: present, small, and never NaN
     gap = np.abs(np.subtract(ref[0], exact[0]))
     assert np.isfinite(ref[0]).all() and 0 < gap.max() < 0.05 * min(exact[0])
-    assert_within_fp8(run(tuple(layout.items()), *fp8), ref, exact)
+    assert_within_fp8(grid.run_layout(tuple(layout.items()), *fp8), ref, exact)

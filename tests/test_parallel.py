@@ -142,14 +142,20 @@ def batches(n: int = 3, cfg=None) -> list[batch_lib.Batch]:
 setup = harness.setup
 
 
-@functools.cache
 def run(name: str | None, mode: str = "explicit", *extra: str):
-    """3 steps under a layout: (losses, grad norms, params, compiled HLO text, state
-    bytes, config, lowered step, MoE assignments dropped per step)."""
+    """`run_layout` of a named layout (None: one device) in a collectives mode."""
     layout = dict(
         {**LAYOUTS, **CONTEXT, **EXPERT}[name] if name else {}, **{"parallel.collectives": mode}
     )
-    cfg = make_cfg(layout, *extra)
+    return run_layout(tuple(layout.items()), *extra)
+
+
+@functools.cache
+def run_layout(layout: tuple, *extra: str):
+    """3 steps under a layout, its (key, value) overrides: (losses, grad norms, params,
+    compiled HLO text, state bytes, config, lowered step, MoE assignments dropped per
+    step)."""
+    cfg = make_cfg(dict(layout), *extra)
     mesh, rules, tx, schedule, shardings, batch_sh = setup(cfg)
     with jax.set_mesh(mesh):
         state = harness.init_state(cfg, tx, shardings)

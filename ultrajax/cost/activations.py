@@ -159,7 +159,8 @@ def _fp8_saved(cfg: Config, parts: dict[str, float]) -> dict[str, float]:
     the layer uses it (gathered over fsdp). An MoE layer's experts stay in the compute
     dtype: only its attention changes. Rowwise keeps the inputs themselves (it
     re-quantises along other axes), so its parts are the plain ones."""
-    d, c = dims(cfg), dims(cfg).c
+    d = dims(cfg)
+    c = d.c
     weights = layer_weight_elements(cfg)
     moe = cfg.model.moe
     parts = dict(parts)
