@@ -478,3 +478,35 @@ def test_a_batch_check_keeps_the_run_s_learning_rate_position_and_budget(tmp_pat
     assert (older.tokens, older.position) == (5 * 128, 5.0)
     assert resume.check_batch(saved, on(2, ramp), ran(saved, 14), 14, "ck/14").done
     assert resume.check_batch(on(1), on(2), None, 20, "ck/20").done
+
+
+def test_delayed_fp8_histories_are_saved_and_restored_exactly(tmp_path, monkeypatch):
+    """model.fp8=delayed: the amax histories travel in the checkpoint's optimizer item,
+    so a run stopped after step 3 and resumed has the losses of one that never stopped
+    (a history lost would scale step 4 by its own amaxes: other values). The parameters
+    alone, what conversion reads, hold no history."""
+    extra = (*LAYOUT_B, "model.fp8=delayed", "model.fp8_history=4", "train.steps=6")
+    extra += ("checkpoint.every=3", "optim.warmup_steps=1")
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    assert train.train(load(whole, *extra)) == 0
+    write = metrics.MetricsWriter.write
+
+    def write_then_sigterm(self, record):
+        write(self, record)
+        if record["step"] == 2:  # step 3 is saved, then the run stops
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(metrics.MetricsWriter, "write", write_then_sigterm)
+    assert train.train(load(broken, *extra)) == 143
+    monkeypatch.undo()
+    cfg = load(broken, *extra)
+    state, step = resume.restore_train(
+        broken / "checkpoints" / "3", cfg, _target(cfg, jax.devices()), _data(cfg)
+    )
+    history = np.asarray(state["fp8"]["w_down"])
+    assert step == 3 and history.shape == (2, 3, 4)  # layers, (x, w, g), fp8_history
+    assert np.all(history[..., :3] > 0) and not np.any(history[..., 3])  # 3 steps recorded
+    assert train.train(load(broken, *extra)) == 0
+    assert losses(broken) == losses(whole)
+    params = checkpoint.load_params(broken / "checkpoints" / "6", cfg.model)
+    assert "fp8" not in params and set(params) == set(state["params"])

@@ -228,6 +228,15 @@ def test_override_without_equals_sign():
         (["model.loss_chunk=-1"], "model.loss_chunk"),
         (["model.attention=flash9000"], "model.attention"),
         (["model.attention_blocks=[64, 64]"], "model.attention_blocks"),
+        (["model.fp8=delayed", "model.fp8_history=0"], "model.fp8_history"),
+        (["model.fp8=tensorwise", "model.fp8_history=8"], "model.fp8_history"),  # for nothing
+        (["model.fp8_layers=[wq]"], "model.fp8_layers"),  # model.fp8=none: for nothing
+        (["model.fp8=rowwise", "model.fp8_layers=[wq, lm_head]"], "model.fp8_layers"),
+        (["model.fp8=rowwise", "model.fp8_layers=[]"], "model.fp8_layers"),
+        (["model.fp8=delayed", "mesh.pipeline=2", "train.grad_accum=2"], "model.fp8=delayed"),
+        (["model.fp8=rowwise", "parallel.fp8_gather=true"], "parallel.fp8_gather"),
+        (["parallel.fp8_gather=true"], "parallel.fp8_gather"),  # model.fp8=none
+        (["model.fp8=delayed", "mesh.data=2", "parallel.diloco_steps=4"], "model.fp8=delayed"),
         (["model.attention_blocks=[64, 64, 48, 64]"], "model.attention_blocks"),
         (["parallel.collectives=nccl"], "parallel.collectives"),
         (["parallel.grad_reduce_dtype=float16"], "parallel.grad_reduce_dtype"),
@@ -362,6 +371,10 @@ def test_data_path_without_the_files_source_is_an_error():
         (["model.attention=tiled", "model.attention_blocks=[64,64,64,64]"], "model.attention_b"),
         (["model.scan_unroll=4", "model.remat=full"], "model.scan_unroll=4"),
         (["model.scan_unroll=2", "mesh.fsdp=2", "parallel.zero=3"], "model.scan_unroll=2"),
+        (
+            ["model.fp8=tensorwise", "parallel.fp8_gather=true", "mesh.fsdp=2", "parallel.zero=2"],
+            "parallel.fp8_gather",
+        ),  # fmt: skip
     ],
 )
 def test_settings_without_effect_are_named_once(overrides, key):

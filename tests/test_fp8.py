@@ -168,15 +168,18 @@ def _f8_dot_flops(jaxpr, times=1) -> float:
     return total
 
 
-def test_fp8_flops_are_the_fp8_dots_of_the_step():
+@pytest.mark.parametrize(
+    "chosen", [("model.fp8=tensorwise",), ("model.fp8=delayed", "model.fp8_layers=[wq,w_down]")]
+)
+def test_fp8_flops_are_the_fp8_dots_of_the_step(chosen):
     """flops.fp8_flops_per_token x tokens equals the FLOPs of the step's dots that take
-    e4m3/e5m2 operands (forward, dx and dw of the 7 weights, 3 layers, 2 micro-batches),
-    read off the traced step."""
+    e4m3/e5m2 operands (forward, dx and dw of the chosen weights, 3 layers, 2
+    micro-batches), read off the traced step: all 7, or model.fp8_layers' 2."""
     from ultrajax.cost import flops
     from ultrajax.tools import analyze
 
     cfg, devices = harness.make(
-        "model.fp8=tensorwise", "model.dtype=bfloat16", "model.n_layers=3",
+        *chosen, "model.dtype=bfloat16", "model.n_layers=3",
         "train.grad_accum=2", "model.remat=none",
     )  # fmt: skip
     mesh = analyze.mesh_lib.make_mesh(cfg, devices[:1])
@@ -189,3 +192,78 @@ def test_fp8_flops_are_the_fp8_dots_of_the_step():
     want = flops.fp8_flops_per_token(cfg.model) * cfg.tokens_per_step
     assert want > 0
     assert _f8_dot_flops(jaxpr.jaxpr) == pytest.approx(want, rel=1e-9)
+
+
+def _delayed(x, w, seen):
+    """(y, dx, dw, the amax sink's cotangent) of ops.dense under model.fp8=delayed."""
+
+    def through_weight(x, sink, amax_sink):
+        weight = Weight.make(w, sink, None, Reduce(), (seen, amax_sink))
+        return dense(x, weight, EQ, jnp.float32, fp8_recipe="delayed")
+
+    y, pull = jax.vjp(through_weight, x, jnp.zeros_like(w), jnp.zeros(3))
+    return y, pull
+
+
+def test_delayed_scales_by_the_history_and_records_the_amaxes():
+    """model.fp8=delayed: each operand scaled by the history's amax, not its own (w's
+    history below its amax: clipped to e4m3's largest, never inf); the amax sink's
+    cotangent is this step's amaxes of x, w and g, exactly."""
+    x, w, g = _inputs(4)
+    own = [float(jnp.max(jnp.abs(a))) for a in (x, w, g)]
+    seen = jnp.array([2 * own[0], 0.5 * own[1], 3 * own[2]])
+    y, pull = _delayed(x, w, seen)
+    dx, dw, amaxes = pull(g)
+    xd, wd, gd = ((q.astype(jnp.float32) / s) for q, s in (
+        fp8.quantize(x, fp8.E4M3, seen[0]), fp8.quantize(w, fp8.E4M3, seen[1]),
+        fp8.quantize(g, fp8.E5M2, seen[2])))  # fmt: skip
+    assert float(jnp.max(jnp.abs(wd))) == pytest.approx(0.5 * own[1])  # clipped, finite
+    np.testing.assert_allclose(y, jnp.einsum(EQ, xd, wd), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx, jnp.einsum("btf,df->btd", gd, wd), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, jnp.einsum("btd,btf->df", xd, gd), rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(amaxes, np.array(own, np.float32))
+
+
+def test_delayed_without_history_scales_as_tensorwise():
+    """An empty history (the first step) scales each tensor by its own amax: the same
+    values as tensorwise."""
+    x, w, g = _inputs(5)
+    y, pull = _delayed(x, w, jnp.zeros(3))
+    got = (y, *pull(g)[:2])
+    y_ref, pull_ref = jax.vjp(lambda x, w: fp8.matmul(EQ, x, w, "tensorwise"), x, w)
+    for a, b in zip(got, (y_ref, *pull_ref(g)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_history_keeps_the_newest_amaxes_first():
+    hist = fp8.history(2, 3)
+    for step in (1.0, 5.0, 2.0, 3.0):
+        hist = fp8.record(hist, jnp.full((2, 3), step))
+    np.testing.assert_array_equal(hist[0, 0], [3.0, 2.0, 5.0])  # the 1 has left
+    np.testing.assert_array_equal(fp8.seen(hist), np.full((2, 3), 5.0))
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_fp8_matmuls_under_a_saving_remat_policy(recipe):
+    """A layer loop under jax.checkpoint with a policy that saves every residual (ZeRO-3
+    without recomputation runs one) gives the plain loop's loss and gradient. JAX rounds
+    saved float residuals through reduce_precision, which turned e4m3 values above 240
+    into NaN until the operands were kept as bytes (fp8.kept)."""
+    x, _, _ = _inputs(6, scale=40.0)
+    w = jax.random.normal(jax.random.key(7), (3, 32, 32)) / np.sqrt(32)
+
+    def loss(w, policy):
+        layer = lambda x, w: fp8.matmul("btd,df->btf", x, w, recipe)  # noqa: E731
+        if policy is not None:
+            layer = jax.checkpoint(layer, policy=policy)
+        y, _ = jax.lax.scan(lambda x, w: (layer(x, w), None), x, w)
+        return jnp.sum(y**2)
+
+    everything = lambda *_, **__: True  # noqa: E731
+    got = jax.jit(jax.value_and_grad(lambda w: loss(w, everything)))(w)
+    want = jax.jit(jax.value_and_grad(lambda w: loss(w, None)))(w)
+    assert np.isfinite(got[0]) and bool(jnp.all(jnp.isfinite(got[1])))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    np.testing.assert_allclose(
+        got[1], want[1], rtol=1e-5, atol=1e-6 * float(jnp.abs(want[1]).max())
+    )

@@ -31,7 +31,7 @@ from ultrajax.train.step import state_shardings
 # --------------------------------------------------------------------------- exact parts
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "bool": 1, "u32": 4, "i64": 8}
-DTYPE_BYTES |= {"f8_e4m3fn": 1, "f8_e5m2": 1}
+DTYPE_BYTES |= {"f8_e4m3fn": 1, "f8_e5m2": 1, "u8": 1}  # u8: FP8 operands kept as bytes
 
 
 def stacked_residuals(cfg, capsys) -> int:
@@ -72,18 +72,27 @@ def test_saved_activations_equal_print_saved_residuals(remat, dtype, capsys):
     assert got == want, (activations.saved_per_layer(cfg), want / cfg.model.n_layers)
 
 
-@pytest.mark.parametrize("fp8", ["tensorwise", "rowwise"])
+FP8_RECIPES = {
+    "tensorwise": ("model.fp8=tensorwise",),
+    "rowwise": ("model.fp8=rowwise",),
+    # some of a shared input's readers in bf16: the input stays beside their e4m3 copies
+    "delayed-some": ("model.fp8=delayed", "model.fp8_layers=[wk,wo,w_gate,w_up]"),
+}
+
+
+@pytest.mark.parametrize("fp8", FP8_RECIPES)
 @pytest.mark.parametrize("remat", ["none", "selective"])
 @pytest.mark.parametrize("moe", [False, True])
 def test_saved_activations_with_fp8_matmuls(fp8, remat, moe, capsys):
-    """model.fp8 (bf16): without recomputation tensorwise keeps each FP8 matmul's e4m3
-    operands (weights included) and scales in place of its bf16 input, rowwise its
-    inputs as they are; a recomputing policy keeps what it names either way."""
+    """model.fp8 (bf16): without recomputation tensorwise and delayed keep each FP8
+    matmul's e4m3 operands (weights included) and scales in place of its bf16 input
+    (beside it where a bf16 matmul reads it too), rowwise its inputs as they are; a
+    recomputing policy keeps what it names either way."""
     over = [
         "model.n_layers=3", "train.micro_batch_size=2", "model.seq_len=40", "model.d_model=48",
         "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=80", "model.vocab_size=56",
         f"model.remat={remat}", "model.dtype=bfloat16", "model.attention=xla",
-        f"model.fp8={fp8}",
+        *FP8_RECIPES[fp8],
     ]  # fmt: skip
     if moe:
         over += ["model.moe_experts=6", "model.moe_d_ff=28"]

@@ -154,7 +154,7 @@ def run(name: str | None, mode: str = "explicit", *extra: str):
 def run_layout(layout: tuple, *extra: str):
     """3 steps under a layout, its (key, value) overrides: (losses, grad norms, params,
     compiled HLO text, state bytes, config, lowered step, MoE assignments dropped per
-    step)."""
+    step, model.fp8=delayed's amax histories or None)."""
     cfg = make_cfg(dict(layout), *extra)
     mesh, rules, tx, schedule, shardings, batch_sh = setup(cfg)
     with jax.set_mesh(mesh):
@@ -170,8 +170,9 @@ def run_layout(layout: tuple, *extra: str):
             losses.append(float(m["loss"]))
             norms.append(float(m["grad_norm"]))
             dropped.append(float(m["moe"]["dropped"].sum()) if "moe" in m else 0.0)
-    params = jax.device_get(state["params"])
-    return losses, norms, params, compiled.as_text(), state_bytes, cfg, lowered, dropped
+    params, history = jax.device_get((state["params"], state.get("fp8")))
+    text = compiled.as_text()
+    return losses, norms, params, text, state_bytes, cfg, lowered, dropped, history
 
 
 def per_device_bytes(tree) -> int:

@@ -192,6 +192,10 @@ def run_identity(cfg: Config) -> str:
         tree["model"].pop("qk_norm")
     if cfg.model.fp8 == "none":
         tree["model"].pop("fp8")
+    if cfg.model.fp8 != "delayed":
+        tree["model"].pop("fp8_history")
+    if cfg.model.fp8_layers is None:
+        tree["model"].pop("fp8_layers")
     if cfg.optim.name == "adamw":
         tree["optim"].pop("name")
     par = cfg.parallel

@@ -60,9 +60,13 @@ class ModelConfig:
     # RMSNorm over each head's queries and keys before the rotation (Qwen3, OLMo 2)
     qk_norm: bool = False
     # FP8 matmuls in the attention projections and the MLP (model/fp8.py; e4m3 forward
-    # operands, e5m2 gradients): none, tensorwise (current scaling, one scale a tensor)
-    # or rowwise (one scale per token of an activation, per output column of a weight)
-    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
+    # operands, e5m2 gradients): none, tensorwise (current scaling, one scale a tensor),
+    # rowwise (one scale per token of an activation, per output column of a weight) or
+    # delayed (one scale a tensor from the largest amax of the last fp8_history steps)
+    fp8: Literal["none", "tensorwise", "rowwise", "delayed"] = "none"
+    fp8_history: int = 16  # delayed: steps of amax history per tensor
+    # which weights' matmuls take FP8 operands (wq wk wv wo w_gate w_up w_down); null: all
+    fp8_layers: list[str] | None = None
     # mixture of experts (model/moe.py, docs/moe.md): experts per MoE layer (0: dense)
     moe_experts: int = 0
     moe_top_k: int = 2  # experts each token goes to
@@ -201,6 +205,9 @@ class ParallelConfig:
     # ZeRO-3: gather layer i+1's weights while layer i computes, forward and backward
     # (model/prefetch.py); one more gathered layer held
     prefetch: bool = True
+    # ZeRO-3 with model.fp8=tensorwise: gather each FP8 weight's shards in e4m3 with their
+    # scale (one byte a value, not the compute dtype's two), the scale the matmul uses
+    fp8_gather: bool = False
     all_reduce_bucket_mib: int = 64
     all_gather_bucket_mib: int = 64
     reduce_scatter_bucket_mib: int = 64

@@ -7,7 +7,7 @@ import dataclasses
 import math
 
 from ultrajax.config.schema import Config, ConfigError, ModelConfig, ParallelConfig
-from ultrajax.model import remat
+from ultrajax.model import fp8, remat
 from ultrajax.model.attention import backends as attention
 from ultrajax.parallel.pipeline import schedules as schedule
 
@@ -55,6 +55,29 @@ def _validate_names(cfg: Config) -> None:
     _one_of("parallel.pipeline_schedule", cfg.parallel.pipeline_schedule, schedule.NAMES)
 
 
+def _validate_fp8(m) -> None:
+    """model.fp8's companions: each applies to a recipe, so none is set for nothing."""
+    _check(m.fp8_history >= 1, f"model.fp8_history must be >= 1, got {m.fp8_history}")
+    _check(
+        m.fp8 == "delayed" or m.fp8_history == 16,
+        f"model.fp8_history={m.fp8_history} applies to model.fp8=delayed (got "
+        f"model.fp8={m.fp8}): set model.fp8=delayed or drop model.fp8_history",
+    )
+    if m.fp8_layers is None:
+        return
+    _check(
+        m.fp8 != "none",
+        "model.fp8_layers chooses which matmuls take FP8 operands, but model.fp8=none: "
+        "set model.fp8 (tensorwise, rowwise or delayed) or drop model.fp8_layers",
+    )
+    unknown = [k for k in m.fp8_layers if k not in fp8.WEIGHTS]
+    _check(
+        bool(m.fp8_layers) and not unknown,
+        f"model.fp8_layers: {unknown or 'an empty list'} is not a list of weights from "
+        f"{', '.join(fp8.WEIGHTS)} (for none, set model.fp8=none)",
+    )
+
+
 def _validate_model(m) -> None:
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "seq_len"):
         _check(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
@@ -95,6 +118,7 @@ def _validate_model(m) -> None:
     )
     _check(m.norm_eps > 0, "model.norm_eps must be positive")
     _check(m.scan_unroll >= 1, f"model.scan_unroll must be >= 1, got {m.scan_unroll}")
+    _validate_fp8(m)
     if m.attention_blocks is not None:
         _check(
             len(m.attention_blocks) == 4
@@ -273,6 +297,17 @@ def validate_layout(cfg: Config, *, build_schedule: bool = True) -> None:
         f"model.fp8={m.fp8} with parallel.pipeline_schedule={kind}: zero bubble's weight "
         "step does not take FP8 operands yet; use afab, 1f1b or interleaved, or model.fp8=none",
     )
+    _check(
+        not cfg.parallel.fp8_gather or m.fp8 == "tensorwise",
+        f"parallel.fp8_gather needs model.fp8=tensorwise, got model.fp8={m.fp8}: the gather "
+        "quantises each weight with the one scale its matmul uses; rowwise scales the weight "
+        "per column in the forward and per row in the backward, delayed from a history",
+    )
+    _check(
+        m.fp8 != "delayed" or mesh.pipeline == 1,
+        "model.fp8=delayed with mesh.pipeline > 1: the pipeline's schedules do not carry "
+        "the amax histories yet; use model.fp8=tensorwise or rowwise",
+    )
     _validate_pipeline(cfg, build_schedule)
     _validate_ramp(cfg)
     _validate_diloco(cfg)
@@ -330,6 +365,11 @@ def _validate_diloco(cfg: Config) -> None:
     )
     if not par.diloco_steps:
         return
+    _check(
+        cfg.model.fp8 != "delayed",
+        "model.fp8=delayed with parallel.diloco_steps: DiLoCo's replicas do not carry the "
+        "amax histories yet; use model.fp8=tensorwise or rowwise",
+    )
     _check(
         cfg.mesh.data != 1,
         "parallel.diloco_steps needs mesh.data > 1: DiLoCo's replicas are the ranks of "
@@ -509,6 +549,12 @@ def no_effect(cfg: Config) -> list[str]:
         out.append(
             f"parallel.zero={par.zero} has no effect with mesh.fsdp=1 (ZeRO shards over "
             "fsdp): set mesh.fsdp > 1, or parallel.zero=0"
+        )
+    if par.fp8_gather and (par.zero != 3 or mesh.fsdp == 1):
+        out.append(
+            f"parallel.fp8_gather has no effect with parallel.zero={par.zero} and "
+            f"mesh.fsdp={mesh.fsdp} (it is ZeRO-3's gather of the layer weights over fsdp): "
+            "set parallel.zero=3 and mesh.fsdp > 1, or drop it"
         )
     if par.sequence_parallel and mesh.tensor == 1:
         out.append(

@@ -135,7 +135,7 @@ def _saved_one(cfg: Config) -> dict[str, float]:
             out = {"attention": attention, "mlp": moe_saved(cfg), "norms": norms - c * d.X}
         else:
             out = {"attention": attention, "mlp": 6 * c * d.F, "norms": norms}
-        return _fp8_saved(cfg, out) if m.fp8 == "tensorwise" else out
+        return _fp8_saved(cfg, out) if m.fp8 in ("tensorwise", "delayed") else out
     if pol in ("full", "offload"):
         return {"attention": 0.0, "mlp": 0.0, "norms": block_input}
     names = set(remat.SELECTIVE) if pol == "selective" else set(m.remat)
@@ -151,25 +151,29 @@ def _saved_one(cfg: Config) -> dict[str, float]:
 
 
 def _fp8_saved(cfg: Config, parts: dict[str, float]) -> dict[str, float]:
-    """`_saved_one`'s parts without recomputation under model.fp8=tensorwise (model/fp8.py):
-    each FP8 matmul keeps its e4m3 operands and two fp32 scales for the backward, in
-    place of its input in the compute dtype. Read off print_saved_residuals: the
-    normalised stream once per matmul that reads it (q, k, v; gate, up: no sharing in
-    the saved set), wo's input, w_down's input, and an e4m3 copy of each FP8 weight as
-    the layer uses it (gathered over fsdp). An MoE layer's experts stay in the compute
-    dtype: only its attention changes. Rowwise keeps the inputs themselves (it
-    re-quantises along other axes), so its parts are the plain ones."""
+    """`_saved_one`'s parts without recomputation under model.fp8=tensorwise or delayed
+    (model/fp8.py): each FP8 matmul keeps its e4m3 operands and two fp32 scales for the
+    backward, in place of its input in the compute dtype. Read off print_saved_residuals:
+    an e4m3 copy of the input per FP8 matmul (q, k, v; gate, up: no sharing in the saved
+    set), the input in the compute dtype only while a matmul in model.dtype still reads
+    it, and an e4m3 copy of each FP8 weight as the layer uses it (gathered over fsdp). An
+    MoE layer's experts stay in the compute dtype: only its attention changes. Rowwise
+    keeps the inputs themselves (it re-quantises along other axes): the plain parts."""
     d = dims(cfg)
-    c = d.c
-    weights = layer_weight_elements(cfg)
-    moe = cfg.model.moe
+    c, moe = d.c, cfg.model.moe
+    chosen = set(llama.fp8_weights(cfg.model))
+    weights = layer_weight_elements(cfg, by="key")
     parts = dict(parts)
-    parts["norms"] -= c * d.X * (1 if moe else 2)  # the matmuls' inputs in c
-    parts["attention"] -= c * d.Q  # wo's input
-    copies = 3 * d.X + d.Q + weights[llama.ATTENTION] + 4 * 2 * 4  # 4 matmuls, 2 scales
+    # (the matmuls reading one input, its elements, the part that holds it in c)
+    inputs = [(("wq", "wk", "wv"), d.X, "norms"), (("wo",), d.Q, "attention")]
     if not moe:
-        parts["mlp"] -= c * d.F  # w_down's input
-        copies += 2 * d.X + d.F + weights[llama.MLP] + 3 * 2 * 4
+        inputs += [(("w_gate", "w_up"), d.X, "norms"), (("w_down",), d.F, "mlp")]
+    copies = 0.0
+    for keys, elements, part in inputs:
+        fp8 = [k for k in keys if k in chosen]
+        if len(fp8) == len(keys):  # no matmul in model.dtype keeps the input
+            parts[part] -= c * elements
+        copies += len(fp8) * (elements + 2 * 4) + sum(weights[k] for k in fp8)
     parts["fp8 operands"] = copies
     return parts
 

@@ -206,23 +206,39 @@ def _zero3_gathers(cfg: Config, psi: int) -> list[Term]:
     gathered outside it: the gather is loop-invariant, so XLA hoists it out of the
     micro-batch loop and the backward reuses it (the embedding's backward needs no
     weights at all): once per step. The playbook's 2Ψ counts every weight twice; the
-    prefetch (parallel.prefetch) gathers one layer more per micro-batch (2 + 1/L)."""
+    prefetch (parallel.prefetch) gathers one layer more per micro-batch (2 + 1/L), the
+    last layer again at the forward's end, for the backward to start with. An FP8 weight
+    whose e4m3 copy the forward keeps is gathered in the forward only (1 + 1/L)."""
     fs, accum = cfg.mesh.fsdp, cfg.train.grad_accum
     c = units.dtype_bytes(cfg.model.dtype)
     psi_layers = sizes.param_elements(
         cfg, kind="compute", ignore=(FSDP,), where=lambda p: p.layered
     )
     rest = psi - psi_layers
-    # the prefetch's backward loop gathers one layer nobody reads (model/prefetch.py)
+    # FP8 weights: parallel.fp8_gather moves them in e4m3, one byte a value; without
+    # recomputation (tensorwise, delayed) the backward reads the e4m3 copy the forward
+    # kept, no second gather
+    m, par = cfg.model, cfg.parallel
+    fp8 = set(llama.fp8_weights(m))
+    in_fp8 = sizes.param_elements(cfg, kind="compute", ignore=(FSDP,), where=lambda p: p.key in fp8)
+    kept = bool(fp8) and m.remat == "none" and m.fp8 != "rowwise"
+    fp8_bytes = (1 if par.fp8_gather else c) * in_fp8
+    # the prefetch gathers one layer more per micro-batch (model/prefetch.py)
     extra = 1 / cfg.model.n_layers if prefetches(cfg) else 0
     times = f"({2 * accum}+{accum}/L)" if extra else f"{2 * accum}"
     return [
         Term(
             "all-gather",
             "layer weights over fsdp (forward and backward, every micro-batch"
-            + (", one layer ahead)" if extra else ")"),
+            + (", one layer ahead" if extra else "")
+            + ("; FP8 weights forward only" if kept else "")
+            + ("; FP8 weights in e4m3)" if par.fp8_gather else ")"),
             f"{times}·Ψ_layers(N-1)/N",
-            (2 + extra) * accum * _ring(c * psi_layers, fs),
+            accum
+            * (
+                (2 + extra) * _ring(c * (psi_layers - in_fp8), fs)
+                + (1 + extra if kept else 2 + extra) * _ring(fp8_bytes, fs)
+            ),
             "fsdp",
             "gathers",
         ),

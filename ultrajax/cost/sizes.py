@@ -61,18 +61,20 @@ def layer_kinds(cfg: Config) -> tuple[tuple[int, Config], ...]:
     return ((m.n_layers - moe, dense), (moe, sparse))
 
 
-def layer_weight_elements(cfg: Config, ignore=(FSDP,)) -> dict[str, int]:
+def layer_weight_elements(cfg: Config, ignore=(FSDP,), by: str = "part") -> dict[str, int]:
     """One layer's compute weights per device (as used: gathered over fsdp), by part of
-    the model (llama.ATTENTION, MLP, NORM); the largest kind's (`layer_kinds`)."""
+    the model (llama.ATTENTION, MLP, NORM; by="key": by parameter); the largest kind's
+    (`layer_kinds`)."""
     kinds = layer_kinds(cfg)
     if len(kinds) > 1:
-        each = [layer_weight_elements(k, ignore) for _, k in kinds]
+        each = [layer_weight_elements(k, ignore, by) for _, k in kinds]
         return max(each, key=lambda d: sum(d.values()))
     m = cfg.model
-    out = {p.part: 0 for p in llama.PARAMS if p.layered}
+    out = {getattr(p, by): 0 for p in llama.PARAMS if p.layered}
     for p in llama.params_of(m):
         if p.layered:
-            out[p.part] += shard_elements(cfg, p.shape(m)[1:], p.names[1:], "compute", ignore)
+            n = shard_elements(cfg, p.shape(m)[1:], p.names[1:], "compute", ignore)
+            out[getattr(p, by)] += n
     return out
 
 

@@ -1,5 +1,5 @@
-"""FP8 matmuls with current scaling (model.fp8=tensorwise|rowwise): one byte a value in
-the matmul's operands, fp32 accumulation and scales.
+"""FP8 matmuls (model.fp8=tensorwise|rowwise|delayed): one byte a value in the matmul's
+operands, fp32 accumulation and scales.
 
 Why this recipe: the forward operands (activations, weights) go to e4m3, more mantissa
 for values whose range a per-tensor scale already fits; the backward's gradient operand
@@ -9,7 +9,7 @@ for e5m2), clipped there, cast; the product of two quantised operands is divided
 both scales. Nothing overflows to inf: a value far beyond the format is clipped after
 scaling by its own tensor's amax, so it lands on the largest finite value.
 
-Two recipes (model.fp8):
+Three recipes (model.fp8):
 
 - tensorwise: one scale a tensor. The backward quantises the output's cotangent to e5m2
   and reuses the forward's e4m3 operands (kept for the backward: one byte a value).
@@ -20,6 +20,17 @@ Two recipes (model.fp8):
   does not depend on the rest of the batch. The scales factor out of the sum, so the
   product divides by their outer product. Each product quantises along its own axes,
   so the backward re-quantises the forward's inputs (kept in their own dtype).
+
+- delayed: one scale a tensor, as tensorwise, but from the largest amax of the last
+  model.fp8_history steps (Transformer Engine's delayed scaling) rather than the
+  tensor's own: the scale is known before the tensor is, so quantising needs no
+  reduction over it first. Each matmul records its operands' amaxes (x, w and the
+  cotangent g) for the next step: they leave the backward rule as the cotangent of a
+  zero "sink", as weight gradients do (model/ops.py), are max-reduced over the
+  micro-batches and every mesh axis that splits the tensors (parallel/grads.py), and
+  roll into the history in the train state (`record`). A value beyond the history's
+  amax is clipped to the format's largest, never inf. A tensor with no history yet
+  (the first step, or all zeros so far) is scaled by its own amax, as tensorwise.
 
 `matmul(eq, x, w, recipe)` is einsum(eq, x, w) in fp32 through FP8 operands.
 """
@@ -35,7 +46,12 @@ E4M3 = jnp.float8_e4m3fn  # forward operands
 E5M2 = jnp.float8_e5m2  # the backward's gradient operand
 
 
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = ("tensorwise", "rowwise", "delayed")
+# the weights whose matmuls take FP8 operands (model.fp8_layers chooses among them): the
+# attention projections and the dense MLP; embedding, head, norms and experts do not
+WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# delayed: the operands of one matmul whose amaxes it records, in this order
+OPERANDS = ("x", "w", "g")
 
 
 def quantize(x, dtype, amax=None, axes=None):
@@ -83,13 +99,69 @@ def rowwise(eq: str, a, b, a_dtype, b_dtype):
     return jnp.einsum(eq, aq, bq, preferred_element_type=jnp.float32) * inv
 
 
+def amax(x):
+    """The largest magnitude of x, fp32."""
+    return jnp.max(jnp.abs(x.astype(jnp.float32)))
+
+
+def _known(history, current):
+    """The history's amax where it has one, else the tensor's own (delayed's first step)."""
+    return jnp.where(history > 0, history, current)
+
+
+def delayed_forward(eq: str, x, w, seen):
+    """(einsum through e4m3 operands scaled by `seen`, the history's amaxes of (x, w, g),
+    fp32[3]; tensorwise's residuals; the amaxes of x and w, fp32[2])."""
+    ax, aw = amax(x), amax(w)
+    xq, sx = quantize(x, E4M3, _known(seen[0], ax))
+    wq, sw = quantize(w, E4M3, _known(seen[1], aw))
+    return scaled(eq, xq, sx, wq, sw), (kept(xq), sx, kept(wq), sw), jnp.stack([ax, aw])
+
+
+def delayed_backward(eq: str, res, g, seen):
+    """(dx, dw, g's amax): tensorwise's backward with g scaled by the history's amax."""
+    eq_dx, eq_dw = _transposes(eq)
+    xq, sx, wq, sw = res
+    xq, wq, ag = unkept(xq), unkept(wq), amax(g)
+    gq, sg = quantize(g, E5M2, _known(seen[2], ag))
+    return scaled(eq_dx, gq, sg, wq, sw), scaled(eq_dw, xq, sx, gq, sg), ag
+
+
+def history(rows: int, length: int):
+    """A weight's empty amax history: fp32 (rows, OPERANDS, length), newest first."""
+    return jnp.zeros((rows, len(OPERANDS), length), jnp.float32)
+
+
+def record(hist, amaxes):
+    """The history with this step's amaxes (rows, OPERANDS) in front, the oldest dropped."""
+    return jnp.concatenate([amaxes[..., None], hist[..., :-1]], axis=-1)
+
+
+def seen(hist):
+    """What a step scales by: the largest amax of the history, (rows, OPERANDS)."""
+    return jnp.max(hist, axis=-1)
+
+
+def kept(q):
+    """An e4m3 operand as the backward keeps it: its bytes, as uint8. Why: under
+    jax.checkpoint with a policy, JAX rounds every saved float residual through
+    reduce_precision(4 exponent bits, 3 mantissa bits), which XLA treats as an IEEE
+    format (largest finite 240, then inf); e4m3fn's values above 240 came back NaN.
+    Integers pass as they are (`unkept` reads them back)."""
+    return jax.lax.bitcast_convert_type(q, jnp.uint8)
+
+
+def unkept(u):
+    return jax.lax.bitcast_convert_type(u, E4M3)
+
+
 def forward(eq: str, x, w, recipe: str = "tensorwise"):
     """(einsum(eq, x, w) in fp32 through e4m3 operands, what `backward` needs: tensorwise,
-    the quantised operands and their scales (one byte a value); rowwise, x and w)."""
+    the quantised operands (`kept`: one byte a value) and their scales; rowwise, x and w)."""
     if recipe == "rowwise":
         return rowwise(eq, x, w, E4M3, E4M3), (x, w)
     (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
-    return scaled(eq, xq, sx, wq, sw), (xq, sx, wq, sw)
+    return scaled(eq, xq, sx, wq, sw), (kept(xq), sx, kept(wq), sw)
 
 
 def backward(eq: str, res, g, recipe: str = "tensorwise"):
@@ -101,14 +173,17 @@ def backward(eq: str, res, g, recipe: str = "tensorwise"):
         x, w = res
         return rowwise(eq_dx, g, w, E5M2, E4M3), rowwise(eq_dw, x, g, E4M3, E5M2)
     xq, sx, wq, sw = res
+    xq, wq = unkept(xq), unkept(wq)
     gq, sg = quantize(g, E5M2)
     return scaled(eq_dx, gq, sg, wq, sw), scaled(eq_dw, xq, sx, gq, sg)
 
 
 def matmul(eq: str, x, w, recipe: str = "tensorwise"):
-    """einsum(eq, x, w) in fp32 with e4m3 operands (module docstring)."""
+    """einsum(eq, x, w) in fp32 with e4m3 operands (module docstring). No history reaches a
+    plain matmul (evaluation, decoding, a reference): delayed scales as tensorwise."""
     if recipe not in RECIPES:
         raise ValueError(f"FP8 recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+    recipe = "tensorwise" if recipe == "delayed" else recipe
     return _matmul(eq, recipe, x.dtype.name, w.dtype.name, x, w)
 
 

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ultrajax.config.schema import ModelConfig
-from ultrajax.model import remat
+from ultrajax.model import fp8, remat
 from ultrajax.model.attention.backends import attend
 from ultrajax.model.boundaries import (
     LOCAL,
@@ -75,15 +75,15 @@ def block_stats(p, x, positions, segment_ids, *, cfg, tp=SINGLE, cp=LOCAL, ep=ON
     """`block`'s output and the layer's MoE statistics (model/moe.py STATS; {}: dense)."""
     heads = ("batch", "length", "heads", "head_dim")
     kv_heads = ("batch", "length", "kv_heads", "head_dim")
-    f8 = cfg.fp8  # the projections' and the MLP's matmuls through FP8 operands (or "none")
+    f8 = fp8_recipes(cfg)  # each weight's matmul through FP8 operands, or "none"
     h = tp.enter(rms_norm(x, p["attn_norm"], cfg.norm_eps))
     if tp.join_inputs:  # one matmul, each kv head's group of queries beside its k and v
         d, kv, hd = p["wk"].shape
         g = p["wq"].shape[1] // kv
         groups = [(d, kv, g, hd), (d, kv, 1, hd), (d, kv, 1, hd)]
-        q, k, v = dense_joined(h, [p["wq"], p["wk"], p["wv"]], groups, 2, f8)
+        q, k, v = dense_joined(h, [p[n] for n, _ in QKV], groups, 2, [f8[n] for n, _ in QKV])
     else:
-        q, k, v = (dense(h, p[n], e, fp8_recipe=f8) for n, e in QKV)
+        q, k, v = (dense(h, p[n], e, fp8_recipe=f8[n]) for n, e in QKV)
     if cfg.qk_norm:  # over each head's own dimensions, before the rotation
         q = rms_norm(q, p["q_norm"], cfg.norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.norm_eps)
@@ -107,7 +107,7 @@ def block_stats(p, x, positions, segment_ids, *, cfg, tp=SINGLE, cp=LOCAL, ep=ON
         v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, 1)
         o = attend(q, k, v, implementation="xla", q_offset=start)
     o = checkpoint_name(tp.constrain(o, heads), remat.ATTN_OUT)
-    x = x + tp.exit(dense(o, p["wo"], "btnh,nhd->btd", fp8_recipe=f8))  # row-parallel
+    x = x + tp.exit(dense(o, p["wo"], "btnh,nhd->btd", fp8_recipe=f8["wo"]))  # row-parallel
 
     h = tp.enter(rms_norm(x, p["mlp_norm"], cfg.norm_eps))
     if "router" in p:  # an MoE layer (with model.moe_every > 1, every moe_every-th)
@@ -117,13 +117,14 @@ def block_stats(p, x, positions, segment_ids, *, cfg, tp=SINGLE, cp=LOCAL, ep=ON
     hidden = ("batch", "length", "mlp")
     if tp.join_inputs:
         d, f = p["w_up"].shape
-        gate, up = dense_joined(h, [p["w_gate"], p["w_up"]], [(d, 1, f)] * 2, 1, f8)
+        pair, recipes = [p["w_gate"], p["w_up"]], [f8["w_gate"], f8["w_up"]]
+        gate, up = dense_joined(h, pair, [(d, 1, f)] * 2, 1, recipes)
     else:
-        gate = dense(h, p["w_gate"], "btd,df->btf", fp8_recipe=f8)
-        up = dense(h, p["w_up"], "btd,df->btf", fp8_recipe=f8)
+        gate = dense(h, p["w_gate"], "btd,df->btf", fp8_recipe=f8["w_gate"])
+        up = dense(h, p["w_up"], "btd,df->btf", fp8_recipe=f8["w_up"])
     gate = checkpoint_name(tp.constrain(gate, hidden), remat.MLP_IN)
     up = checkpoint_name(tp.constrain(up, hidden), remat.MLP_IN)
-    out = dense(jax.nn.silu(gate) * up, p["w_down"], "btf,fd->btd", fp8_recipe=f8)
+    out = dense(jax.nn.silu(gate) * up, p["w_down"], "btf,fd->btd", fp8_recipe=f8["w_down"])
     x = x + tp.exit(checkpoint_name(out, remat.MLP_OUT))
     return (x if cache is None else (x, (k, v))), {}
 
@@ -383,16 +384,34 @@ def active_param_count(cfg: ModelConfig) -> int:
     return int(param_count(cfg) - moe_layers(cfg) * drop)
 
 
-# the weights whose matmuls take FP8 operands under model.fp8 (`block_stats`): the
-# attention projections and the dense MLP; embedding, head, norms and experts do not
-FP8_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+def fp8_weights(cfg: ModelConfig) -> tuple[str, ...]:
+    """The weights whose matmuls take FP8 operands (model.fp8, model.fp8_layers), in
+    fp8.WEIGHTS order; () with model.fp8=none."""
+    if cfg.fp8 == "none":
+        return ()
+    chosen = fp8.WEIGHTS if cfg.fp8_layers is None else cfg.fp8_layers
+    return tuple(k for k in fp8.WEIGHTS if k in chosen)
+
+
+def fp8_recipes(cfg: ModelConfig) -> dict[str, str]:
+    """{weight: the recipe its matmul takes} over fp8.WEIGHTS ("none": model.dtype)."""
+    chosen = fp8_weights(cfg)
+    return {k: cfg.fp8 if k in chosen else "none" for k in fp8.WEIGHTS}
 
 
 def fp8_param_count(cfg: ModelConfig) -> int:
     """Parameters whose matmuls run through FP8 operands (0 with model.fp8=none)."""
-    if cfg.fp8 == "none":
-        return 0
-    return sum(p.size(cfg) for p in PARAMS if p.key in FP8_WEIGHTS and p.present(cfg))
+    chosen = fp8_weights(cfg)
+    return sum(p.size(cfg) for p in PARAMS if p.key in chosen and p.present(cfg))
+
+
+def fp8_history(cfg: ModelConfig) -> dict:
+    """model.fp8=delayed: each FP8 weight's empty amax history, stacked like the weight
+    ({} otherwise): the train state's "fp8"."""
+    if cfg.fp8 != "delayed":
+        return {}
+    rows = {p.key: p.rows(cfg) for p in params_of(cfg)}
+    return {k: fp8.history(rows[k], cfg.fp8_history) for k in fp8_weights(cfg) if k in rows}
 
 
 def matmul_param_count(cfg: ModelConfig) -> float:

@@ -110,14 +110,16 @@ class Weight:
     sink: jax.Array  # fp32 zeros shaped and typed like the reduced gradient
     acc: jax.Array | None  # gradients of earlier micro-batches (not yet reduced), or None
     reduce: Reduce = field(metadata=dict(static=True))
+    # model.fp8=delayed: (the history's amaxes of x, w and g, fp32[3]; a zero fp32[3] sink
+    # whose cotangent is this matmul's amaxes, model/fp8.py), else None
+    fp8: tuple | None = None
 
     @classmethod
-    def make(cls, value, sink, acc, reduce: Reduce) -> Weight:
+    def make(cls, value, sink, acc, reduce: Reduce, fp8=None) -> Weight:
         """The sink's type goes into the static `reduce`: the backward rules need it, not
         its (zero) values, so the sinks are never kept for the backward pass."""
-        return cls(
-            value, sink, acc, dataclasses.replace(reduce, varying=vma(sink), shape=sink.shape)
-        )
+        red = dataclasses.replace(reduce, varying=vma(sink), shape=sink.shape)
+        return cls(value, sink, acc, red, fp8)
 
     @property
     def shape(self):
@@ -216,10 +218,40 @@ def _dense_fp8_bwd(eq, recipe, out_dtype, x_dtype, red, res, g):
 _dense_fp8.defvjp(_dense_fp8_fwd, _dense_fp8_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 9, 10))
+def _dense_delayed(eq, out_dtype, x_dtype, x, value, sink, acc, seen, amax_sink, red, axes):
+    return fp8.delayed_forward(eq, x, value, seen)[0].astype(out_dtype)
+
+
+def _dense_delayed_fwd(eq, out_dtype, x_dtype, x, value, sink, acc, seen, amax_sink, red, axes):
+    y, res, amaxes = fp8.delayed_forward(eq, x, value, seen)
+    return y.astype(out_dtype), (res, acc, seen, amaxes)
+
+
+def _dense_delayed_bwd(eq, out_dtype, x_dtype, red, axes, res, g):
+    """_dense_fp8_bwd's with the history's scales; the amaxes of x, w and g leave as the
+    cotangent of their sink, typed as it is (varying over `axes`: parallel/grads.py
+    max-reduces them once, after the last micro-batch)."""
+    res, acc, seen, amaxes = res
+    dx, dw, ag = fp8.delayed_backward(eq, res, g, seen)
+    amaxes = jnp.concatenate([amaxes, ag[None]])
+    missing = tuple(sorted(axes - vma(amaxes)))
+    amaxes = jax.lax.pcast(amaxes, missing, to="varying") if missing else amaxes
+    return dx.astype(x_dtype), None, finish(dw, acc, red), None, None, amaxes
+
+
+_dense_delayed.defvjp(_dense_delayed_fwd, _dense_delayed_bwd)
+
+
 def dense(x, w, eq: str, out_dtype=None, fp8_recipe: str = "none"):
     """einsum(eq, x, w) in x's dtype (or `out_dtype`), w cast to x's dtype; with an
     `fp8_recipe` (model.fp8) through FP8 operands (model/fp8.py)."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if fp8_recipe == "delayed" and isinstance(w, Weight) and w.fp8 is not None:
+        seen, amax_sink = w.fp8
+        value, axes = w.value.astype(x.dtype), frozenset(vma(amax_sink))
+        args = (x, value, w.sink, w.acc, seen, amax_sink, w.reduce, axes)
+        return _dense_delayed(eq, out_dtype, x.dtype.name, *args)
     if fp8_recipe != "none" and isinstance(w, Weight):
         value = w.value.astype(x.dtype)
         return _dense_fp8(
@@ -280,18 +312,21 @@ def _contract_first(x_ndim: int, w_ndim: int) -> str:
     return f"{lead}z,z{rest}->{lead}{rest}"
 
 
-def dense_joined(x, ws, shapes, axis: int, fp8_recipe: str = "none"):
+def dense_joined(x, ws, shapes, axis: int, fp8_recipes=None):
     """[dense(x, w) for w in ws], contracting x's last axis with each weight's first, as
     one matmul: each weight reshaped to its entry of `shapes` (same rank, equal but for
     `axis`) and joined along `axis`. Why: the input gradient is then one sum of partial
     products, which the partitioner reduces once, where separate matmuls are reduced
     once each (parallel/partitioned.py). Same values as separate `dense` calls, which
-    plain arrays (decoding), split backwards (zero bubble) and FP8 operands still take."""
-    if fp8_recipe != "none" or not all(
+    plain arrays (decoding), split backwards (zero bubble) and FP8 operands still take.
+    `fp8_recipes`: each weight's (model.fp8), None: none."""
+    recipes = fp8_recipes or ("none",) * len(ws)
+    if set(recipes) != {"none"} or not all(
         isinstance(w, Weight) and w.reduce.defer is None for w in ws
     ):
         eqs = [_contract_first(x.ndim, len(w.shape)) for w in ws]
-        return [dense(x, w, eq, fp8_recipe=fp8_recipe) for w, eq in zip(ws, eqs, strict=True)]
+        each = zip(ws, eqs, recipes, strict=True)
+        return [dense(x, w, eq, fp8_recipe=r) for w, eq, r in each]
     eq = _contract_first(x.ndim, len(shapes[0]))
     shapes = tuple(tuple(s) for s in shapes)
     out = _dense_joined(

@@ -30,11 +30,18 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from ultrajax.kernels.varying import vary, vma, zeros32
+from ultrajax.kernels.varying import vary, vma, zeros, zeros32
+from ultrajax.model import fp8
 from ultrajax.model.ops import Reduce, Weight, finish
 from ultrajax.model.prefetch import Prefetch
 from ultrajax.parallel.axes import FSDP, TOKEN_AXES  # the batch's tokens are split over these
 from ultrajax.parallel.zero import Zero
+
+FP8 = "fp8"  # model.fp8=delayed: the key of the amaxes' sinks, beside the gradients'
+# ... and among a layer's sinks: a key after every weight's. Why: JAX 0.10's scan
+# transpose misplaces a returned cotangent (jax.ad.GradValue, as the amaxes are) that
+# comes before one accumulated into a Ref (the gradients) in the scanned inputs' order
+LAYER_FP8 = "~fp8"
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,8 @@ class Gradients:
     # there: the embedding (read twice when tied), the LM head when the loss is chunked
     after: tuple[str, ...] = ("embed",)
     prefetch: bool = True  # ZeRO-3: gather each layer one iteration ahead (model/prefetch.py)
+    # model.fp8=delayed: the weights whose matmuls record their operands' amaxes
+    fp8: tuple[str, ...] = ()
 
     @property
     def deferred(self) -> tuple[str, ...]:
@@ -89,7 +98,22 @@ class Gradients:
         shards; ZeRO-0/1 before the last micro-batch: whole and unreduced)."""
         whole = self.zero.active <= 1 and not (last and self.zero.active == 1)
         out = jax.tree.map(zeros32, cparams if whole else params)
-        return out if last else jax.tree.map(lambda s: vary(s, self.deferred), out)
+        out = out if last else jax.tree.map(lambda s: vary(s, self.deferred), out)
+        if self.fp8:  # the amaxes' sinks: per layer (x, w, g), one per device until `amaxes`
+            manual, n = tuple(sorted(self.manual)), len(fp8.OPERANDS)
+            rows = {k: cparams["layers"][k].shape[0] for k in self.fp8}
+            out[FP8] = {k: zeros((r, n), jnp.float32, manual) for k, r in rows.items()}
+        return out
+
+    def amaxes(self, grads: dict) -> tuple[dict, dict | None]:
+        """(the gradients, model.fp8=delayed's amaxes max-reduced over the manual axes, or
+        None): the amaxes ride with the gradients until here, never summed."""
+        if FP8 not in grads:
+            return grads, None
+        grads = dict(grads)
+        found = grads.pop(FP8)
+        manual = tuple(sorted(self.manual))
+        return grads, jax.tree.map(lambda a: jax.lax.pmax(a, manual) if manual else a, found)
 
     def wrt(self, sinks, cparams) -> dict:
         """What the step differentiates: the sinks, with those of `after` replaced by
@@ -101,8 +125,11 @@ class Gradients:
         }
         return dict(sinks, **raw)
 
-    def attach(self, cparams, sinks, acc, last: bool, gather=None):
+    def attach(self, cparams, sinks, acc, last: bool, gather=None, seen=None):
         """(the weights the model reads, the `prepare` for its layer scan).
+
+        `seen`: model.fp8=delayed's amaxes to scale by, per FP8 weight (rows, x w g); the
+        layer scan slices them, and their sinks, with the weights.
 
         The weights of `after` get unreduced sinks: the embedding is read twice when tied
         (lookup and LM head), the LM head once per chunk of a chunked loss, so their
@@ -125,6 +152,9 @@ class Gradients:
             "sink": sinks["layers"],
             "acc": None if acc is None else acc["layers"],
         }
+        if self.fp8:  # under "sink", which the layer loops differentiate
+            w["layers"]["sink"] = dict(sinks["layers"], **{LAYER_FP8: sinks[FP8]})
+            w["layers"][FP8] = seen
         layer_names = {k: n[1:] for k, n in self.names["layers"].items()}
 
         def bind(p, values):
@@ -132,7 +162,8 @@ class Gradients:
             for k, value in values.items():
                 red = self.reduce(f"layers/{k}", layer_names[k], last)
                 acc_k = None if p["acc"] is None else p["acc"][k]
-                out[k] = Weight.make(value, p["sink"][k], acc_k, red)
+                scales = (p[FP8][k], p["sink"][LAYER_FP8][k]) if k in self.fp8 else None
+                out[k] = Weight.make(value, p["sink"][k], acc_k, red, scales)
             return out
 
         # no stop_gradient on the weights: they are not differentiated (the sinks are),
@@ -170,15 +201,24 @@ class Gradients:
         wrt = self.wrt(sinks, cparams)
         if acc is None or self.adds_inside(last):
             g, aux = jax.grad(lambda w: loss_fn(w, acc), has_aux=True)(wrt)
-            return self.finish(g, acc, sinks, last), aux
+            return self._most(self.finish(g, acc, sinks, last), acc), aux
         out, vjp, aux = jax.vjp(lambda w: loss_fn(w, None), wrt, has_aux=True)
-        value = jax.ad.GradValue()  # returned as a value, not accumulated into a Ref
-        refs = {k: value if k in self.after else jax.tree.map(jax.new_ref, acc[k]) for k in wrt}
+        value = lambda _: jax.ad.GradValue()  # noqa: E731  returned, not added into a Ref
+        given = (*self.after, FP8)
+        refs = {k: jax.tree.map(value if k in given else jax.new_ref, acc[k]) for k in wrt}
         (g,) = vjp.with_refs(refs)(jnp.ones_like(out))
-        g = self.finish(g, None, sinks, last)
-        return {
-            k: acc[k] + g[k] if k in self.after else jax.tree.map(jax.freeze, refs[k]) for k in wrt
-        }, aux
+        g = self._most(self.finish(g, None, sinks, last), acc)
+        out = {k: acc[k] + g[k] if k in self.after else g[k] for k in given if k in wrt}
+        rest = {k: jax.tree.map(jax.freeze, refs[k]) for k in wrt if k not in given}
+        return dict(rest, **out), aux
+
+    @staticmethod
+    def _most(g: dict, acc) -> dict:
+        """model.fp8=delayed's amaxes: the larger of this micro-batch's and the earlier
+        ones' (a max over the micro-batches, where gradients add)."""
+        if FP8 not in g or acc is None:
+            return g
+        return dict(g, **{FP8: jax.tree.map(jnp.maximum, acc[FP8], g[FP8])})
 
     def accumulate(self, micro, acc, batch, zero):
         """Run `micro(acc, mb, last) -> (acc, aux)` over the micro-batches (axis 0) from

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ultrajax.config.schema import Config
-from ultrajax.model import remat
-from ultrajax.model.llama import logical_axes
+from ultrajax.model import fp8, remat
+from ultrajax.model.llama import fp8_weights, logical_axes
 from ultrajax.parallel.axes import (
     AXES,
     DATA,
@@ -129,6 +129,7 @@ class Layout:
             if 0 < (cfg.model.loss_chunk or 0) < cfg.model.seq_len
             else ("embed",),
             prefetch=prefetches(cfg),
+            fp8=fp8_weights(cfg.model) if cfg.model.fp8 == "delayed" else (),
         )
 
     def _specs(self, kind, drop=None):
@@ -233,23 +234,42 @@ class Layout:
         return FSDP if self.zero.shards_params and self.zero.active else None
 
     def gather_layer(self):
-        """ZeRO-3: one layer's whole weights inside the layer scan, or None."""
+        """ZeRO-3: one layer's whole weights inside the layer scan, or None.
+
+        parallel.fp8_gather: an FP8 weight's shards travel in e4m3 with one fp32 scale,
+        the whole weight's (its shards' amaxes max-reduced over fsdp), and are read back
+        into the compute dtype. The matmul's tensorwise quantisation of that weight
+        finds the same amax and puts every value back on the value it travelled as: the
+        same products as gathering the compute dtype, at half its bytes."""
         if not self.zero.shards_params or not self.zero.active:
             return None
         layer_names = {k: n[1:] for k, n in self.names["layers"].items()}
         if self.gspmd and FSDP not in self.manual:
             specs = {k: PartitionSpec(*s[1:]) for k, s in self.gathered["layers"].items()}
 
-            def gather(w, k):
-                w = jax.lax.with_sharding_constraint(w, specs[k])
-                return jax.ad_checkpoint.checkpoint_name(w, remat.GATHERED)
+            def whole(w, k):
+                return jax.lax.with_sharding_constraint(w, specs[k])
 
-            return gather
+            amax = fp8.amax  # of the whole weight: the partitioner reduces it
+
+        else:
+
+            def whole(w, k):
+                return self.zero.gather(w, layer_names[k])
+
+            def amax(w):
+                return jax.lax.pmax(fp8.amax(w), FSDP)
+
+        in_fp8 = fp8_weights(self.cfg.model) if self.cfg.parallel.fp8_gather else ()
 
         def gather(w, k):
-            return jax.ad_checkpoint.checkpoint_name(
-                self.zero.gather(w, layer_names[k]), remat.GATHERED
-            )
+            if k in in_fp8:  # the barrier keeps the cast on the shards (compute_copy)
+                q, scale = fp8.quantize(w, fp8.E4M3, amax(w))
+                q = jax.lax.optimization_barrier(q)
+                w = (whole(q, k).astype(jnp.float32) / scale).astype(w.dtype)
+            else:
+                w = whole(w, k)
+            return jax.ad_checkpoint.checkpoint_name(w, remat.GATHERED)
 
         return gather
 

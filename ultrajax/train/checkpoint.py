@@ -270,9 +270,7 @@ class Checkpoints:
         goes on in a background thread."""
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(state["params"]),
-            optimizer=ocp.args.StandardSave(
-                {"step": state["step"], "opt_state": state["opt_state"]}
-            ),
+            optimizer=ocp.args.StandardSave(training_state(state)),
             data=ocp.args.JsonSave(data_state),
             config=ocp.args.JsonSave(self._config),
             meta=ocp.args.JsonSave({"step": step, "seed": self._seed, "kind": "train"}),
@@ -289,6 +287,12 @@ class Checkpoints:
     def close(self) -> None:
         self._mngr.wait_until_finished()
         self._mngr.close()
+
+
+def training_state(state: dict) -> dict:
+    """The train state but its parameters: the "optimizer" item (step, optimizer state,
+    model.fp8=delayed's amax histories). Hugging Face export reads only the params."""
+    return {k: v for k, v in state.items() if k != "params"}
 
 
 def write_params(directory: str | Path, params: dict, cfg: Config, step: int = 0) -> Path:

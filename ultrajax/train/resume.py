@@ -28,6 +28,7 @@ from ultrajax.train.checkpoint import (
     load_params,
     locate,
     remove_tmp,
+    training_state,
 )
 from ultrajax.train.ramp import Ramp
 
@@ -67,7 +68,7 @@ def restore_train(
     where = _where(root, step)
     if not checked:
         check_config(root, step, cfg, warn)
-    opt_target = {"step": target["step"], "opt_state": target["opt_state"]}
+    opt_target = training_state(target)
     mngr = _reader(root)
     try:
         params_meta = _item_metadata(mngr, step, "params", root)
@@ -80,7 +81,7 @@ def restore_train(
             opt_target,
             where,
             "optimizer",
-            " (the optim.* settings changed the optimizer state's structure)",
+            " (the optim.* settings or model.fp8=delayed's history changed its structure)",
         )
         try:
             out = mngr.restore(
@@ -96,12 +97,7 @@ def restore_train(
     finally:
         mngr.close()
     data.restore(out["data"])
-    state = {
-        "step": out["optimizer"]["step"],
-        "params": out["params"],
-        "opt_state": out["optimizer"]["opt_state"],
-    }
-    return state, step
+    return dict(out["optimizer"], params=out["params"]), step
 
 
 def check_resume(cfg: Config, source: tuple[Path, int], warn=print) -> Ramp:

@@ -26,10 +26,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ultrajax.config.schema import Config
 from ultrajax.kernels.varying import vma, zeros
-from ultrajax.model import moe
-from ultrajax.model.llama import init_params, logical_axes
+from ultrajax.model import fp8, moe
+from ultrajax.model.llama import fp8_history, init_params, logical_axes
 from ultrajax.model.loss import loss_and_stats, loss_sum
 from ultrajax.parallel import diloco
+from ultrajax.parallel.grads import FP8
 from ultrajax.parallel.layout import Layout, unsupported
 from ultrajax.parallel.mesh import Rules, make_mesh, tree_shardings
 from ultrajax.parallel.mesh import rules as mesh_rules
@@ -42,9 +43,13 @@ from ultrajax.train.batch import specs as batch_specs
 
 
 def init_state(cfg: Config, tx: optax.GradientTransformation, key) -> dict:
+    """{step, params, opt_state} and, with model.fp8=delayed, "fp8": each FP8 weight's
+    amax history (model/fp8.py), which the step rolls and the optimizer never sees."""
     params = init_params(cfg.model, key)
     opt = diloco.init(cfg, tx, params) if diloco.active(cfg) else tx.init(params)
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt}
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt}
+    history = fp8_history(cfg.model)
+    return dict(state, **{FP8: history}) if history else state
 
 
 def state_shardings(cfg: Config, mesh, rules: Rules, tx) -> dict:
@@ -64,7 +69,10 @@ def state_shardings(cfg: Config, mesh, rules: Rules, tx) -> dict:
         opt = diloco.shardings(mesh, params, abstract["opt_state"], place)
     else:
         opt = place(abstract["opt_state"], params, replicated)
-    return {"step": replicated, "params": params, "opt_state": opt}
+    out = {"step": replicated, "params": params, "opt_state": opt}
+    if FP8 in abstract:  # a few numbers a layer, on every device
+        out[FP8] = jax.tree.map(lambda _: replicated, abstract[FP8])
+    return out
 
 
 def _mesh_rules(cfg: Config, mesh, rules):
@@ -75,18 +83,23 @@ def _mesh_rules(cfg: Config, mesh, rules):
 
 
 def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
-    """gradients(params, batch) -> (grads, loss, n_targets): the mean-per-target gradient
-    of the batch, reduced as the layout says; the train step's first half."""
+    """gradients(params, batch[, seen]) -> (grads, loss, n_targets, stats): the
+    mean-per-target gradient of the batch, reduced as the layout says; the train step's
+    first half. With model.fp8=delayed, `seen` holds each FP8 weight's amaxes to scale by
+    (fp8.seen of the history) and grads["fp8"] this batch's amaxes, max-reduced."""
     layout = Layout(cfg, *_mesh_rules(cfg, mesh, rules))
     grad_plan, gather = layout.grads, layout.gather_layer()
 
-    def per_device(params, cparams, batch: Batch):
+    def per_device(params, cparams, batch: Batch, seen=None):
         n_targets = layout.psum(batch.loss_mask.sum())
         scale = 1.0 / jnp.maximum(n_targets, 1).astype(jnp.float32)
+        if grad_plan.fp8 and seen is None:  # no history (the noise probe): own amaxes
+            n = len(fp8.OPERANDS)
+            seen = {k: jnp.zeros((cparams["layers"][k].shape[0], n)) for k in grad_plan.fp8}
 
         def micro(acc, mb, last):
             def loss_fn(wrt, inside):
-                w, prepare = grad_plan.attach(cparams, wrt, inside, last, gather)
+                w, prepare = grad_plan.attach(cparams, wrt, inside, last, gather, seen)
                 total, _, stats = loss_and_stats(
                     cfg, w, mb, tp=layout.tp, cp=layout.cp, ep=layout.ep, prepare=prepare,
                     gathered_over=layout.gathered_over,
@@ -100,13 +113,19 @@ def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
         axes = vma(batch.inputs)
         zero = (zeros((), jnp.float32, axes), moe.zero_stats(cfg.model, axes))
         grads, (loss, stats) = grad_plan.accumulate(micro, acc0, batch, zero)
+        grads, amaxes = grad_plan.amaxes(grads)
+        if amaxes is not None:
+            grads = dict(grads, **{FP8: amaxes})
         return grads, layout.psum(loss), n_targets, layout.psum(stats)
 
     if layout.pipeline > 1:
         per_device = _pipelined(cfg, layout)
     # the gradients leave in the state's layout (ZeRO: this rank's shard; a pipeline's
     # embedding and head: this stage's vocabulary split, reduce-scattered there)
-    out_specs = (layout.specs["stored"], PartitionSpec(), PartitionSpec(), PartitionSpec())
+    stored = layout.specs["stored"]
+    if grad_plan.fp8:  # the amaxes, max-reduced: the same on every device
+        stored = dict(stored, **{FP8: PartitionSpec()})
+    out_specs = (stored, PartitionSpec(), PartitionSpec(), PartitionSpec())
     if diloco.active(cfg):  # each data rank a replica: a leading axis over `data`
         return diloco.per_replica(layout, per_device, out_specs, batch_specs())
     return _over_batch(layout, per_device, out_specs)
@@ -116,13 +135,16 @@ def _over_batch(layout: Layout, per_device, out_specs):
     """(params, batch) -> per_device(params, compute copy, batch) over the layout's manual
     axes. gspmd: the partitioner lays the compute copy out, outside the shard_map;
     explicit: each device makes its own (the ZeRO gathers written out)."""
-    stored, batch_spec = layout.specs["stored"], batch_specs()
+    stored, batch_spec, every = layout.specs["stored"], batch_specs(), PartitionSpec()
     if not layout.gspmd:
-        fn = lambda p, b: per_device(p, layout.compute_copy(p), b)  # noqa: E731
-        return layout.shard_map(fn, (stored, batch_spec), out_specs)
-    in_specs = (stored, layout.specs["compute"], batch_spec)
+        fn = lambda p, b, s: per_device(p, layout.compute_copy(p), b, s)  # noqa: E731
+        sharded = layout.shard_map(fn, (stored, batch_spec, every), out_specs)
+        return lambda params, batch, seen=None: sharded(params, batch, seen)
+    in_specs = (stored, layout.specs["compute"], batch_spec, every)
     sharded = layout.shard_map(per_device, in_specs, out_specs)
-    return lambda params, batch: sharded(params, layout.compute_copy(params), batch)
+    return lambda params, batch, seen=None: sharded(
+        params, layout.compute_copy(params), batch, seen
+    )
 
 
 def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = None):
@@ -132,8 +154,10 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
     gradients = make_gradients(cfg, mesh, rules)
 
     def update(state, batch, lr):
-        params = state["params"]
-        grads, loss, n_targets, stats = gradients(params, batch)
+        params, history = state["params"], state.get(FP8)
+        seen = None if history is None else jax.tree.map(fp8.seen, history)
+        grads, loss, n_targets, stats = gradients(params, batch, seen)
+        amaxes = grads.pop(FP8, None)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, optim.scale(updates, lr))
@@ -142,6 +166,8 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
             bias = moe.update_bias(cfg.model, layers["router_bias"], stats["load"])
             params = dict(params, layers=dict(layers, router_bias=bias))
         new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        if history is not None:  # this step's amaxes in front of each history
+            new[FP8] = jax.tree.map(fp8.record, history, amaxes)
         return new, loss, grad_norm, n_targets, stats
 
     if diloco.active(cfg):  # the replicas' inner steps, every H-th the outer one
@@ -172,6 +198,7 @@ def jit_grad_norm(cfg: Config, mesh, rules: Rules, shardings: dict, batch_sh):
 
     def grad_norm(params, batch):
         grads, _, n_targets, _ = gradients(params, batch)
+        grads.pop(FP8, None)
         return optax.tree.norm(grads), n_targets
 
     return jax.jit(grad_norm, in_shardings=(shardings["params"], batch_sh))
@@ -194,7 +221,7 @@ def _pipelined(cfg: Config, layout: Layout):
     then each gradient reduced once and its layers sent home."""
     plan = _plan(cfg, layout, cfg.parallel.pipeline_schedule)
 
-    def per_device(params, cparams, batch: Batch):
+    def per_device(params, cparams, batch: Batch, seen=None):
         cparams = _stage_copy(cfg, layout, cparams)
         n_targets = layout.psum(batch.loss_mask.sum())
         scale = 1.0 / jnp.maximum(n_targets, 1).astype(jnp.float32)
@@ -212,7 +239,7 @@ def _pipelined_eval(cfg: Config, layout: Layout):
     only (pipeline.evaluate), so no device ever holds another stage's layers."""
     plan = _plan(cfg, layout, plan_lib.FORWARD_ONLY)
 
-    def per_device(params, cparams, batch: Batch):
+    def per_device(params, cparams, batch: Batch, seen=None):
         total = pipeline.evaluate(plan, cfg, layout, _stage_copy(cfg, layout, cparams), batch)
         return jax.lax.psum(layout.psum(total), pipeline.AXIS), layout.psum(batch.loss_mask.sum())
 
@@ -226,7 +253,7 @@ def make_eval_step(cfg: Config, mesh=None, rules: Rules | None = None):
         return _pipelined_eval(cfg, layout)
     gather = layout.gather_layer()
 
-    def per_device(params, cparams, batch: Batch):
+    def per_device(params, cparams, batch: Batch, seen=None):
         prepare = None
         if gather is not None:
             prepare = lambda p: {k: gather(w, k) for k, w in p.items()}  # noqa: E731
