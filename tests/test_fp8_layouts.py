@@ -60,6 +60,17 @@ CASES = {
         "delayed",
         ("model.remat=selective",),
     ),
+    "p2-1f1b-dp2-fsdp2-zero2-delayed": (  # each stage its layers' histories
+        {
+            "mesh.pipeline": 2,
+            "parallel.pipeline_schedule": "1f1b",
+            "mesh.data": 2,
+            "mesh.fsdp": 2,
+            "parallel.zero": 2,
+        },
+        "delayed",
+        (),
+    ),
     "p2-1f1b-dp2-tp2-zero1-sp-tensorwise": (
         {
             "mesh.pipeline": 2,

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import test_parallel as tp
 
+from ultrajax.config.no_effect import no_effect
 from ultrajax.config.schema import ConfigError
-from ultrajax.config.validate import no_effect
 from ultrajax.model import decode, llama, moe, stack
 from ultrajax.model.boundaries import ONE_DEVICE, ExpertBoundary
 from ultrajax.train import batch as batch_lib

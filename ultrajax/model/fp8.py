@@ -27,10 +27,11 @@ Three recipes (model.fp8):
   reduction over it first. Each matmul records its operands' amaxes (x, w and the
   cotangent g) for the next step: they leave the backward rule as the cotangent of a
   zero "sink", as weight gradients do (model/ops.py), are max-reduced over the
-  micro-batches and every mesh axis that splits the tensors (parallel/grads.py), and
-  roll into the history in the train state (`record`). A value beyond the history's
-  amax is clipped to the format's largest, never inf. A tensor with no history yet
-  (the first step, or all zeros so far) is scaled by its own amax, as tensorwise.
+  micro-batches and every mesh axis that splits the tensors (parallel/grads.py; a
+  pipeline's tick loop), and roll into the history in the train state (`record`). A
+  value beyond the history's amax is clipped to the format's largest, never inf. A
+  tensor with no history yet (the first step, or all zeros so far) is scaled by its
+  own amax, as tensorwise.
 
 `matmul(eq, x, w, recipe)` is einsum(eq, x, w) in fp32 through FP8 operands.
 """

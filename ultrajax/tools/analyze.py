@@ -40,9 +40,10 @@ import sys
 import jax
 
 from ultrajax import cli
+from ultrajax.config.no_effect import no_effect
 from ultrajax.config.parse import dump
 from ultrajax.config.schema import Config, ConfigError
-from ultrajax.config.validate import no_effect, resolve_mesh
+from ultrajax.config.validate import resolve_mesh
 from ultrajax.cost import flops, hardware, memory, units
 from ultrajax.cost.activations import concrete
 from ultrajax.cost.flops import attention_flops

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import jax
 
+from ultrajax.config.no_effect import no_effect
 from ultrajax.config.parse import dump
 from ultrajax.config.schema import Config
-from ultrajax.config.validate import no_effect
 from ultrajax.cost import flops, units
 from ultrajax.cost import memory as memory_lib
 from ultrajax.model.llama import active_param_count, param_count

@@ -30,7 +30,7 @@ from ultrajax.model import fp8, moe
 from ultrajax.model.llama import fp8_history, init_params, logical_axes
 from ultrajax.model.loss import loss_and_stats, loss_sum
 from ultrajax.parallel import diloco
-from ultrajax.parallel.grads import FP8
+from ultrajax.parallel.grads import FP8, LAYER_FP8
 from ultrajax.parallel.layout import Layout, unsupported
 from ultrajax.parallel.mesh import Rules, make_mesh, tree_shardings
 from ultrajax.parallel.mesh import rules as mesh_rules
@@ -123,19 +123,25 @@ def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
     # the gradients leave in the state's layout (ZeRO: this rank's shard; a pipeline's
     # embedding and head: this stage's vocabulary split, reduce-scattered there)
     stored = layout.specs["stored"]
-    if grad_plan.fp8:  # the amaxes, max-reduced: the same on every device
-        stored = dict(stored, **{FP8: PartitionSpec()})
+    if grad_plan.fp8:  # the amaxes, max-reduced: the same on every device (of a stage)
+        stored = dict(stored, **{FP8: _amax_spec(layout)})
     out_specs = (stored, PartitionSpec(), PartitionSpec(), PartitionSpec())
     if diloco.active(cfg):  # each data rank a replica: a leading axis over `data`
         return diloco.per_replica(layout, per_device, out_specs, batch_specs())
     return _over_batch(layout, per_device, out_specs)
 
 
+def _amax_spec(layout: Layout) -> PartitionSpec:
+    """model.fp8=delayed's amaxes, (layers, x w g) per FP8 weight: each pipeline stage
+    has its own layers' (the state keeps them whole, on every device)."""
+    return PartitionSpec(pipeline.AXIS) if layout.pipeline > 1 else PartitionSpec()
+
+
 def _over_batch(layout: Layout, per_device, out_specs):
     """(params, batch) -> per_device(params, compute copy, batch) over the layout's manual
     axes. gspmd: the partitioner lays the compute copy out, outside the shard_map;
     explicit: each device makes its own (the ZeRO gathers written out)."""
-    stored, batch_spec, every = layout.specs["stored"], batch_specs(), PartitionSpec()
+    stored, batch_spec, every = layout.specs["stored"], batch_specs(), _amax_spec(layout)
     if not layout.gspmd:
         fn = lambda p, b, s: per_device(p, layout.compute_copy(p), b, s)  # noqa: E731
         sharded = layout.shard_map(fn, (stored, batch_spec, every), out_specs)
@@ -222,13 +228,25 @@ def _pipelined(cfg: Config, layout: Layout):
     plan = _plan(cfg, layout, cfg.parallel.pipeline_schedule)
 
     def per_device(params, cparams, batch: Batch, seen=None):
+        delayed = layout.grads.fp8
+        if delayed:  # this stage's rows of the amaxes, moved and sliced as its layers are
+            if seen is None:  # no history (the noise probe): each tensor's own amaxes
+                rows = {k: cparams["layers"][k].shape[0] for k in delayed}
+                seen = {k: jnp.zeros((n, len(fp8.OPERANDS))) for k, n in rows.items()}
+            cparams = dict(cparams, layers=dict(cparams["layers"], **{LAYER_FP8: seen}))
         cparams = _stage_copy(cfg, layout, cparams)
         n_targets = layout.psum(batch.loss_mask.sum())
         scale = 1.0 / jnp.maximum(n_targets, 1).astype(jnp.float32)
         grads, loss, stats = pipeline.run(plan, cfg, layout, cparams, batch, scale)
-        grads = pipeline.reduce(cfg, layout, grads, params)
-        v = cfg.parallel.virtual_stages
-        grads = dict(grads, layers=pipeline.to_model(grads["layers"], layout.pipeline, v))
+        layers = dict(grads["layers"])
+        amaxes = layers.pop(LAYER_FP8, None)
+        grads = pipeline.reduce(cfg, layout, dict(grads, layers=layers), params)
+        v, p = cfg.parallel.virtual_stages, layout.pipeline
+        grads = dict(grads, layers=pipeline.to_model(grads["layers"], p, v))
+        if amaxes is not None:  # the largest over the ranks that split this stage's work
+            axes = tuple(sorted(layout.manual - {pipeline.AXIS}))
+            amaxes = pipeline.to_model(amaxes, p, v)
+            grads[FP8] = jax.tree.map(lambda a: jax.lax.pmax(a, axes) if axes else a, amaxes)
         return grads, jax.lax.psum(layout.psum(loss), pipeline.AXIS), n_targets, layout.psum(stats)
 
     return per_device

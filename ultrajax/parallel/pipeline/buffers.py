@@ -10,6 +10,7 @@ helpers touch one slot of it so that XLA can update it in place.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from ultrajax.kernels.varying import like, vma, zeros
 
@@ -33,14 +34,18 @@ def write(buf, slot, value):
     )
 
 
-def add(buf, slot, value):
+def add(buf, slot, value, most: bool = False):
     """`buf` with `value` added into slot `slot` of every leaf (a buffer of one slot is
-    indexed statically: the common case of one chunk per device)."""
+    indexed statically: the common case of one chunk per device); `most`: the larger of
+    the two kept instead (model.fp8=delayed's amaxes)."""
     if jax.tree.leaves(buf)[0].shape[0] == 1:
+        if most:
+            return jax.tree.map(lambda a, b: a.at[0].max(b), buf, value)
         return jax.tree.map(lambda a, b: a.at[0].add(b), buf, value)
+    both = jnp.maximum if most else jnp.add
     return jax.tree.map(
         lambda a, b: jax.lax.dynamic_update_index_in_dim(
-            a, jax.lax.dynamic_index_in_dim(a, slot, 0, False) + b, slot, 0
+            a, both(jax.lax.dynamic_index_in_dim(a, slot, 0, False), b), slot, 0
         ),
         buf,
         value,

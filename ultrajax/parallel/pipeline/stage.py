@@ -26,6 +26,7 @@ from ultrajax.model.ops import Deferred, Reduce, Weight
 from ultrajax.model.remat import layers_per_iteration, remat_policy
 from ultrajax.model.stack import embed, final_norm, head_params
 from ultrajax.parallel.axes import PIPELINE, TOKEN_AXES
+from ultrajax.parallel.grads import LAYER_FP8
 from ultrajax.parallel.pipeline import residuals, schedules
 from ultrajax.parallel.pipeline.device import Device
 
@@ -33,8 +34,15 @@ AXIS = PIPELINE
 
 
 def weights(values: dict, sinks: dict, red: Reduce) -> dict:
-    """Each weight with its sink: differentiating by the sinks gives the gradients."""
-    return {k: Weight.make(values[k], sinks[k], None, red) for k in sinks}
+    """Each weight with its sink: differentiating by the sinks gives the gradients. Under
+    model.fp8=delayed a layer's values and sinks hold, at LAYER_FP8, each FP8 weight's
+    history amaxes and the sink its recorded amaxes leave through (parallel/grads.py)."""
+    seen = values.get(LAYER_FP8, {})
+
+    def fp8(k):
+        return (seen[k], sinks[LAYER_FP8][k]) if k in seen else None
+
+    return {k: Weight.make(values[k], sinks[k], None, red, fp8(k)) for k in sinks if k != LAYER_FP8}
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,6 +64,11 @@ class Sinks:
             return zeros(w.shape, jnp.float32, vma(w) | set(axes))
 
         layers = jax.tree.map(sink, per_layer)
+        if LAYER_FP8 in per_layer:  # delayed's amaxes: one per device until the step's pmax
+            every = set(layout.manual)
+            layers[LAYER_FP8] = jax.tree.map(
+                lambda a: zeros(a.shape, jnp.float32, every), per_layer[LAYER_FP8]
+            )
         head = {k: sink(cparams[k]) for k in head_params(m)}
         return cls(axes, layers, head, sink(cparams["embed"]))
 

@@ -21,6 +21,7 @@ from ultrajax.kernels.varying import like, vary, vma, zeros
 from ultrajax.model import units
 from ultrajax.model.loss import head_nll
 from ultrajax.model.stack import final_norm, head_params, layers
+from ultrajax.parallel.grads import LAYER_FP8
 from ultrajax.parallel.pipeline.buffers import add, buffer, read, when, write
 from ultrajax.parallel.pipeline.device import AXIS, Device, forwards, ring, send
 from ultrajax.parallel.pipeline.plan import (
@@ -165,7 +166,8 @@ class Tick:
             return add(gw, j, stage.weight_step(read(cot_buf, r["cot"]))), stage.dev.stream.zeros()
         mb, seg = stage.dev.micro(r["micro"])
         dx, ds = stage.backward(j, read(res_buf, r["res"]), read(grad_buf, r["grad"]), mb, seg)
-        return add(gw, j, ds), dx
+        # gradients add up over the micro-batches; delayed FP8's amaxes keep the largest
+        return {k: add(gw[k], j, ds[k], most=k == LAYER_FP8) for k in gw}, dx
 
     def backward_input(self, cot_buf, res_buf, grad_buf, r):
         """Zero bubble's input step: the gradient to send, and every layer's pairs for W."""

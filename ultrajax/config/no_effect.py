@@ -1,0 +1,110 @@
+"""Settings that are valid but do nothing in this layout (or cost far more than they
+should): one warning line each, saying what to change. Not errors: a recipe may be meant
+for a larger mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ultrajax.config.schema import Config, ModelConfig, ParallelConfig
+from ultrajax.model.attention import backends as attention
+
+
+def _moe_warnings(cfg: Config) -> list[str]:
+    """no_effect's lines about mixture of experts."""
+    m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
+    out = []
+    if m.moe_experts and mesh.tensor > 1 and par.collectives == "gspmd":
+        out.append(
+            "parallel.collectives=gspmd with model.moe_experts and mesh.tensor > 1 trains "
+            "correctly but slowly: the partitioner all-reduces the experts' partial outputs "
+            "over tensor where they are largest (3.5x to 25x the bytes of explicit on the "
+            "tests' shapes, docs/moe.md): use parallel.collectives=explicit"
+        )
+    dense = ModelConfig()
+    moe_keys = [f.name for f in dataclasses.fields(ModelConfig) if f.name.startswith("moe_")]
+    changed = [k for k in moe_keys if k != "moe_experts" and getattr(m, k) != getattr(dense, k)]
+    if not m.moe_experts and changed:
+        out.append(
+            f"model.{', model.'.join(changed)} {'has' if len(changed) == 1 else 'have'} no "
+            "effect with model.moe_experts=0 (a dense model): set model.moe_experts, or drop "
+            f"{'it' if len(changed) == 1 else 'them'}"
+        )
+    return out
+
+
+def no_effect(cfg: Config) -> list[str]:
+    """Settings that do nothing in this layout (or cost far more than they should), one
+    line each saying what to change: valid, so not errors (a recipe may be meant for a
+    larger mesh), but worth a warning."""
+    mesh, par = cfg.mesh, cfg.parallel
+    out = []
+    if par.zero > 0 and mesh.fsdp == 1:
+        out.append(
+            f"parallel.zero={par.zero} has no effect with mesh.fsdp=1 (ZeRO shards over "
+            "fsdp): set mesh.fsdp > 1, or parallel.zero=0"
+        )
+    if par.fp8_gather and (par.zero != 3 or mesh.fsdp == 1):
+        out.append(
+            f"parallel.fp8_gather has no effect with parallel.zero={par.zero} and "
+            f"mesh.fsdp={mesh.fsdp} (it is ZeRO-3's gather of the layer weights over fsdp): "
+            "set parallel.zero=3 and mesh.fsdp > 1, or drop it"
+        )
+    if par.sequence_parallel and mesh.tensor == 1:
+        out.append(
+            "parallel.sequence_parallel=true has no effect with mesh.tensor=1 (it splits "
+            "the sequence over tensor): set mesh.tensor > 1, or drop it"
+        )
+    if cfg.data.source == "prepared" and cfg.data.tokenizer != "bytes":
+        out.append(
+            f"data.tokenizer={cfg.data.tokenizer} has no effect with data.source=prepared (the "
+            "directory's manifest names its tokenizer): drop it"
+        )
+    if cfg.data.strict and cfg.data.source != "files":
+        how = (
+            "its lines were checked by prepare, whose --strict refuses bad ones"
+            if cfg.data.source == "prepared"
+            else "it reads no JSONL"
+        )
+        out.append(
+            f"data.strict=true has no effect with data.source={cfg.data.source} ({how}): drop it"
+        )
+    t = cfg.train
+    if t.noise_every and t.grad_accum == 1 and not t.batch_schedule:
+        out.append(
+            f"train.noise_every={t.noise_every} has no effect with train.grad_accum=1 (the noise "
+            "scale compares one micro-batch's gradient with the step's): set "
+            "train.grad_accum >= 2, or drop it"
+        )
+    m = cfg.model
+    backend = attention.BACKENDS.get(m.attention)  # None: auto (may pick the kernel)
+    if m.attention_blocks is not None and backend is not None and not backend.tiles:
+        out.append(
+            f"model.attention_blocks has no effect with model.attention={m.attention} (they "
+            "are the Pallas kernel's tiles): use model.attention=pallas, or drop them"
+        )
+    regather = par.zero >= 3 and mesh.fsdp != 1
+    if m.scan_unroll > 1 and (m.remat != "none" or regather):
+        why = f"model.remat={m.remat}" if m.remat != "none" else "parallel.zero=3"
+        out.append(
+            f"model.scan_unroll={m.scan_unroll} has no effect with {why}: unrolled, XLA merges "
+            "each layer's recomputation with its forward and keeps every layer's activations "
+            "(and ZeRO-3's gathered weights), so the layers run one per loop iteration "
+            "(model/remat.py): drop it, or set model.scan_unroll=1"
+        )
+    out += _moe_warnings(cfg)
+    default = ParallelConfig()
+    axis_keys = {
+        "pipeline": ("pipeline_schedule", "virtual_stages"),
+        "sequence": ("context", "context_zigzag"),
+    }
+    for axis, keys in axis_keys.items():
+        if getattr(mesh, axis) != 1:
+            continue
+        for key in keys:
+            if getattr(par, key) != getattr(default, key):
+                out.append(
+                    f"parallel.{key}={getattr(par, key)} has no effect with mesh.{axis}=1: "
+                    f"set mesh.{axis} > 1, or drop it"
+                )
+    return out
