@@ -485,7 +485,8 @@ def test_delayed_fp8_histories_are_saved_and_restored_exactly(tmp_path, monkeypa
     so a run stopped after step 3 and resumed has the losses of one that never stopped
     (a history lost would scale step 4 by its own amaxes: other values). The parameters
     alone, what conversion reads, hold no history."""
-    extra = (*LAYOUT_B, "model.fp8=delayed", "model.fp8_history=4", "train.steps=6")
+    extra = ("mesh.data=8", "train.micro_batch_size=1", "train.grad_accum=1")
+    extra += ("model.fp8=delayed", "model.fp8_history=4", "train.steps=6")
     extra += ("checkpoint.every=3", "optim.warmup_steps=1")
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     assert train.train(load(whole, *extra)) == 0

@@ -236,7 +236,6 @@ def test_override_without_equals_sign():
         (["model.fp8=rowwise", "model.fp8_layers=[]"], "model.fp8_layers"),
         (["model.fp8=rowwise", "parallel.fp8_gather=true"], "parallel.fp8_gather"),
         (["parallel.fp8_gather=true"], "parallel.fp8_gather"),  # model.fp8=none
-        (["model.fp8=delayed", "mesh.data=2", "parallel.diloco_steps=4"], "model.fp8=delayed"),
         (["model.attention_blocks=[64, 64, 48, 64]"], "model.attention_blocks"),
         (["parallel.collectives=nccl"], "parallel.collectives"),
         (["parallel.grad_reduce_dtype=float16"], "parallel.grad_reduce_dtype"),

@@ -371,3 +371,27 @@ def test_analyze_reports_the_sync_beside_its_formula(tmp_path, capsys):
     text = json.dumps(report)
     assert "pseudo-gradients over data (DiLoCo, once every 4 steps)" in text
     assert "gspmd not compiled: DiLoCo runs in the explicit step only" in text
+
+
+def test_delayed_fp8_replicas_keep_their_own_histories():
+    """model.fp8=delayed under DiLoCo (H = 2): each replica records the amaxes of its own
+    rows, reduced over its fsdp ranks but never over `data` (the replicas' histories
+    differ, and the one collective over `data` is still the synchronisation's); each
+    replica's first two recorded steps are one device's on that replica's rows, within
+    FP8's layout bounds (test_fp8_layouts.AMAX_RATIO)."""
+    import test_fp8_layouts as fl
+
+    got = _run(LAYOUT, "parallel.diloco_steps=2", "model.fp8=delayed")
+    half = tp.ROWS // R
+    refs = [_run(None, "model.fp8=delayed", rows=(r * half, (r + 1) * half)) for r in range(R)]
+    history = got[2][1]["fp8"]  # after 2 steps: (replicas, layers, x w g, steps)
+    for k, h in history.items():
+        assert h.shape[0] == R and np.all(h[..., :2] > 0) and not np.any(h[..., 2:]), k
+        for r in range(R):
+            ratio = h[r, ..., :2] / refs[r][2][1]["fp8"][k][..., :2]
+            for i, what in enumerate(fl.fp8.OPERANDS):
+                bound = fl.AMAX_RATIO[what]
+                assert np.all((1 / bound < ratio[:, i]) & (ratio[:, i] < bound)), (k, r, what)
+    assert any(not np.allclose(h[0], h[1]) for h in history.values())
+    found, _ = hlo.collectives(got[3])
+    assert [c.kind for c in found if c.group == R] == ["all-reduce"]

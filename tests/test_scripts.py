@@ -76,3 +76,28 @@ def test_fp8_tiny_says_whether_each_recipe_is_within_its_bound(tmp_path, capsys,
     assert "fp8 tensorwise: +1.00% of bf16's final eval loss, within ±1.5%" in out
     assert "fp8 rowwise: +2.00% of bf16's final eval loss, NOT within ±1.5%" in out
     assert "fp8 delayed: -2.00% of bf16's final eval loss, NOT within ±1.5%" in out
+
+
+def test_fp8_tiny_over_seeds_says_each_recipes_mean_gap(tmp_path, capsys):
+    """--seeds: each seed's runs in their own directory, each seed's gaps, then each
+    recipe's mean gap over the seeds and their range."""
+    import json
+
+    import fp8_tiny
+    import tiny_runs
+
+    finals = {0: {"bf16": 2.0, "fp8 tensorwise": 2.04}, 1: {"bf16": 2.0, "fp8 tensorwise": 1.98}}
+    for seed, runs in finals.items():
+        for name, loss in runs.items():
+            run = tiny_runs.run_dir(tmp_path / f"seed-{seed}", name)
+            run.mkdir(parents=True)
+            record = {"step": 300, "eval_loss": loss}
+            (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    table = {"bf16": [], "fp8 tensorwise": ["model.fp8=tensorwise"]}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fp8_tiny, "RUNS", table)
+        assert fp8_tiny.main(["--runs", str(tmp_path), "--seeds", "0,1"]) == 0
+    out = capsys.readouterr().out
+    assert "seed 0: fp8 tensorwise: +2.00% of bf16's final eval loss, NOT within ±1.5%" in out
+    assert "seed 1: fp8 tensorwise: -1.00% of bf16's final eval loss, within ±1.5%" in out
+    assert "fp8 tensorwise over seeds 0,1: mean +0.50% (-1.00% to +2.00%), within ±1.5%" in out

@@ -361,11 +361,6 @@ def _validate_diloco(cfg: Config) -> None:
     if not par.diloco_steps:
         return
     _check(
-        cfg.model.fp8 != "delayed",
-        "model.fp8=delayed with parallel.diloco_steps: DiLoCo's replicas do not carry the "
-        "amax histories yet; use model.fp8=tensorwise or rowwise",
-    )
-    _check(
         cfg.mesh.data != 1,
         "parallel.diloco_steps needs mesh.data > 1: DiLoCo's replicas are the ranks of "
         "`data` (the axis across hosts or sites); split the devices with mesh.data=N",

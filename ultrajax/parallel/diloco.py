@@ -30,6 +30,7 @@ from ultrajax.config.schema import Config
 from ultrajax.kernels.varying import vma
 from ultrajax.model import fp8
 from ultrajax.parallel.axes import DATA
+from ultrajax.parallel.grads import FP8
 
 
 def active(cfg: Config) -> bool:
@@ -49,6 +50,11 @@ def init(cfg: Config, tx: optax.GradientTransformation, params) -> dict:
         "replicas": replicas,
         "momentum": jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
     }
+
+
+def own(cfg: Config, tree):
+    """`tree` once per replica, stacked (model.fp8=delayed: each replica's histories)."""
+    return _stack(cfg.mesh.data, tree)
 
 
 def restart(cfg: Config, state: dict) -> dict:
@@ -83,16 +89,19 @@ def per_replica(layout, per_device, out_specs, batch_spec):
         _lead, tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
 
-    def fn(params, batch):
-        params = jax.tree.map(lambda a: a[0], params)  # this rank's replica
-        grads, loss, n_targets, stats = per_device(params, layout.compute_copy(params), batch)
+    def fn(params, batch, seen):
+        # this rank's replica (and with model.fp8=delayed its amax histories' maxima)
+        params, seen = jax.tree.map(lambda a: a[0], (params, seen))
+        cparams = layout.compute_copy(params)
+        grads, loss, n_targets, stats = per_device(params, cparams, batch, seen)
         up = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
         return up(grads), loss[None], n_targets[None], up(stats)
 
     grads, *rest = out_specs
     row = PartitionSpec(DATA)
-    in_specs = (lead(layout.specs["stored"]), batch_spec)
-    return layout.shard_map(fn, in_specs, (lead(grads), row, row, row))
+    in_specs = (lead(layout.specs["stored"]), batch_spec, row)
+    sharded = layout.shard_map(fn, in_specs, (lead(grads), row, row, row))
+    return lambda params, batch, seen=None: sharded(params, batch, seen)
 
 
 def due(count, h: int, fragments: int):
@@ -188,8 +197,10 @@ def make_update(cfg: Config, tx, gradients, syncs, scale, update_bias):
         return optax.apply_updates(p, scale(updates, lr)), o, optax.tree.norm(g)
 
     def update(state, batch, lr):
-        opt = state["opt_state"]
-        grads, loss, n_targets, stats = gradients(opt["replicas"], batch)
+        opt, history = state["opt_state"], state.get(FP8)
+        seen = None if history is None else jax.tree.map(fp8.seen, history)
+        grads, loss, n_targets, stats = gradients(opt["replicas"], batch, seen)
+        amaxes = grads.pop(FP8, None)
         step = jax.vmap(inner, in_axes=(0, 0, 0, None))
         replicas, inner_state, norms = step(opt["replicas"], grads, opt["inner"], lr)
         if stats:  # MoE bias balance: each replica's router biases move by its own load
@@ -203,6 +214,8 @@ def make_update(cfg: Config, tx, gradients, syncs, scale, update_bias):
         )
         opt = {"inner": inner_state, "replicas": replicas, "momentum": momentum}
         new = {"step": count, "params": outer, "opt_state": opt}
+        if history is not None:  # each replica's own amaxes, never reduced over `data`
+            new[FP8] = jax.tree.map(fp8.record, history, amaxes)
         # per replica (a leading axis over `data`): averaged on the host, so that no
         # collective over `data` runs for the metrics (across sites, its latency)
         return new, loss, norms, n_targets, stats

@@ -63,8 +63,10 @@ class Gradients:
     # there: the embedding (read twice when tied), the LM head when the loss is chunked
     after: tuple[str, ...] = ("embed",)
     prefetch: bool = True  # ZeRO-3: gather each layer one iteration ahead (model/prefetch.py)
-    # model.fp8=delayed: the weights whose matmuls record their operands' amaxes
+    # model.fp8=delayed: the weights whose matmuls record their operands' amaxes, and the
+    # manual axes whose ranks keep their own (DiLoCo's replicas over `data`)
     fp8: tuple[str, ...] = ()
+    fp8_apart: frozenset = frozenset()
 
     @property
     def deferred(self) -> tuple[str, ...]:
@@ -106,14 +108,14 @@ class Gradients:
         return out
 
     def amaxes(self, grads: dict) -> tuple[dict, dict | None]:
-        """(the gradients, model.fp8=delayed's amaxes max-reduced over the manual axes, or
-        None): the amaxes ride with the gradients until here, never summed."""
+        """(the gradients, model.fp8=delayed's amaxes max-reduced over the manual axes but
+        `fp8_apart`, or None): the amaxes ride with the gradients until here, never summed."""
         if FP8 not in grads:
             return grads, None
         grads = dict(grads)
         found = grads.pop(FP8)
-        manual = tuple(sorted(self.manual))
-        return grads, jax.tree.map(lambda a: jax.lax.pmax(a, manual) if manual else a, found)
+        axes = tuple(sorted(self.manual - self.fp8_apart))
+        return grads, jax.tree.map(lambda a: jax.lax.pmax(a, axes) if axes else a, found)
 
     def wrt(self, sinks, cparams) -> dict:
         """What the step differentiates: the sinks, with those of `after` replaced by

@@ -130,6 +130,7 @@ class Layout:
             else ("embed",),
             prefetch=prefetches(cfg),
             fp8=fp8_weights(cfg.model) if cfg.model.fp8 == "delayed" else (),
+            fp8_apart=frozenset({DATA}) if self.replicas else frozenset(),
         )
 
     def _specs(self, kind, drop=None):

@@ -30,6 +30,7 @@ from ultrajax.model import fp8, moe
 from ultrajax.model.llama import fp8_history, init_params, logical_axes
 from ultrajax.model.loss import loss_and_stats, loss_sum
 from ultrajax.parallel import diloco
+from ultrajax.parallel.axes import DATA
 from ultrajax.parallel.grads import FP8, LAYER_FP8
 from ultrajax.parallel.layout import Layout, unsupported
 from ultrajax.parallel.mesh import Rules, make_mesh, tree_shardings
@@ -49,6 +50,8 @@ def init_state(cfg: Config, tx: optax.GradientTransformation, key) -> dict:
     opt = diloco.init(cfg, tx, params) if diloco.active(cfg) else tx.init(params)
     state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt}
     history = fp8_history(cfg.model)
+    if history and diloco.active(cfg):  # each replica scales by its own
+        history = diloco.own(cfg, history)
     return dict(state, **{FP8: history}) if history else state
 
 
@@ -70,8 +73,9 @@ def state_shardings(cfg: Config, mesh, rules: Rules, tx) -> dict:
     else:
         opt = place(abstract["opt_state"], params, replicated)
     out = {"step": replicated, "params": params, "opt_state": opt}
-    if FP8 in abstract:  # a few numbers a layer, on every device
-        out[FP8] = jax.tree.map(lambda _: replicated, abstract[FP8])
+    if FP8 in abstract:  # a few numbers a layer, on every device (DiLoCo: of a replica)
+        own = NamedSharding(mesh, PartitionSpec(DATA)) if diloco.active(cfg) else replicated
+        out[FP8] = jax.tree.map(lambda _: own, abstract[FP8])
     return out
 
 
