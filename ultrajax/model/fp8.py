@@ -179,6 +179,26 @@ def backward(eq: str, res, g, recipe: str = "tensorwise"):
     return scaled(eq_dx, gq, sg, wq, sw), scaled(eq_dw, xq, sx, gq, sg)
 
 
+def split_backward(eq: str, x, w, g, recipe: str):
+    """(dx, dw) as `backward` gives them, from the forward's inputs themselves rather
+    than its residuals: zero bubble computes dx now and dw later, from (x, g) alone.
+    Quantising the same tensor the same way again gives the same operands."""
+    eq_dx, eq_dw = _transposes(eq)
+    if recipe == "rowwise":
+        return rowwise(eq_dx, g, w, E5M2, E4M3), weight_gradient(eq, x, g, recipe)
+    (gq, sg), (wq, sw) = quantize(g, E5M2), quantize(w, E4M3)
+    return scaled(eq_dx, gq, sg, wq, sw), weight_gradient(eq, x, g, recipe)
+
+
+def weight_gradient(eq: str, x, g, recipe: str):
+    """dw of `backward` from the forward's input x and the cotangent g."""
+    eq_dw = _transposes(eq)[1]
+    if recipe == "rowwise":
+        return rowwise(eq_dw, x, g, E4M3, E5M2)
+    (xq, sx), (gq, sg) = quantize(x, E4M3), quantize(g, E5M2)
+    return scaled(eq_dw, xq, sx, gq, sg)
+
+
 def matmul(eq: str, x, w, recipe: str = "tensorwise"):
     """einsum(eq, x, w) in fp32 with e4m3 operands (module docstring). No history reaches a
     plain matmul (evaluation, decoding, a reference): delayed scales as tensorwise."""

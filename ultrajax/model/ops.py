@@ -92,6 +92,9 @@ class Deferred:
         op = self.seen[0]
         if op == "scale":
             return finish(_scale_dw(x, g), None, red)
+        if op[0] == "fp8":  # through FP8 operands, as the forward's matmul (model/fp8.py)
+            _, recipe, eq = op
+            return finish(fp8.weight_gradient(eq, x, g, recipe), None, red)
         if op[0] == "ragged":
             _, impl, groups = op
             shape = (groups, x.shape[-1], g.shape[-1])
@@ -205,12 +208,19 @@ def _dense_fp8(eq, recipe, out_dtype, x_dtype, x, value, sink, acc, red):
 
 def _dense_fp8_fwd(eq, recipe, out_dtype, x_dtype, x, value, sink, acc, red):
     y, res = fp8.forward(eq, x, value, recipe)
+    if red.defer is not None:  # zero bubble: the inputs, for dx now and (x, g) for later
+        return y.astype(out_dtype), ((x, value), None)
     return y.astype(out_dtype), (res, acc)
 
 
 def _dense_fp8_bwd(eq, recipe, out_dtype, x_dtype, red, res, g):
-    """_dense_bwd's through fp8.matmul's rule, the weight gradient reduced by `finish`."""
+    """_dense_bwd's through fp8.matmul's rule, the weight gradient reduced by `finish`;
+    zero bubble: dx, and (x, g) handed out for the weight step (`Deferred`)."""
     res, acc = res
+    if red.defer is not None:
+        x, value = res
+        dx = fp8.split_backward(eq, x, value, g, recipe)[0]
+        return dx.astype(x_dtype), None, None, (x, g.astype(x.dtype))
     dx, dw = fp8.backward(eq, res, g, recipe)
     return dx.astype(x_dtype), None, finish(dw, acc, red), None
 
@@ -256,9 +266,15 @@ def dense(x, w, eq: str, out_dtype=None, fp8_recipe: str = "none"):
         return _dense_delayed(eq, out_dtype, x.dtype.name, *args)
     if fp8_recipe != "none" and isinstance(w, Weight):
         value = w.value.astype(x.dtype)
-        return _dense_fp8(
-            eq, fp8_recipe, out_dtype, x.dtype.name, x, value, w.sink, w.acc, w.reduce
-        )
+        out = _dense_fp8(eq, fp8_recipe, out_dtype, x.dtype.name, x, value, w.sink, w.acc, w.reduce)
+        if w.reduce.defer is not None and w.acc is None:  # the shape trace
+            w.reduce.defer.seen = (
+                ("fp8", fp8_recipe, eq),
+                _struct(x),
+                _struct(out.astype(x.dtype)),
+            )
+            w.reduce.defer.source = id(x)
+        return out
     if fp8_recipe != "none":
         return fp8.matmul(eq, x, w.astype(x.dtype), fp8_recipe).astype(out_dtype)
     if isinstance(w, Weight):
