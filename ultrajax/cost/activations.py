@@ -135,7 +135,12 @@ def _saved_one(cfg: Config) -> dict[str, float]:
             out = {"attention": attention, "mlp": moe_saved(cfg), "norms": norms - c * d.X}
         else:
             out = {"attention": attention, "mlp": 6 * c * d.F, "norms": norms}
-        return _fp8_saved(cfg, out) if m.fp8 in ("tensorwise", "delayed") else out
+        split = (
+            cfg.mesh.pipeline > 1
+            and schedules.SCHEDULES[cfg.parallel.pipeline_schedule].splits_backward
+        )
+        # zero bubble keeps each FP8 matmul's inputs themselves for its weight step
+        return _fp8_saved(cfg, out) if m.fp8 in ("tensorwise", "delayed") and not split else out
     if pol in ("full", "offload"):
         return {"attention": 0.0, "mlp": 0.0, "norms": block_input}
     names = set(remat.SELECTIVE) if pol == "selective" else set(m.remat)
