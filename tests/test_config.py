@@ -235,15 +235,6 @@ def test_override_without_equals_sign():
         (["model.fp8=rowwise", "model.fp8_layers=[wq, lm_head]"], "model.fp8_layers"),
         (["model.fp8=rowwise", "model.fp8_layers=[]"], "model.fp8_layers"),
         (["model.fp8=rowwise", "parallel.fp8_gather=true"], "parallel.fp8_gather"),
-        (
-            [
-                "model.fp8=delayed",
-                "mesh.pipeline=2",
-                "train.grad_accum=2",
-                "parallel.pipeline_schedule=zb-h1",
-            ],
-            "model.fp8=delayed",
-        ),  # fmt: skip
         (["parallel.fp8_gather=true"], "parallel.fp8_gather"),  # model.fp8=none
         (["model.attention_blocks=[64, 64, 48, 64]"], "model.attention_blocks"),
         (["parallel.collectives=nccl"], "parallel.collectives"),

@@ -269,24 +269,34 @@ def test_fp8_matmuls_under_a_saving_remat_policy(recipe):
     )
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
 def test_zero_bubbles_split_backward_gives_the_same_fp8_gradients(recipe):
     """A weight whose backward is split (zero bubble: dx now, dw later from the (x, g)
-    pair, ops.Deferred) gets fp8.matmul's dx and dw exactly: quantising the same
-    tensors again gives the same operands."""
+    pair, ops.Deferred) gets the unsplit rule's dx and dw exactly: quantising the same
+    tensors again gives the same operands. Delayed: with a history's amaxes (the pair
+    carries them to the weight step) and the same recorded amaxes."""
     from ultrajax.model.ops import Deferred
 
     x, w, g = _inputs(8)
+    own = [float(jnp.max(jnp.abs(a))) for a in (x, w, g)]
+    seen = jnp.array([2 * own[0], 0.5 * own[1], 3 * own[2]])
     red = Reduce(defer=Deferred())
-    dense(x, Weight.make(w, jnp.zeros_like(w), None, red), EQ, fp8_recipe=recipe)  # shapes
-    pair0 = red.defer.zeros()
 
-    def split(x, pair):
-        return dense(x, Weight.make(w, jnp.zeros_like(w), pair, red), EQ, fp8_recipe=recipe)
+    def split(x, pair, amax_sink):
+        scales = (seen, amax_sink) if recipe == "delayed" else None
+        weight = Weight.make(w, jnp.zeros_like(w), pair, red, scales)
+        return dense(x, weight, EQ, fp8_recipe=recipe)
 
-    y, pull = jax.vjp(split, x, pair0)
-    dx, pair = pull(g)
+    split(x, None, jnp.zeros(3))  # the shape trace
+    y, pull = jax.vjp(split, x, red.defer.zeros(), jnp.zeros(3))
+    dx, pair, amaxes = pull(g)
     dw = red.defer.weight_gradient(pair, dataclasses.replace(red, defer=None))
-    y_ref, pull_ref = jax.vjp(lambda x, w: fp8.matmul(EQ, x, w, recipe), x, w)
-    for a, b in zip((y, dx, dw), (y_ref, *pull_ref(g)), strict=True):
+    if recipe == "delayed":
+        y_ref, pull_ref = _delayed(x, w, seen)
+        dx_ref, dw_ref, amaxes_ref = pull_ref(g)
+        np.testing.assert_array_equal(amaxes, amaxes_ref)
+    else:
+        y_ref, pull_ref = jax.vjp(lambda x, w: fp8.matmul(EQ, x, w, recipe), x, w)
+        dx_ref, dw_ref = pull_ref(g)
+    for a, b in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
         np.testing.assert_array_equal(a, b)

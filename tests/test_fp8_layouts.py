@@ -71,14 +71,14 @@ CASES = {
         "delayed",
         (),
     ),
-    "p2-zb-h1-dp2-tp2-rowwise": (  # zero bubble: the weight step through FP8 operands
+    "p2-zb-h1-dp2-tp2-delayed": (  # zero bubble: the weight step through FP8 operands
         {
             "mesh.pipeline": 2,
             "parallel.pipeline_schedule": "zb-h1",
             "mesh.data": 2,
             "mesh.tensor": 2,
         },
-        "rowwise",
+        "delayed",
         (),
     ),  # fmt: skip
     "p2-1f1b-dp2-tp2-zero1-sp-tensorwise": (

@@ -291,13 +291,6 @@ def validate_layout(cfg: Config, *, build_schedule: bool = True) -> None:
         )
     if m.moe_experts or mesh.expert > 1:
         _validate_expert_layout(cfg)
-    kind = cfg.parallel.pipeline_schedule
-    _check(
-        m.fp8 != "delayed" or mesh.pipeline == 1 or not schedule.SCHEDULES[kind].splits_backward,
-        f"model.fp8=delayed with parallel.pipeline_schedule={kind}: zero bubble's weight step "
-        "does not read the amax histories yet; use afab, 1f1b or interleaved, or "
-        "model.fp8=tensorwise or rowwise",
-    )
     _check(
         not cfg.parallel.fp8_gather or m.fp8 == "tensorwise",
         f"parallel.fp8_gather needs model.fp8=tensorwise, got model.fp8={m.fp8}: the gather "

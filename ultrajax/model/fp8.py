@@ -128,6 +128,24 @@ def delayed_backward(eq: str, res, g, seen):
     return scaled(eq_dx, gq, sg, wq, sw), scaled(eq_dw, xq, sx, gq, sg), ag
 
 
+def delayed_split_backward(eq: str, x, w, g, seen):
+    """(dx, g's amax) of `delayed_backward` from the forward's inputs (zero bubble's input
+    step: its weight step is `delayed_weight_gradient` of (x, g, seen))."""
+    eq_dx = _transposes(eq)[0]
+    ag = amax(g)
+    gq, sg = quantize(g, E5M2, _known(seen[2], ag))
+    wq, sw = quantize(w, E4M3, _known(seen[1], amax(w)))
+    return scaled(eq_dx, gq, sg, wq, sw), ag
+
+
+def delayed_weight_gradient(eq: str, x, g, seen):
+    """dw of `delayed_backward` from the forward's input x and the cotangent g."""
+    eq_dw = _transposes(eq)[1]
+    xq, sx = quantize(x, E4M3, _known(seen[0], amax(x)))
+    gq, sg = quantize(g, E5M2, _known(seen[2], amax(g)))
+    return scaled(eq_dw, xq, sx, gq, sg)
+
+
 def history(rows: int, length: int):
     """A weight's empty amax history: fp32 (rows, OPERANDS, length), newest first."""
     return jnp.zeros((rows, len(OPERANDS), length), jnp.float32)

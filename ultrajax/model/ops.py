@@ -94,6 +94,8 @@ class Deferred:
             return finish(_scale_dw(x, g), None, red)
         if op[0] == "fp8":  # through FP8 operands, as the forward's matmul (model/fp8.py)
             _, recipe, eq = op
+            if recipe == "delayed":  # the pair's third member: the history's amaxes
+                return finish(fp8.delayed_weight_gradient(eq, x, g, sizes[0]), None, red)
             return finish(fp8.weight_gradient(eq, x, g, recipe), None, red)
         if op[0] == "ragged":
             _, impl, groups = op
@@ -235,6 +237,8 @@ def _dense_delayed(eq, out_dtype, x_dtype, x, value, sink, acc, seen, amax_sink,
 
 def _dense_delayed_fwd(eq, out_dtype, x_dtype, x, value, sink, acc, seen, amax_sink, red, axes):
     y, res, amaxes = fp8.delayed_forward(eq, x, value, seen)
+    if red.defer is not None:  # zero bubble: the inputs, for dx now and (x, g) for later
+        return y.astype(out_dtype), ((x, value), None, seen, amaxes)
     return y.astype(out_dtype), (res, acc, seen, amaxes)
 
 
@@ -243,13 +247,19 @@ def _dense_delayed_bwd(eq, out_dtype, x_dtype, red, axes, res, g):
     cotangent of their sink, typed as it is (varying over `axes`: parallel/grads.py
     max-reduces them once, after the last micro-batch)."""
     res, acc, seen, amaxes = res
-    dx, dw, ag = fp8.delayed_backward(eq, res, g, seen)
+    if red.defer is not None:  # zero bubble: dx now, (x, g, the scales' amaxes) for W
+        x, value = res
+        dx, ag = fp8.delayed_split_backward(eq, x, value, g, seen)
+        pair, dw = (x, g.astype(x.dtype), seen), None
+    else:
+        dx, dw, ag = fp8.delayed_backward(eq, res, g, seen)
+        pair, dw = None, finish(dw, acc, red)
     amaxes = jnp.concatenate([amaxes, ag[None]])
     extra = tuple(sorted(vma(amaxes) - axes))  # a sink typed invariant there: reduce now
     amaxes = jax.lax.pmax(amaxes, extra) if extra else amaxes
     missing = tuple(sorted(axes - vma(amaxes)))
     amaxes = jax.lax.pcast(amaxes, missing, to="varying") if missing else amaxes
-    return dx.astype(x_dtype), None, finish(dw, acc, red), None, None, amaxes
+    return dx.astype(x_dtype), None, dw, pair, None, amaxes
 
 
 _dense_delayed.defvjp(_dense_delayed_fwd, _dense_delayed_bwd)
@@ -263,7 +273,12 @@ def dense(x, w, eq: str, out_dtype=None, fp8_recipe: str = "none"):
         seen, amax_sink = w.fp8
         value, axes = w.value.astype(x.dtype), frozenset(vma(amax_sink))
         args = (x, value, w.sink, w.acc, seen, amax_sink, w.reduce, axes)
-        return _dense_delayed(eq, out_dtype, x.dtype.name, *args)
+        out = _dense_delayed(eq, out_dtype, x.dtype.name, *args)
+        if w.reduce.defer is not None and w.acc is None:  # the shape trace
+            op, cotangent = ("fp8", "delayed", eq), out.astype(x.dtype)
+            w.reduce.defer.seen = (op, _struct(x), _struct(cotangent), _struct(seen))
+            w.reduce.defer.source = id(x)
+        return out
     if fp8_recipe != "none" and isinstance(w, Weight):
         value = w.value.astype(x.dtype)
         out = _dense_fp8(eq, fp8_recipe, out_dtype, x.dtype.name, x, value, w.sink, w.acc, w.reduce)

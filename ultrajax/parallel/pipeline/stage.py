@@ -114,18 +114,27 @@ class Layer:
         """The layer's weights as the block reads them, each with its sink (and pair)."""
         if self.deferred is None:
             return weights(w, diff, self.red)
+        seen = w.get(LAYER_FP8, {})  # delayed FP8: the amaxes' sinks stay differentiated
         return {
             k: Weight.make(
-                w[k], self.sinks[k], diff[k], Reduce(self.red.dtype, defer=self.deferred[k])
+                w[k],
+                self.sinks[k],
+                diff[k],
+                Reduce(self.red.dtype, defer=self.deferred[k]),
+                (seen[k], diff[LAYER_FP8][k]) if k in seen else None,
             )
-            for k in w
+            for k in self.deferred
         }
 
     def diff(self) -> dict:
-        """What the layer is differentiated at (zero bubble: fresh pair zeros)."""
+        """What the layer is differentiated at (zero bubble: fresh pair zeros, and delayed
+        FP8's amax sinks)."""
         if self.deferred is None:
             return self.sinks
-        return {k: self.deferred[k].zeros() for k in self.sinks}
+        out = {k: self.deferred[k].zeros() for k in self.deferred}
+        if LAYER_FP8 in self.sinks:
+            out[LAYER_FP8] = self.sinks[LAYER_FP8]
+        return out
 
 
 def _keep_input(pair: tuple, own: bool) -> tuple:
@@ -168,7 +177,9 @@ class Stage:
         per_layer = jax.tree.map(lambda a: a[0, 0], chunks)
         sinks = Sinks.make(m, layout, dev.cparams, per_layer)
         split_backward = schedules.SCHEDULES[kind].splits_backward
-        deferred = {k: Deferred() for k in per_layer} if split_backward else None
+        deferred = None
+        if split_backward:
+            deferred = {k: Deferred() for k in per_layer if k != LAYER_FP8}
         policy = remat_policy(m.remat)
         inner = policy if units.size(m) > 1 else None  # a unit checkpoints each of its layers
         layer = Layer(m, dev.tp, layout.ep, red, sinks.layers, deferred, inner)
@@ -178,7 +189,8 @@ class Stage:
         mb0, seg0 = dev.micro(0)
         given0, x_probe = (per_layer, mb0.positions, seg0), dev.stream.zeros()
         if split_backward:  # a shape trace records each weight's (input, cotangent) pair
-            jax.eval_shape(lambda: layer(given0, {k: None for k in per_layer}, x_probe))
+            probe = {k: sinks.layers[k] if k == LAYER_FP8 else None for k in per_layer}
+            jax.eval_shape(lambda: layer(given0, probe, x_probe))
         split = residuals.probe(fn, given0, layer.diff(), x_probe)
         n_per = jax.tree.leaves(chunks)[0].shape[1]
         unroll = layers_per_iteration(m.scan_unroll, n_per, recomputes=policy is not None)
@@ -216,7 +228,10 @@ class Stage:
             given = (w, mb.positions, seg)
             out, dx = residuals.backward(self.split, given, self.layer.diff(), r, g)
             if self.splits_backward:  # an input read by several weights is kept once
-                out = {k: _keep_input(pair, shares[k] == k) for k, pair in out.items()}
+                out = {
+                    k: pair if k == LAYER_FP8 else _keep_input(pair, shares[k] == k)
+                    for k, pair in out.items()
+                }
             return self.dev.stream.vary(dx), out
 
         return jax.lax.scan(body, g, (self.chunk(j), res), reverse=True, unroll=self.unroll)
@@ -227,11 +242,14 @@ class Stage:
         reduce_ = {
             k: Reduce(self.red.dtype, varying=vma(s), shape=s.shape)
             for k, s in self.sinks.layers.items()
+            if k != LAYER_FP8
         }
 
         def body(_, pair):
-            pair = {k: (pair[shares[k]][0], *p[1:]) if p else p for k, p in pair.items()}
-            return None, {k: deferred[k].weight_gradient(pair[k], reduce_[k]) for k in pair}
+            amaxes = pair.get(LAYER_FP8)  # delayed FP8's, from the input step: passed on
+            pair = {k: (pair[shares[k]][0], *pair[k][1:]) if pair[k] else pair[k] for k in deferred}
+            out = {k: deferred[k].weight_gradient(pair[k], reduce_[k]) for k in pair}
+            return None, out if amaxes is None else dict(out, **{LAYER_FP8: amaxes})
 
         return jax.lax.scan(body, None, pairs, unroll=self.unroll)[1]
 

@@ -70,8 +70,10 @@ def initial_state(stage: Stage, slots: dict) -> dict:
 def _pair_buffers(stage: Stage, n_slots: int) -> dict:
     """Zero bubble: each layer's (input, cotangent) pairs, kept from the input step to W
     (an input several weights read is kept once, with the first of them; a grouped
-    matmul's pair has its group sizes as well, a weight no matmul reads has none)."""
-    return {
+    matmul's pair has its group sizes as well, delayed FP8's the history's amaxes, a
+    weight no matmul reads has none), and delayed FP8's recorded amaxes, which W adds
+    (keeping the larger) where it adds the gradients."""
+    out = {
         k: tuple(
             None
             if (n == 0 and stage.shares[k] != k)
@@ -80,6 +82,12 @@ def _pair_buffers(stage: Stage, n_slots: int) -> dict:
         )
         for k, dk in stage.layer.deferred.items()
     }
+    if LAYER_FP8 in stage.sinks.layers:
+        out[LAYER_FP8] = jax.tree.map(
+            lambda s: buffer(s, vma(s) | {AXIS}, (n_slots, stage.n_per)),
+            stage.sinks.layers[LAYER_FP8],
+        )
+    return out
 
 
 def gradients(stage: Stage, state: dict) -> dict:
@@ -163,9 +171,11 @@ class Tick:
         chunk j's."""
         stage, j = self.stage, r["chunk"]
         if stage.splits_backward:  # W: from the pairs the input step kept
-            return add(gw, j, stage.weight_step(read(cot_buf, r["cot"]))), stage.dev.stream.zeros()
-        mb, seg = stage.dev.micro(r["micro"])
-        dx, ds = stage.backward(j, read(res_buf, r["res"]), read(grad_buf, r["grad"]), mb, seg)
+            ds, dx = stage.weight_step(read(cot_buf, r["cot"])), stage.dev.stream.zeros()
+        else:
+            mb, seg = stage.dev.micro(r["micro"])
+            res, g = read(res_buf, r["res"]), read(grad_buf, r["grad"])
+            dx, ds = stage.backward(j, res, g, mb, seg)
         # gradients add up over the micro-batches; delayed FP8's amaxes keep the largest
         return {k: add(gw[k], j, ds[k], most=k == LAYER_FP8) for k in gw}, dx
 
