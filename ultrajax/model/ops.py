@@ -265,6 +265,15 @@ def _dense_delayed_bwd(eq, out_dtype, x_dtype, red, axes, res, g):
 _dense_delayed.defvjp(_dense_delayed_fwd, _dense_delayed_bwd)
 
 
+def _traced(w: Weight, op, x, out, *more):
+    """Zero bubble's shape trace (a deferred weight, no pair yet): record the matmul's op
+    and its pair's types, the input, the output's cotangent and `more` (model.ops.Deferred)."""
+    if w.reduce.defer is not None and w.acc is None:
+        w.reduce.defer.seen = (op, _struct(x), _struct(out.astype(x.dtype)), *map(_struct, more))
+        w.reduce.defer.source = id(x)  # the trace holds x: ids of live inputs
+    return out
+
+
 def dense(x, w, eq: str, out_dtype=None, fp8_recipe: str = "none"):
     """einsum(eq, x, w) in x's dtype (or `out_dtype`), w cast to x's dtype; with an
     `fp8_recipe` (model.fp8) through FP8 operands (model/fp8.py)."""
@@ -274,30 +283,17 @@ def dense(x, w, eq: str, out_dtype=None, fp8_recipe: str = "none"):
         value, axes = w.value.astype(x.dtype), frozenset(vma(amax_sink))
         args = (x, value, w.sink, w.acc, seen, amax_sink, w.reduce, axes)
         out = _dense_delayed(eq, out_dtype, x.dtype.name, *args)
-        if w.reduce.defer is not None and w.acc is None:  # the shape trace
-            op, cotangent = ("fp8", "delayed", eq), out.astype(x.dtype)
-            w.reduce.defer.seen = (op, _struct(x), _struct(cotangent), _struct(seen))
-            w.reduce.defer.source = id(x)
-        return out
+        return _traced(w, ("fp8", "delayed", eq), x, out, seen)
     if fp8_recipe != "none" and isinstance(w, Weight):
         value = w.value.astype(x.dtype)
-        out = _dense_fp8(eq, fp8_recipe, out_dtype, x.dtype.name, x, value, w.sink, w.acc, w.reduce)
-        if w.reduce.defer is not None and w.acc is None:  # the shape trace
-            w.reduce.defer.seen = (
-                ("fp8", fp8_recipe, eq),
-                _struct(x),
-                _struct(out.astype(x.dtype)),
-            )
-            w.reduce.defer.source = id(x)
-        return out
+        args = (x, value, w.sink, w.acc, w.reduce)
+        out = _dense_fp8(eq, fp8_recipe, out_dtype, x.dtype.name, *args)
+        return _traced(w, ("fp8", fp8_recipe, eq), x, out)
     if fp8_recipe != "none":
         return fp8.matmul(eq, x, w.astype(x.dtype), fp8_recipe).astype(out_dtype)
     if isinstance(w, Weight):
         out = _dense(eq, out_dtype, x, w.value.astype(x.dtype), w.sink, w.acc, w.reduce)
-        if w.reduce.defer is not None and w.acc is None:  # the shape trace
-            w.reduce.defer.seen = (eq, _struct(x), _struct(out.astype(x.dtype)))
-            w.reduce.defer.source = id(x)  # the trace holds x: ids of live inputs
-        return out
+        return _traced(w, eq, x, out)
     return jnp.einsum(eq, x, w.astype(x.dtype), preferred_element_type=out_dtype).astype(out_dtype)
 
 
