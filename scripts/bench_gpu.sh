@@ -22,8 +22,7 @@ BUDGET=${BUDGET:-420}
 mkdir -p "$OUT"
 start=$(date +%s)
 source "$(dirname "$0")/gpu_common.sh"
-{ date -u; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null; } |
-  tee "$OUT/versions.txt"
+versions
 
 # In the order a short budget keeps the most: the default step (the LM head and loss in
 # chunks: model.loss_chunk auto), the baseline, selective recomputation (the memory

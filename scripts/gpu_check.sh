@@ -21,12 +21,7 @@ mkdir -p "$OUT"
 start=$(date +%s)
 source "$(dirname "$0")/gpu_common.sh"
 want() { [[ " $PARTS " == *" $1 "* ]]; }
-{
-  date -u
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import jax, flax, triton; print('jax', jax.__version__, 'flax', flax.__version__, 'triton', triton.__version__)"
-  git log -1 --format='commit %h %s' 2>/dev/null || true
-} 2>&1 | tee "$OUT/versions.txt"
+versions
 
 if want numerics; then
   run flash-numerics 90 python3 scripts/check_flash_gpu.py

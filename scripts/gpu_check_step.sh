@@ -16,12 +16,7 @@ BUDGET=${BUDGET:-480}
 mkdir -p "$OUT"
 start=$(date +%s)
 source "$(dirname "$0")/gpu_common.sh"
-{
-  date -u
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
-  git log -1 --format='commit %h %s' 2>/dev/null || true
-} 2>&1 | tee "$OUT/versions.txt"
+versions
 
 ONEB=(--sizes 1b --steps 10 --warmup 2 model.attention=cudnn train.micro_batch_size=8
   model.remat=none)

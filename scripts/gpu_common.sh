@@ -1,6 +1,7 @@
-# Sourced by the one-call GPU scripts (gpu_check_step.sh, bench_gpu.sh): the carried wheels,
-# the Python path, and `run`, which gives each measurement its own time limit inside a
-# running budget. Needs OUT, BUDGET and start (date +%s) set by the caller.
+# Sourced by the one-call GPU scripts (gpu_check.sh, gpu_check_step.sh, gpu_fp8.sh,
+# bench_gpu.sh): the carried wheels, the Python path, `versions`, which records what ran,
+# and `run`, which gives each measurement its own time limit inside a running budget.
+# Needs OUT, BUDGET and start (date +%s) set by the caller.
 
 # Wheels the GPU image lacks (grain, array-record, portpicker, jax-triton), from .whl/ if
 # present; flax and jax are the image's own. kernels/ is reached as ultrajax.kernels
@@ -29,4 +30,21 @@ run() {  # run NAME LIMIT_S COMMAND...: at most LIMIT_S, never past the budget
   timeout "$t" "$@" >"$OUT/$name.txt" 2>&1
   echo "   exit $? after $(($(date +%s) - start)) s"
   grep -E "^\| |ms/step|Error|error" "$OUT/$name.txt" | tail -4
+}
+
+versions() {  # what ran: OUT/versions.txt (date, GPU, driver, library versions, commit)
+  {
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 - <<'PY'
+import importlib
+for name in ("jax", "flax", "optax", "triton"):
+    try:
+        print(name, importlib.import_module(name).__version__, end="  ")
+    except ImportError:
+        print(name, "absent", end="  ")
+print()
+PY
+    git log -1 --format='commit %h %s' 2>/dev/null || true
+  } 2>&1 | tee "$OUT/versions.txt"
 }

@@ -17,11 +17,7 @@ STEPS=${STEPS:-10}
 mkdir -p "$OUT"
 start=$(date +%s)
 source "$(dirname "$0")/gpu_common.sh"
-{
-  date -u
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  git log -1 --format='commit %h %s' 2>/dev/null || true
-} 2>&1 | tee "$OUT/versions.txt"
+versions
 # bf16 first, then the recipes most asked for: each gets at most 130 s (a skipped one
 # says so in its file), so the four fit the budget with the set-up
 for recipe in none tensorwise delayed rowwise; do
