@@ -255,8 +255,6 @@ def _dense_delayed_bwd(eq, out_dtype, x_dtype, red, axes, res, g):
         dx, dw, ag = fp8.delayed_backward(eq, res, g, seen)
         pair, dw = None, finish(dw, acc, red)
     amaxes = jnp.concatenate([amaxes, ag[None]])
-    extra = tuple(sorted(vma(amaxes) - axes))  # a sink typed invariant there: reduce now
-    amaxes = jax.lax.pmax(amaxes, extra) if extra else amaxes
     missing = tuple(sorted(axes - vma(amaxes)))
     amaxes = jax.lax.pcast(amaxes, missing, to="varying") if missing else amaxes
     return dx.astype(x_dtype), None, dw, pair, None, amaxes

@@ -49,10 +49,14 @@ def init_state(cfg: Config, tx: optax.GradientTransformation, key) -> dict:
     params = init_params(cfg.model, key)
     opt = diloco.init(cfg, tx, params) if diloco.active(cfg) else tx.init(params)
     state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt}
-    history = fp8_history(cfg.model)
-    if history and diloco.active(cfg):  # each replica scales by its own
-        history = diloco.own(cfg, history)
+    history = _empty_history(cfg)
     return dict(state, **{FP8: history}) if history else state
+
+
+def _empty_history(cfg: Config) -> dict:
+    """model.fp8=delayed's histories before any step ({} otherwise); DiLoCo: per replica."""
+    history = fp8_history(cfg.model)
+    return diloco.own(cfg, history) if history and diloco.active(cfg) else history
 
 
 def state_shardings(cfg: Config, mesh, rules: Rules, tx) -> dict:
@@ -97,9 +101,6 @@ def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
     def per_device(params, cparams, batch: Batch, seen=None):
         n_targets = layout.psum(batch.loss_mask.sum())
         scale = 1.0 / jnp.maximum(n_targets, 1).astype(jnp.float32)
-        if grad_plan.fp8 and seen is None:  # no history (the noise probe): own amaxes
-            n = len(fp8.OPERANDS)
-            seen = {k: jnp.zeros((cparams["layers"][k].shape[0], n)) for k in grad_plan.fp8}
 
         def micro(acc, mb, last):
             def loss_fn(wrt, inside):
@@ -131,8 +132,16 @@ def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
         stored = dict(stored, **{FP8: _amax_spec(layout)})
     out_specs = (stored, PartitionSpec(), PartitionSpec(), PartitionSpec())
     if diloco.active(cfg):  # each data rank a replica: a leading axis over `data`
-        return diloco.per_replica(layout, per_device, out_specs, batch_specs())
-    return _over_batch(layout, per_device, out_specs)
+        fn = diloco.per_replica(layout, per_device, out_specs, batch_specs())
+    else:
+        fn = _over_batch(layout, per_device, out_specs)
+
+    def gradients(params, batch, seen=None):
+        if seen is None:  # no history (the noise probe): each tensor scaled by its own amax
+            seen = jax.tree.map(fp8.seen, _empty_history(cfg)) or None
+        return fn(params, batch, seen)
+
+    return gradients
 
 
 def _amax_spec(layout: Layout) -> PartitionSpec:
@@ -232,11 +241,7 @@ def _pipelined(cfg: Config, layout: Layout):
     plan = _plan(cfg, layout, cfg.parallel.pipeline_schedule)
 
     def per_device(params, cparams, batch: Batch, seen=None):
-        delayed = layout.grads.fp8
-        if delayed:  # this stage's rows of the amaxes, moved and sliced as its layers are
-            if seen is None:  # no history (the noise probe): each tensor's own amaxes
-                rows = {k: cparams["layers"][k].shape[0] for k in delayed}
-                seen = {k: jnp.zeros((n, len(fp8.OPERANDS))) for k, n in rows.items()}
+        if seen is not None:  # delayed: this stage's rows of the amaxes, moved as its layers
             cparams = dict(cparams, layers=dict(cparams["layers"], **{LAYER_FP8: seen}))
         cparams = _stage_copy(cfg, layout, cparams)
         n_targets = layout.psum(batch.loss_mask.sum())
