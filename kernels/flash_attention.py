@@ -20,6 +20,11 @@ What it supports, and how:
   K/V head and sums the group's query heads in fp32 inside, one write in the inputs' dtype;
 - warps and pipelining stages per head_dim and tile from a sweep on an H200
   (`TUNED_FWD`, `TUNED_BWD`); scores in base 2 (exp2, the GPU's instruction);
+- two backward kernels by default (dQ per query block, dK/dV per key block, each
+  recomputing the probabilities; deterministic), or one (`BlockSizes.fused_bwd`,
+  model.attention_backward=fused): the dK/dV kernel also adds each block's share of dQ
+  into an fp32 dQ by atomic adds, so the probabilities are computed once (5 matmuls per
+  block instead of 7) at the price of dQ's atomics and run-to-run last bits;
 - fp32 accumulation in every dot; returns the output and the log-sum-exp (natural log,
   per query and head), which ring attention needs to merge blocks;
 - lengths that are not a multiple of the block: inputs are padded to whole blocks with
@@ -47,7 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ultrajax.kernels.varying import struct
+from ultrajax.kernels.varying import struct, vary_like
 
 NEG_INF = -1e30  # finite: a masked score, so exp2() is exactly 0 and max() stays finite
 LOG2E = math.log2(math.e)  # scores in base 2: exp2 is the GPU's instruction, exp one more
@@ -88,16 +93,19 @@ class BlockSizes:
     k_bwd: int = 64
     warps: int | None = None
     stages: int | None = None
-    warps_bwd: int | None = None  # the two backward kernels' (None: tuned)
+    warps_bwd: int | None = None  # the backward kernels' (None: tuned)
     stages_bwd: int | None = None
+    # one backward kernel (each block's probabilities computed once, dQ by fp32 atomic
+    # adds) instead of two (dQ, then dK/dV, each recomputing them); model.attention_backward
+    fused_bwd: bool = False
 
     @classmethod
-    def of(cls, sizes, head_dim: int, itemsize: int = 2) -> BlockSizes:
+    def of(cls, sizes, head_dim: int, itemsize: int = 2, fused_bwd: bool = False) -> BlockSizes:
         """From `model.attention_blocks` ([q, k, q_bwd, k_bwd]), or None: the head_dim's
         tiles (fp32 inputs: 64 x 64, as 128-wide fp32 tiles outgrow shared memory)."""
         if sizes is None:
             sizes = (64, 64, 64, 64) if itemsize > 2 else TILES.get(head_dim, (64,) * 4)
-        return cls(*sizes)
+        return cls(*sizes, fused_bwd=fused_bwd)
 
     def launch(self, head_dim: int, backward: bool, itemsize: int = 2) -> tuple[int, int]:
         """(warps, stages) of the forward or the backward kernels; the table's stages are
@@ -225,11 +233,18 @@ def _dq_kernel(
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, qs_ref, ks_ref, end_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
-    scale, bq, bk, causal, segmented, group,
+    q_ref, k_ref, v_ref, qs_ref, ks_ref, end_ref, do_ref, lse_ref, delta_ref, *refs, scale, bq,
+    bk, causal, segmented, group,
 ):  # fmt: skip
     """dK and dV of one key block, summed in fp32 over the `group` query heads that share
-    its K/V head (GQA) before one write in the inputs' dtype."""
+    its K/V head (GQA) before one write in the inputs' dtype. `refs`: (dk, dv), or for the
+    one-kernel backward (dq zeros aliased in, dk, dv, dq): the same probabilities and dS
+    then also give each query block's share of dQ, added into the fp32 dQ that every key
+    block's program adds to. On a GPU those adds are atomic, so dQ's fp32 sum order (its
+    last bits) may differ from run to run."""
+    dk_ref, dv_ref, dq_ref = (*refs, None) if len(refs) == 2 else refs[1:]
+    if dq_ref is not None:
+        from jax.experimental.pallas import triton as pltriton  # atomic_add (interpretable)
     j = pl.program_id(2)
     n_q = q_ref.shape[0] // bq
     k, v, k_seg = k_ref[...], v_ref[...], ks_ref[...]
@@ -242,8 +257,10 @@ def _dkv_kernel(
             p = _probs(q, k, lse_ref[h, qs], qs_ref[qs], k_seg, i * bq, j * bk, scale, diagonal,
                        segmented)  # fmt: skip
             dv = dv + _dot(p.T.astype(do.dtype), do)
-            ds = p * (_dot_t(do, v) - delta_ref[h, qs][:, None])
-            return dk + _dot(ds.T.astype(q.dtype), q), dv
+            ds = (p * (_dot_t(do, v) - delta_ref[h, qs][:, None])).astype(q.dtype)
+            if dq_ref is not None:
+                pltriton.atomic_add(dq_ref, (qs, h, slice(None)), _dot(ds, k))
+            return dk + _dot(ds.T, q), dv
 
         return step
 
@@ -267,7 +284,7 @@ def _dkv_kernel(
 # --------------------------------------------------------------------------- calls
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, launch):
+def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, launch, aliases=None):
     """pallas_call with the Triton lowering's (warps, stages) `launch` on a GPU."""
     extra = {}
     if not interpret:
@@ -284,6 +301,7 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, launch)
         out_shape=out_shape,
         interpret=interpret,
         name=name,
+        input_output_aliases=aliases or {},
         **extra,
     )
 
@@ -362,6 +380,20 @@ def _backward(q, k, v, qs, ks, delta, lse, do, *, blocks: BlockSizes, causal: bo
     common = dict(scale=d**-0.5, bq=bq, bk=bk, causal=causal, segmented=segmented)
     launch = blocks.launch(d, backward=True, itemsize=q.dtype.itemsize)
     first, end = _visible(qs, ks, bq, bk)
+    qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, False)
+    dkv = functools.partial(_dkv_kernel, group=h // kv, **common)
+    args = (q, k, v, qs, ks, end, do, lse, delta)
+    in_specs = [qspec, kvspec, kvspec, qsspec, ksspec, ksspec, qspec, row, row]
+    dkv_shapes = [struct(k.shape, k.dtype, q, k), struct(v.shape, v.dtype, q, k)]
+    if blocks.fused_bwd:  # one kernel: dQ's fp32 sum starts as zeros, aliased to its output
+        dq32 = vary_like(jnp.zeros(q.shape, jnp.float32), q, k)
+        dk, dv, dq = _call(dkv, (b, kv, s // bk), [*in_specs, qspec], [kvspec, kvspec, qspec],
+                           [*dkv_shapes, struct(q.shape, jnp.float32, q, k)], interpret,
+                           "flash_attention_bwd", launch, aliases={len(args): 2},
+                           )(*args, dq32)  # fmt: skip
+        return (dq * common["scale"]).astype(q.dtype), dk, dv
+    dk, dv = _call(dkv, (b, kv, s // bk), in_specs, [kvspec, kvspec], dkv_shapes, interpret,
+                   "flash_attention_dkv", launch)(*args)  # fmt: skip
     qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, True)
     dq = _call(
         functools.partial(_dq_kernel, **common),
@@ -373,17 +405,6 @@ def _backward(q, k, v, qs, ks, delta, lse, do, *, blocks: BlockSizes, causal: bo
         "flash_attention_dq",
         launch,
     )(q, k, v, qs, ks, first, do, lse, delta)
-    qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, False)
-    dk, dv = _call(
-        functools.partial(_dkv_kernel, group=h // kv, **common),
-        (b, kv, s // bk),
-        [qspec, kvspec, kvspec, qsspec, ksspec, ksspec, qspec, row, row],
-        [kvspec, kvspec],
-        [struct(k.shape, k.dtype, q, k), struct(v.shape, v.dtype, q, k)],
-        interpret,
-        "flash_attention_dkv",
-        launch,
-    )(q, k, v, qs, ks, end, do, lse, delta)
     return dq, dk, dv
 
 

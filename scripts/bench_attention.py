@@ -3,14 +3,17 @@
     python scripts/bench_attention.py                       # seq 2048, 4096, 8192
     python scripts/bench_attention.py --seqs 2048 --heads 32 --kv-heads 8 --head-dim 64
     python scripts/bench_attention.py --seqs 4096 --sweep    # tile sizes, warps, stages
+    python scripts/bench_attention.py --seqs 4096 --sweep bwd --fused  # the one-kernel backward
 
 Each row: 16,384 tokens (batch = 16384 / seq), bf16, causal; with `--packed` four
 documents per row (segment ids; cuDNN then gets the equivalent dense mask). Forward +
 backward of sum(out * random) through `jax.grad`, median of timed calls after warm-up.
 The largest error of the kernel's output and gradients against cuDNN's is printed beside
-(bf16: expect ~1e-2). `--sweep` times each of SWEEP (or the `q,k,q_bwd,k_bwd,warps,stages`
-choices given) at every sequence length: what to set as `model.attention_blocks` and
-BlockSizes' defaults. A benchmark, not a test: nothing is asserted.
+(bf16: expect ~1e-2). Each length gets a row per backward (`--backward`: split, the dQ
+and dK/dV kernels; fused, one kernel with dQ by atomic adds). `--sweep` times each of
+SWEEP (or the `q,k,q_bwd,k_bwd,warps,stages` choices given) at every sequence length:
+what to set as `model.attention_blocks` and BlockSizes' defaults. A benchmark, not a
+test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ SWEEP = (
     (128, 64, 64, 64, 8, 3),
 )
 # `--sweep fwd`: (q, k, warps, stages) of the forward kernel, timed alone;
-# `--sweep bwd`: (q_bwd, k_bwd, warps, stages) of the two backward kernels, timed as
-# forward + backward with the default forward (the forward's time is printed beside)
+# `--sweep bwd`: (q_bwd, k_bwd, warps, stages) of the backward kernels (with `--fused`, of
+# the one kernel), timed as forward + backward with the default forward (the forward's
+# time is printed beside)
 FWD_SWEEP = tuple(
     (q, k, w, st) for q, k in ((128, 128), (128, 64), (64, 64), (64, 128))
     for w in (4, 8) for st in (2, 3)
@@ -61,8 +65,10 @@ def inputs(seq: int, args):
     return b, h, kv, q, k, v, do
 
 
-def row(seq: int, args, blocks) -> str:
-    """One table row: both implementations' fwd+bwd time and their largest differences."""
+def row(seq: int, args, blocks, cudnn_runs: dict) -> str:
+    """One table row: both implementations' fwd+bwd time and their largest differences.
+    cuDNN's (time, gradients, output) at each length is kept in `cudnn_runs` for the next
+    row."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -88,13 +94,15 @@ def row(seq: int, args, blocks) -> str:
         loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * do)  # noqa: E731
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
-    results = {}
-    for name, fn in (("pallas", pallas), ("cudnn", cudnn)):
+    def timed(fn):
         f = fwd_bwd(fn)
         out = jax.block_until_ready(f(q, k, v))
         ms = median_ms(lambda f=f: jax.block_until_ready(f(q, k, v)), args.iters)
-        results[name] = (ms, out, jax.jit(fn)(q, k, v))
-    (tp, gp, op), (tc, gc, oc) = results["pallas"], results["cudnn"]
+        return ms, out, jax.jit(fn)(q, k, v)
+
+    if seq not in cudnn_runs:
+        cudnn_runs[seq] = timed(cudnn)
+    (tp, gp, op), (tc, gc, oc) = timed(pallas), cudnn_runs[seq]
     out_diff = float(jnp.abs(op.astype(jnp.float32) - oc.astype(jnp.float32)).max())
     grad_diff = max(
         float(jnp.abs(a.astype(jnp.float32) - c.astype(jnp.float32)).max())
@@ -137,8 +145,9 @@ def sweep(seq: int, args, kind: str) -> None:
         if kind == "fwd":
             blocks = BlockSizes(q=c[0], k=c[1], warps=c[2], stages=c[3])
         else:
-            blocks = BlockSizes(q_bwd=c[0], k_bwd=c[1], warps_bwd=c[2], stages_bwd=c[3])
-        name = ",".join(map(str, c))
+            blocks = BlockSizes(q_bwd=c[0], k_bwd=c[1], warps_bwd=c[2], stages_bwd=c[3],
+                                fused_bwd=args.fused)  # fmt: skip
+        name = ",".join(map(str, c)) + (" fused" if kind == "bwd" and args.fused else "")
         try:
             ms = timed(lambda q, k, v, blocks=blocks: flash_attention(q, k, v, blocks=blocks)[0])
         except Exception as e:  # a choice the GPU cannot hold (shared memory): say so
@@ -161,6 +170,13 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--block-q", type=int, help="forward tile (default: the model's, TILES)")
     p.add_argument("--block-k", type=int)
+    p.add_argument(
+        "--backward",
+        choices=("split", "fused", "both"),
+        default="both",
+        help="the kernel's backward: two kernels, one (dQ by atomic adds), or both",
+    )
+    p.add_argument("--fused", action="store_true", help="--sweep bwd: the one-kernel backward")
     p.add_argument(
         "--sweep",
         nargs="?",
@@ -190,7 +206,9 @@ def main(argv=None) -> int:
     if args.sweep is None:
         tiles = BlockSizes.of(None, args.head_dim)  # what the model runs for this head_dim
         q, k = args.block_q or tiles.q, args.block_k or tiles.k
-        choices = [BlockSizes(q=q, k=k, q_bwd=tiles.q_bwd, k_bwd=tiles.k_bwd)]
+        fused = {"split": (False,), "fused": (True,), "both": (False, True)}[args.backward]
+        choices = [BlockSizes(q=q, k=k, q_bwd=tiles.q_bwd, k_bwd=tiles.k_bwd, fused_bwd=f)
+                   for f in fused]  # fmt: skip
     else:
         given = [tuple(int(x) for x in c.split(",")) for c in args.sweep.split(";") if c]
         choices = [BlockSizes(*c) for c in (given or SWEEP)]
@@ -200,11 +218,13 @@ def main(argv=None) -> int:
         "cudnn fwd+bwd ms | pallas/cudnn | max |out diff| | max |grad diff| |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
+    cudnn_runs = {}
     for seq in (int(s) for s in args.seqs.split(",")):
         for b in choices:
             name = f"{b.q},{b.k},{b.q_bwd},{b.k_bwd},{b.warps},{b.stages}"
+            name += " fused" if b.fused_bwd else " split"
             try:
-                print(f"| {name} {row(seq, args, b)}", flush=True)
+                print(f"| {name} {row(seq, args, b, cudnn_runs)}", flush=True)
             except Exception as e:  # a choice the GPU cannot hold (shared memory): say so
                 print(f"| {name} | {seq} | failed: {type(e).__name__}: {str(e)[:120]} |")
     return 0

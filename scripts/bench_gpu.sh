@@ -26,7 +26,7 @@ versions
 
 # In the order a short budget keeps the most: the default step (the LM head and loss in
 # chunks: model.loss_chunk auto), the baseline, selective recomputation (the memory
-# target), packed documents (the Pallas kernel),
+# target), packed documents (the Pallas kernel, its two backward kernels, then its one),
 # then the same step with whole logits (loss_chunk=0: what chunking costs or saves), and
 # transformers eager last.
 # shellcheck disable=SC2086  # ULTRA and HF_ARGS are argument lists
@@ -38,6 +38,9 @@ run ultrajax-selective 100 python3 scripts/bench_step.py $ULTRA model.attention=
   data.cross_doc_mask=false model.remat=selective
 # shellcheck disable=SC2086
 run ultrajax-packed 100 python3 scripts/bench_step.py $ULTRA model.attention=auto data.cross_doc_mask=true
+# shellcheck disable=SC2086
+run ultrajax-packed-fused 100 python3 scripts/bench_step.py $ULTRA model.attention=auto \
+  data.cross_doc_mask=true model.attention_backward=fused
 # shellcheck disable=SC2086
 run ultrajax-whole-logits 100 python3 scripts/bench_step.py $ULTRA model.attention=auto \
   data.cross_doc_mask=false model.loss_chunk=0
@@ -73,6 +76,7 @@ runs = {
     "ultrajax, causal (defaults: auto attention, auto loss_chunk)": ultrajax("ultrajax-causal"),
     "ultrajax, causal, model.remat=selective": ultrajax("ultrajax-selective"),
     "ultrajax, packed documents (auto: the Pallas kernel)": ultrajax("ultrajax-packed"),
+    "ultrajax, packed, model.attention_backward=fused": ultrajax("ultrajax-packed-fused"),
     "ultrajax, causal, loss_chunk=0 (whole logits)": ultrajax("ultrajax-whole-logits"),
     "transformers eager": hf("hf-eager"),
     "transformers + torch.compile": hf("hf-compiled"),
@@ -91,7 +95,9 @@ for label, r in runs.items():
     print(f"| {label} | {tps:,.0f} | {mfu} | {mem_s} | {ratio} | {mratio} |")
 causal = runs["ultrajax, causal (defaults: auto attention, auto loss_chunk)"]
 packed = runs["ultrajax, packed documents (auto: the Pallas kernel)"]
-if causal and packed:
-    print(f"packed / causal tokens/s: {packed[0] / causal[0]:.1%}")
+fused = runs["ultrajax, packed, model.attention_backward=fused"]
+for name, r in (("packed", packed), ("packed, fused backward", fused)):
+    if causal and r:
+        print(f"{name} / causal tokens/s: {r[0] / causal[0]:.1%}")
 PY
 echo "total $(($(date +%s) - start)) s"

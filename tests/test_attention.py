@@ -209,23 +209,37 @@ def test_pallas_backend_in_the_model_matches_xla():
 
 
 def test_attention_blocks_reach_the_kernel(monkeypatch):
-    """model.attention_blocks, through the interface and the layout's context, become the
-    kernel's tiles; the result is the plain attention's with tiles that do not divide it."""
+    """model.attention_blocks and model.attention_backward, from the config through the
+    layout's context and the interface, become the kernel's tiles and backward; the result
+    and its gradients are the plain attention's with tiles that do not divide the length."""
+    import harness
+
     from ultrajax.kernels import flash_attention as fa
-    from ultrajax.parallel.context import Context
+    from ultrajax.parallel.layout import Layout
 
     seen = []
     real = fa.flash_attention
     spy = lambda *a, **kw: seen.append(kw["blocks"]) or real(*a, **kw)
     monkeypatch.setattr(fa, "flash_attention", spy)
+    cfg, _ = harness.make("model.attention_blocks=[16,32,16,16]", "model.attention_backward=fused")
+    mesh, rules = harness.setup(cfg)[:2]
+    cp = Layout(cfg, mesh, rules).cp
     rng = np.random.default_rng(4)
     q = jnp.asarray(rng.standard_normal((1, 40, 4, 8)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((1, 40, 2, 8)), jnp.float32) for _ in range(2))
     seg = jnp.asarray(np.where(np.arange(40) < 17, 1, 2)[None], jnp.int32)
-    got = Context(blocks=(16, 32, 16, 16)).attend(q, k, v, seg, "pallas")
-    assert seen == [fa.BlockSizes(16, 32, 16, 16)]
-    want = attention.attend(q, k, v, seg, implementation="xla")
-    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-5)
+    w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+    def loss(attend):
+        return lambda q, k, v: jnp.sum(attend(q, k, v) * w)
+
+    got = jax.value_and_grad(loss(lambda *a: cp.attend(*a, seg, "pallas")), (0, 1, 2))(q, k, v)
+    assert seen == [fa.BlockSizes(16, 32, 16, 16, fused_bwd=True)]
+    plain = lambda *a: attention.attend(*a, seg, implementation="xla")  # noqa: E731
+    want = jax.value_and_grad(loss(plain), (0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got[0], want[0], rtol=2e-5)
+    for g, r in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -237,6 +237,7 @@ def test_override_without_equals_sign():
         (["model.fp8=rowwise", "parallel.fp8_gather=true"], "parallel.fp8_gather"),
         (["parallel.fp8_gather=true"], "parallel.fp8_gather"),  # model.fp8=none
         (["model.attention_blocks=[64, 64, 48, 64]"], "model.attention_blocks"),
+        (["model.attention_backward=atomic"], "model.attention_backward"),
         (["parallel.collectives=nccl"], "parallel.collectives"),
         (["parallel.grad_reduce_dtype=float16"], "parallel.grad_reduce_dtype"),
     ],
@@ -368,6 +369,15 @@ def test_data_path_without_the_files_source_is_an_error():
         (["data.source=prepared", "data.path=d", "data.strict=true"], "data.strict=true"),
         (["train.noise_every=10"], "train.noise_every"),
         (["model.attention=tiled", "model.attention_blocks=[64,64,64,64]"], "model.attention_b"),
+        (["model.attention=xla", "model.attention_backward=fused"], "model.attention_backward"),
+        (  # both in one line
+            [
+                "model.attention=cudnn",
+                "model.attention_backward=fused",
+                "model.attention_blocks=[64,64,64,64]",
+            ],
+            "model.attention_blocks=[64, 64, 64, 64] and model.attention_backward=fused have",
+        ),  # fmt: skip
         (["model.scan_unroll=4", "model.remat=full"], "model.scan_unroll=4"),
         (["model.scan_unroll=2", "mesh.fsdp=2", "parallel.zero=3"], "model.scan_unroll=2"),
         (
@@ -385,6 +395,10 @@ def test_settings_with_effect_give_no_warning():
     cfg = load(None, ["mesh.fsdp=2", "parallel.zero=1", "mesh.tensor=2",
                       "parallel.sequence_parallel=true"])  # fmt: skip
     assert no_effect(cfg) == []
+    # cuDNN takes no tiles, but under context parallelism the ring's pairs run the kernel
+    kernel = ["model.attention_blocks=[64,64,64,64]", "model.attention_backward=fused"]
+    assert no_effect(load(None, ["model.attention=cudnn", "mesh.sequence=2", *kernel])) == []
+    assert no_effect(load(None, kernel)) == []  # auto: the kernel where packed on a GPU
 
 
 def test_odd_head_dimension_says_what_to_change():
@@ -422,7 +436,8 @@ def test_run_directory_is_named_after_the_config_and_what_defines_the_run(tmp_pa
     same = ["train.steps=70", "data.prefetch=0", "mesh.data=2", "train.log_every=3",
             "train.grad_accum=4", "optim.schedule_steps=50", "checkpoint.every=5",
             "model.attention=blocked", "model.remat=full", "model.scan_unroll=2",
-            "model.loss_chunk=16", "model.attention_blocks=[64,64,32,32]"]  # fmt: skip
+            "model.loss_chunk=16", "model.attention_blocks=[64,64,32,32]",
+            "model.attention_backward=fused"]  # fmt: skip
     for override in same:
         assert load(path, [override]).train.run_dir == base, override
     others = {load(path, [o]).train.run_dir for o in (

@@ -5,6 +5,9 @@ small shapes and blocks, so that several blocks, a partial last block and every 
 case are exercised in seconds.
 """
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,13 +143,54 @@ def test_blocks_of_other_documents_are_skipped_and_nothing_else():
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4, err_msg=f"d{name}")
 
 
+@pytest.mark.parametrize("case", ["packed-gqa4", "causal-gqa2"])
+def test_one_kernel_backward_equals_the_two_kernels(case):
+    """model.attention_backward=fused: dK/dV's kernel also adds each block's dQ share into
+    an fp32 sum, from the same probabilities. Interpreted, the adds come in the split dQ
+    kernel's order (key blocks rising), so the two agree to fp32 rounding; both against
+    the reference as in the fp32 test, and bf16 within bf16's tolerance."""
+    b, t, h, kv, d, packed = CASES[case]
+    fused = dataclasses.replace(BLOCKS, fused_bwd=True)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        q, k, v, seg = inputs(b, t, h, kv, d, dtype, seed=11, packed=packed)
+        seg_args = (seg, seg) if packed else (None, None)
+        do = jnp.asarray(np.random.default_rng(2).standard_normal(q.shape), jnp.float32)
+
+        def kernel(q, k, v, blocks, seg_args=seg_args):
+            return flash_attention(q, k, v, *seg_args, blocks=blocks, interpret=True)
+
+        def f32(q, k, v, seg_args=seg_args):
+            return reference(*(x.astype(jnp.float32) for x in (q, k, v)), *seg_args)
+
+        got = grads(functools.partial(kernel, blocks=fused), q, k, v, seg, do)
+        split = grads(functools.partial(kernel, blocks=BLOCKS), q, k, v, seg, do)
+        want = grads(f32, q, k, v, seg, do)
+        for g, sp, w, name in zip(got, split, want, "qkv", strict=True):
+            g, sp = np.asarray(g, np.float32), np.asarray(sp, np.float32)
+            assert np.isfinite(g).all(), name
+            scale = np.abs(np.asarray(w)).max()
+            assert scale > 0
+            if dtype == jnp.float32:  # one rounding per add, a few adds per element
+                np.testing.assert_allclose(g, sp, atol=8 * np.finfo(np.float32).eps * scale)
+                np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4, err_msg=f"d{name}")
+            else:
+                np.testing.assert_allclose(g, w, atol=3e-2 * scale, err_msg=f"d{name}")
+
+
 @pytest.mark.parametrize(
-    "blocks", [BlockSizes.of(None, 64), BlockSizes(64, 64, 32, 64, warps=8, stages=3)]
+    "blocks",
+    [
+        BlockSizes.of(None, 64),
+        BlockSizes(64, 64, 32, 64, warps=8, stages=3),
+        BlockSizes.of(None, 64, fused_bwd=True),
+    ],
+    ids=["tuned", "given", "fused"],
 )
 def test_kernels_lower_to_triton_for_a_gpu(blocks):
-    """What the interpreter cannot show: forward, dQ and dK/dV go through Pallas's Triton
-    lowering for a GPU (lowered here for the cuda platform, not compiled): bf16, GQA 4:1,
-    packed documents, a length that is not a multiple of the tiles."""
+    """What the interpreter cannot show: forward, dQ and dK/dV (or the one backward, with
+    its atomic adds) go through Pallas's Triton lowering for a GPU (lowered here for the
+    cuda platform, not compiled): bf16, GQA 4:1, packed documents, a length that is not a
+    multiple of the tiles."""
     q = jax.ShapeDtypeStruct((1, 200, 4, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 200, 1, 64), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((1, 200), jnp.int32)
@@ -159,8 +203,10 @@ def test_kernels_lower_to_triton_for_a_gpu(blocks):
         return jax.grad(loss, (0, 1, 2))(q, k, v)
 
     text = jax.jit(grads).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()
-    for name in ("forward", "dq", "dkv"):
-        assert f'name = "flash_attention_{name}"' in text
+    names = ("forward", "bwd") if blocks.fused_bwd else ("forward", "dq", "dkv")
+    for name in ("forward", "dq", "dkv", "bwd"):
+        assert (f'name = "flash_attention_{name}"' in text) == (name in names), name
+    assert ("atomic_rmw" in text) == blocks.fused_bwd  # dQ's adds, in the Triton IR
     for backward in (False, True):
         warps, stages = blocks.launch(64, backward)
         assert f"num_warps = {warps}" in text and f"num_stages = {stages}" in text

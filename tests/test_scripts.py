@@ -101,3 +101,35 @@ def test_fp8_tiny_over_seeds_says_each_recipes_mean_gap(tmp_path, capsys):
     assert "seed 0: fp8 tensorwise: +2.00% of bf16's final eval loss, NOT within ±1.5%" in out
     assert "seed 1: fp8 tensorwise: -1.00% of bf16's final eval loss, within ±1.5%" in out
     assert "fp8 tensorwise over seeds 0,1: mean +0.50% (-1.00% to +2.00%), within ±1.5%" in out
+
+
+def test_bench_attention_prints_a_row_per_backward_with_stand_ins_off_a_gpu(capsys, monkeypatch):
+    """scripts/bench_attention.py's GPU paths run here with stand-ins (the kernel
+    interpreted, XLA's attention for cuDNN's), so a GPU call finds no plumbing error: a row
+    per backward, split and fused, each the stand-in's attention to bf16 rounding, and the
+    one-kernel backward's sweep."""
+    import functools
+
+    import bench_attention
+    import jax
+
+    from ultrajax.kernels import flash_attention as fa
+
+    real_attention = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(
+        fa, "flash_attention", functools.partial(fa.flash_attention, interpret=True)
+    )
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, implementation=None, **kw: real_attention(*a, **kw))  # fmt: skip
+    tiny = ["--seqs", "128", "--tokens", "128", "--heads", "2", "--kv-heads", "1", "--iters", "1"]
+    assert bench_attention.main(tiny) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 128,64")]
+    assert [r.split("|")[1].split()[1] for r in rows] == ["split", "fused"]
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        assert float(cells[5]) > 0 and float(cells[8]) < 0.1 and float(cells[9]) < 0.1, r
+    monkeypatch.setattr(bench_attention, "BWD_SWEEP", ((128, 64, 4, 2),))
+    assert bench_attention.main([*tiny, "--sweep", "bwd", "--fused"]) == 0
+    (row,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| bwd")]
+    assert "128,64,4,2 fused" in row and "failed" not in row

@@ -78,10 +78,17 @@ def no_effect(cfg: Config) -> list[str]:
         )
     m = cfg.model
     backend = attention.BACKENDS.get(m.attention)  # None: auto (may pick the kernel)
-    if m.attention_blocks is not None and backend is not None and not backend.tiles:
+    # the kernel runs where chosen, and in the ring's pairs for any GPU kernel (pair_kernel)
+    kernel = backend is None or backend.tiles or (mesh.sequence > 1 and backend.gpu_kernel)
+    asked = [f"model.attention_blocks={m.attention_blocks}"] * (m.attention_blocks is not None)
+    asked += [f"model.attention_backward={m.attention_backward}"] * (
+        m.attention_backward != "split"
+    )
+    if asked and not kernel:
         out.append(
-            f"model.attention_blocks has no effect with model.attention={m.attention} (they "
-            "are the Pallas kernel's tiles): use model.attention=pallas, or drop them"
+            f"{' and '.join(asked)} {'has' if len(asked) == 1 else 'have'} no effect with "
+            f"model.attention={m.attention} (the Pallas kernel's tiles and backward): use "
+            f"model.attention=pallas, or drop {'it' if len(asked) == 1 else 'them'}"
         )
     regather = par.zero >= 3 and mesh.fsdp != 1
     if m.scan_unroll > 1 and (m.remat != "none" or regather):

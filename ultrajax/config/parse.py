@@ -169,7 +169,15 @@ IDENTITY = ("model", "data", "optim")  # with train.seed: what makes two runs th
 
 
 # model keys outside the identity
-HOW = ("attention", "attention_blocks", "remat", "loss_chunk", "scan_unroll", "moe_grouped")
+HOW = (
+    "attention",
+    "attention_blocks",
+    "attention_backward",
+    "remat",
+    "loss_chunk",
+    "scan_unroll",
+    "moe_grouped",
+)
 
 
 def run_identity(cfg: Config) -> str:

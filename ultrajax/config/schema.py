@@ -50,6 +50,10 @@ class ModelConfig:
     # BlockSizes defaults. Used where the kernel runs: pallas, auto on a GPU with packed
     # documents, and the ring's pairs under context parallelism
     attention_blocks: list[int] | None = None
+    # the Pallas kernel's backward, where it runs: split (a dQ kernel, then a dK/dV kernel,
+    # each recomputing the probabilities; deterministic) or fused (one kernel computes them
+    # once and adds dQ in fp32 atomically: its last bits may vary from run to run on a GPU)
+    attention_backward: Literal["split", "fused"] = "split"
     # LM head and loss over this many tokens of the sequence at a time (0: all at once);
     # null (auto): chunks where one micro-batch's fp32 logits would be large, resolved to
     # an int once the mesh is known (config/validate.py, auto_loss_chunk)

@@ -70,9 +70,11 @@ class AttentionBoundary:
     """Attention over this device's whole sequence: the attention interface."""
 
     blocks: tuple | None = None  # model.attention_blocks: the Pallas tiles (None: defaults)
+    fused_bwd: bool = False  # model.attention_backward=fused: the kernel's one backward
 
     def attend(self, q, k, v, segment_ids, implementation: str):
-        return attend(q, k, v, segment_ids, implementation=implementation, blocks=self.blocks)
+        return attend(q, k, v, segment_ids, implementation=implementation, blocks=self.blocks,
+                      fused_bwd=self.fused_bwd)  # fmt: skip
 
 
 @dataclass(frozen=True)

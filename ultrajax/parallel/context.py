@@ -200,11 +200,13 @@ class Context:
     # "pallas" (kernels/flash_attention.py; chunk length a multiple of its block sizes)
     kernel: str = "xla"
     blocks: tuple | None = None  # model.attention_blocks: the Pallas tiles (None: defaults)
+    fused_bwd: bool = False  # model.attention_backward=fused: the kernel's one backward
     axis: str = AXIS
 
     def attend(self, q, k, v, segment_ids, implementation: str):
         if self.size == 1:
-            return attend(q, k, v, segment_ids, implementation=implementation, blocks=self.blocks)
+            return attend(q, k, v, segment_ids, implementation=implementation, blocks=self.blocks,
+                          fused_bwd=self.fused_bwd)  # fmt: skip
         if segment_ids is None:
             segment_ids = jnp.ones(q.shape[:2], jnp.int32)
         if not self.own_shard_map:
@@ -223,7 +225,7 @@ class Context:
             return reference(q, k, v, qs, ks, causal=causal)
 
         opts = dict(
-            blocks=fa.BlockSizes.of(self.blocks, q.shape[-1], q.dtype.itemsize),
+            blocks=fa.BlockSizes.of(self.blocks, q.shape[-1], q.dtype.itemsize, self.fused_bwd),
             interpret=_interpret(),
         )
 
@@ -238,7 +240,7 @@ class Context:
             return pair_backward(q, k, v, qs, ks, lse, delta, do, causal)
 
         opts = dict(
-            blocks=fa.BlockSizes.of(self.blocks, q.shape[-1], q.dtype.itemsize),
+            blocks=fa.BlockSizes.of(self.blocks, q.shape[-1], q.dtype.itemsize, self.fused_bwd),
             interpret=_interpret(),
         )
 

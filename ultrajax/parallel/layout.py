@@ -90,6 +90,7 @@ class Layout:
             own_shard_map=SEQUENCE_AXIS not in self.manual,
             kernel=pair_kernel(cfg, jax.default_backend()) if cfg.mesh.sequence > 1 else "xla",
             blocks=None if (b := cfg.model.attention_blocks) is None else tuple(b),
+            fused_bwd=cfg.model.attention_backward == "fused",
         )
         # explicit: manual over every axis, the one-wide ones too (their specs name none of
         # them, so nothing varies over them): a partially manual shard_map puts sharding

@@ -32,7 +32,7 @@ class Backend:
     q_offset: bool  # queries after earlier keys (KV-cache decoding)
     flash: bool  # never stores the (length x length) scores; saves the log-sum-exp instead
     note: str
-    tiles: bool = False  # takes model.attention_blocks (the Pallas kernel's tile sizes)
+    tiles: bool = False  # takes model.attention_blocks and attention_backward (Pallas's)
     # a GPU kernel: off a GPU it cannot run (gpu_only) or runs interpreted, for tests only,
     # so its speed and memory there say nothing (analyze compiles xla in its place)
     gpu_kernel: bool = False
@@ -87,9 +87,11 @@ def problem(name: str, platform: str) -> str | None:
     return None
 
 
-def attend(q, k, v, segment_ids=None, *, implementation: str = "xla", q_offset=0, blocks=None):
+def attend(q, k, v, segment_ids=None, *, implementation: str = "xla", q_offset=0, blocks=None,
+           fused_bwd: bool = False):  # fmt: skip
     """Dispatch to a backend of the table; `auto` resolves for the platform compiling.
-    `blocks` (model.attention_blocks) reaches the backends that take tile sizes."""
+    `blocks` (model.attention_blocks) and `fused_bwd` (model.attention_backward=fused)
+    reach the backends that take tile sizes."""
     if implementation == "auto":
         implementation = resolve(
             "auto", jax.default_backend(), segment_ids is not None, seq_len=k.shape[1]
@@ -101,7 +103,7 @@ def attend(q, k, v, segment_ids=None, *, implementation: str = "xla", q_offset=0
             f"model.attention: unknown implementation {implementation!r}; "
             f"use one of {', '.join(CHOICES)}"
         ) from None
-    tiles = {"blocks": blocks} if backend.tiles and blocks is not None else {}
+    tiles = {"blocks": blocks, "fused_bwd": fused_bwd} if backend.tiles else {}
     if isinstance(q_offset, int) and q_offset == 0:
         return backend.fn(q, k, v, segment_ids, **tiles)
     if not backend.q_offset:

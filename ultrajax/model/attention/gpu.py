@@ -18,10 +18,11 @@ def cudnn_attention(q, k, v, segment_ids=None, q_offset=0):
     )
 
 
-def pallas_attention(q, k, v, segment_ids=None, q_offset=0, *, blocks=None):
+def pallas_attention(q, k, v, segment_ids=None, q_offset=0, *, blocks=None, fused_bwd=False):
     """Our Pallas flash attention (kernels/flash_attention.py): segment ids per block, no
     dense mask. Interpreted on a CPU (slow: for tests), compiled through Triton on a GPU.
-    `blocks`: model.attention_blocks ([q, k, q_bwd, k_bwd]; None: the kernel's defaults)."""
+    `blocks`: model.attention_blocks ([q, k, q_bwd, k_bwd]; None: the kernel's defaults);
+    `fused_bwd`: model.attention_backward=fused (one backward kernel)."""
     interpret = jax.default_backend() != "gpu"
     out, _ = fa.flash_attention(
         q,
@@ -29,7 +30,7 @@ def pallas_attention(q, k, v, segment_ids=None, q_offset=0, *, blocks=None):
         v,
         segment_ids,
         segment_ids,
-        blocks=fa.BlockSizes.of(blocks, q.shape[-1], q.dtype.itemsize),
+        blocks=fa.BlockSizes.of(blocks, q.shape[-1], q.dtype.itemsize, fused_bwd),
         interpret=interpret,
     )
     return out
