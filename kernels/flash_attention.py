@@ -9,12 +9,12 @@ What it supports, and how:
 - causal masking by index, and packed documents by segment ids (a query attends to keys
   of its own segment only): no dense mask is ever built, each block builds its own, and
   blocks that cannot share a document are skipped: the loops start and end where the
-  segment ids' block minima and maxima allow (`_visible`), so with several documents in a
+  segment ids' block minima and maxima allow (`_bounds`), so with several documents in a
   row the work falls with the documents' lengths, not the row's;
 - masks only where one can hide something: blocks that the causal diagonal does not
-  cross skip the causal mask, and without segment ids (padding that causal masking hides)
-  no block builds a segment mask, so the interior of a causal attention is bare dots and
-  softmax;
+  cross skip the causal mask, and blocks whose queries and keys all hold one and the same
+  segment id skip the segment mask (without segment ids, none builds one), so the
+  interior of a causal attention, and of each packed document, is bare dots and softmax;
 - grouped-query attention without repeating K/V: query head h reads K/V head
   h // (heads / kv_heads) through the BlockSpec's index map; the dK/dV kernel runs per
   K/V head and sums the group's query heads in fp32 inside, one write in the inputs' dtype;
@@ -145,16 +145,52 @@ def _mask(q_seg, k_seg, q_start, k_start, causal: bool, segmented: bool):
     return visible
 
 
+def _run(pieces, body, carry):
+    """carry after body(diagonal, segmented)(block, carry) over each piece's blocks, pieces
+    (start, stop, diagonal, segmented) in order: every kernel's loops."""
+    for start, stop, diagonal, segmented in pieces:
+        carry = lax.fori_loop(start, stop, body(diagonal, segmented), carry)
+    return carry
+
+
+def _around(start, stop, lo, hi, diagonal):
+    """[start, stop) in three pieces, of which blocks in [lo, hi) (pairs within one
+    document: `_bounds`) build no segment mask."""
+    a = jnp.clip(lo, start, stop)
+    z = jnp.clip(hi, a, stop)
+    return [(start, a, diagonal, True), (a, z, diagonal, False), (z, stop, diagonal, True)]
+
+
+def _key_pieces(i, n_k, bq, bk, causal, segmented, first_ref, lo_ref, hi_ref):
+    """The key blocks query block i may see, in rising order, as pieces for `_run`: from
+    `first` (earlier ones hold other documents only), bare where neither mask can hide
+    anything, the diagonal blocks last with the causal mask."""
+    if not segmented:  # nothing to skip; under causal masking every row sees key 0 first
+        if not causal:
+            return [(0, n_k, False, False)]
+        last = jnp.minimum(n_k, pl.cdiv((i + 1) * bq, bk))
+        edge = jnp.minimum((i * bq + 1) // bk, last)
+        return [(0, edge, False, False), (edge, last, True, False)]
+    first = first_ref[...].min()
+    lo, hi = lo_ref[...].min(), hi_ref[...].min()
+    if not causal:
+        return _around(first, n_k, lo, hi, False)
+    # key blocks wholly at or below the first query's index need no causal mask
+    last = jnp.minimum(n_k, pl.cdiv((i + 1) * bq, bk))
+    edge = jnp.clip((i * bq + 1) // bk, first, last)
+    return [*_around(first, edge, lo, hi, False), (edge, last, True, True)]
+
+
 def _fwd_kernel(
-    q_ref, k_ref, v_ref, qs_ref, ks_ref, first_ref, o_ref, lse_ref, *, scale, bq, bk, causal,
-    segmented,
+    q_ref, k_ref, v_ref, qs_ref, ks_ref, first_ref, lo_ref, hi_ref, o_ref, lse_ref, *, scale,
+    bq, bk, causal, segmented,
 ):  # fmt: skip
     i = pl.program_id(2)
     n_k = k_ref.shape[0] // bk
     q = q_ref[...]
     q_seg = qs_ref[...]
 
-    def body(diagonal: bool):
+    def body(diagonal: bool, segmented: bool):
         def step(j, carry):
             acc, m, denom = carry
             ks = pl.ds(j * bk, bk)
@@ -172,19 +208,10 @@ def _fwd_kernel(
 
         return step
 
-    # key blocks before `first` hold other documents only (unsegmented: none is skipped;
-    # under causal masking every row then sees key 0 first, so m is finite from block 0)
-    first = first_ref[...].min() if segmented else 0
     carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32),
              jnp.zeros((bq,), jnp.float32))  # fmt: skip
-    if causal:  # key blocks wholly at or below the first query's index need no causal mask
-        last = jnp.minimum(n_k, pl.cdiv((i + 1) * bq, bk))
-        edge = jnp.clip((i * bq + 1) // bk, first, last)
-        carry = lax.fori_loop(first, edge, body(False), carry)
-        carry = lax.fori_loop(edge, last, body(True), carry)
-    else:
-        carry = lax.fori_loop(first, n_k, body(False), carry)
-    acc, m, denom = carry
+    pieces = _key_pieces(i, n_k, bq, bk, causal, segmented, first_ref, lo_ref, hi_ref)
+    acc, m, denom = _run(pieces, body, carry)
     seen = denom > 0
     safe = jnp.where(seen, denom, 1.0)
     o_ref[...] = jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(o_ref.dtype)
@@ -196,7 +223,7 @@ def _probs(q, k, lse, q_seg, k_seg, q_start, k_start, scale, diagonal, segmented
     s = _dot_t(q, k) * (scale * LOG2E)
     lse = lse * LOG2E
     visible = _mask(q_seg, k_seg, q_start, k_start, diagonal, segmented)
-    if not segmented:  # every row sees itself: its lse is finite
+    if not segmented:  # every row sees a key here or before: its lse is finite
         p = jnp.exp2(s - lse[:, None])
         return p if visible is None else jnp.where(visible, p, 0.0)
     visible = visible & jnp.isfinite(lse)[:, None]
@@ -204,14 +231,14 @@ def _probs(q, k, lse, q_seg, k_seg, q_start, k_start, scale, diagonal, segmented
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, qs_ref, ks_ref, first_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
-    scale, bq, bk, causal, segmented,
+    q_ref, k_ref, v_ref, qs_ref, ks_ref, first_ref, lo_ref, hi_ref, do_ref, lse_ref, delta_ref,
+    dq_ref, *, scale, bq, bk, causal, segmented,
 ):  # fmt: skip
     i = pl.program_id(2)
     n_k = k_ref.shape[0] // bk
     q, do, lse, delta, q_seg = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], qs_ref[...]
 
-    def body(diagonal: bool):
+    def body(diagonal: bool, segmented: bool):
         def step(j, dq):
             ks = pl.ds(j * bk, bk)
             k, v = k_ref[ks, :], v_ref[ks, :]
@@ -221,20 +248,14 @@ def _dq_kernel(
 
         return step
 
-    first = first_ref[...].min() if segmented else 0
-    dq = jnp.zeros(q.shape, jnp.float32)
-    if causal:
-        last = jnp.minimum(n_k, pl.cdiv((i + 1) * bq, bk))
-        edge = jnp.clip((i * bq + 1) // bk, first, last)
-        dq = lax.fori_loop(edge, last, body(True), lax.fori_loop(first, edge, body(False), dq))
-    else:
-        dq = lax.fori_loop(first, n_k, body(False), dq)
+    pieces = _key_pieces(i, n_k, bq, bk, causal, segmented, first_ref, lo_ref, hi_ref)
+    dq = _run(pieces, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, qs_ref, ks_ref, end_ref, do_ref, lse_ref, delta_ref, *refs, scale, bq,
-    bk, causal, segmented, group,
+    q_ref, k_ref, v_ref, qs_ref, ks_ref, end_ref, lo_ref, hi_ref, do_ref, lse_ref, delta_ref,
+    *refs, scale, bq, bk, causal, segmented, group,
 ):  # fmt: skip
     """dK and dV of one key block, summed in fp32 over the `group` query heads that share
     its K/V head (GQA) before one write in the inputs' dtype. `refs`: (dk, dv), or for the
@@ -249,7 +270,7 @@ def _dkv_kernel(
     n_q = q_ref.shape[0] // bq
     k, v, k_seg = k_ref[...], v_ref[...], ks_ref[...]
 
-    def body(h, diagonal: bool):
+    def body(h, diagonal: bool, segmented: bool):
         def step(i, carry):
             dk, dv = carry
             qs = pl.ds(i * bq, bq)
@@ -264,16 +285,20 @@ def _dkv_kernel(
 
         return step
 
-    end = jnp.minimum(n_q, end_ref[...].max()) if segmented else n_q  # later: other documents
-    if causal:  # query blocks from `edge` on lie wholly at or after the block's last key
-        first = (j * bk) // bq
-        edge = jnp.clip(pl.cdiv(j * bk + bk - 1, bq), first, end)
+    # the query blocks that may see this key block, in rising order: the diagonal ones
+    # first (causal mask), then those wholly after the block's last key, up to `end`
+    # (later ones hold other documents only), bare where they share its one document
+    end = jnp.minimum(n_q, end_ref[...].max()) if segmented else n_q
+    start = (j * bk) // bq if causal else 0
+    edge = jnp.clip(pl.cdiv(j * bk + bk - 1, bq), start, end) if causal else start
+    pieces = [(start, edge, True, segmented)] if causal else []
+    if segmented:
+        pieces += _around(edge, end, lo_ref[...].min(), hi_ref[...].min(), False)
+    else:
+        pieces.append((edge, end, False, False))
 
     def head(h, carry):
-        if causal:
-            carry = lax.fori_loop(first, edge, body(h, True), carry)
-            return lax.fori_loop(edge, end, body(h, False), carry)
-        return lax.fori_loop(0, end, body(h, False), carry)
+        return _run(pieces, functools.partial(body, h), carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
@@ -334,37 +359,66 @@ def _forward(q, k, v, qs, ks, *, blocks: BlockSizes, causal: bool, segmented: bo
     qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, True)
     kernel = functools.partial(_fwd_kernel, scale=d**-0.5, bq=bq, bk=bk, causal=causal,
                                segmented=segmented)  # fmt: skip
-    first, _ = _visible(qs, ks, bq, bk)
+    bounds = _bounds(qs, ks, bq, bk)
     return _call(
         kernel,
         (b, h, t // bq),
-        [qspec, kvspec, kvspec, qsspec, ksspec, qsspec],
+        [qspec, kvspec, kvspec, qsspec, ksspec, qsspec, qsspec, qsspec],
         [qspec, row],
         [struct(q.shape, out_dtype or q.dtype, q, k), struct((b, h, t), jnp.float32, q, k)],
         interpret,
         "flash_attention_forward",
         blocks.launch(d, backward=False, itemsize=q.dtype.itemsize),
-    )(q, k, v, qs, ks, first)
+    )(q, k, v, qs, ks, bounds.first, bounds.q_lo, bounds.q_hi)
 
 
-def _visible(qs, ks, bq, bk):
-    """Which blocks can see each other at all, from the segment ids: (first, end).
+class Bounds(NamedTuple):
+    """Per query (b, t) or key (b, s), repeated over its block: where its block's loop
+    starts, ends, and runs bare. See `_bounds`."""
 
-    first (b, t): for each query, the first key block its query block may attend to;
-    every earlier key block holds only segment ids below all of the query block's, so
-    none can match. end (b, s): for each key, one past the last query block that may see
-    its key block; every later query block holds only ids above all of the key block's.
+    first: jax.Array  # queries: the first key block the query block may see
+    end: jax.Array  # keys: one past the last query block that may see the key block
+    q_lo: jax.Array  # queries: [q_lo, q_hi) the key blocks wholly in its one document
+    q_hi: jax.Array
+    k_lo: jax.Array  # keys: [k_lo, k_hi) the query blocks wholly in its one document
+    k_hi: jax.Array
+
+
+def _bounds(qs, ks, bq, bk) -> Bounds:
+    """Which blocks can see each other at all, and which pairs need no segment mask.
+
+    first: every key block before it holds only segment ids below all of the query
+    block's, so none can match. end: every later query block holds only ids above all of
+    the key block's. [lo, hi): the blocks that hold one id only, the same as this block's
+    one id: no score of such a pair is hidden by segments. Where those pairs do not form
+    one run (ids in no rising order), the run is empty and every pair keeps its mask.
     With packed documents (ids rising along the row) the loops then skip the blocks of
-    other documents; with none (or in any other order) they skip nothing, never too much."""
+    other documents and mask only the blocks at a document's edges; with none (or in any
+    other order) they skip nothing and mask everything, never too little."""
     b, t = qs.shape
     s = ks.shape[1]
-    q_min = qs.reshape(b, t // bq, bq).min(axis=-1)  # (b, query blocks)
-    k_max = ks.reshape(b, s // bk, bk).max(axis=-1)  # (b, key blocks)
+    q_blocks, k_blocks = qs.reshape(b, t // bq, bq), ks.reshape(b, s // bk, bk)
+    q_min, q_max = q_blocks.min(axis=-1), q_blocks.max(axis=-1)  # (b, query blocks)
+    k_min, k_max = k_blocks.min(axis=-1), k_blocks.max(axis=-1)  # (b, key blocks)
     sees = k_max[:, None, :] >= q_min[:, :, None]  # (b, query block, key block)
     n_q, n_k = sees.shape[1:]
     first = jnp.where(sees, jnp.arange(n_k), n_k).min(axis=2)
     end = jnp.where(sees, jnp.arange(1, n_q + 1)[:, None], 0).max(axis=1)
-    return jnp.repeat(first, bq, axis=1), jnp.repeat(end, bk, axis=1)
+    one_q, one_k = (q_min == q_max)[:, :, None], (k_min == k_max)[:, None, :]
+    pure = one_q & one_k & (q_min[:, :, None] == k_min[:, None, :])
+
+    def run(axis, n):
+        """[lo, hi) of the pure pairs along `axis` where they are one run, else (0, 0)."""
+        idx = jnp.arange(n).reshape((n, 1) if axis == 1 else (n,))
+        lo = jnp.where(pure, idx, n).min(axis=axis)
+        hi = jnp.where(pure, idx + 1, 0).max(axis=axis)
+        whole = pure.sum(axis=axis) == hi - lo
+        return jnp.where(whole, lo, 0), jnp.where(whole, hi, 0)
+
+    (q_lo, q_hi), (k_lo, k_hi) = run(2, n_k), run(1, n_q)
+    per_q = lambda x: jnp.repeat(x, bq, axis=1)  # noqa: E731
+    per_k = lambda x: jnp.repeat(x, bk, axis=1)  # noqa: E731
+    return Bounds(per_q(first), per_k(end), per_q(q_lo), per_q(q_hi), per_k(k_lo), per_k(k_hi))
 
 
 def _delta(o, do):
@@ -379,11 +433,11 @@ def _backward(q, k, v, qs, ks, delta, lse, do, *, blocks: BlockSizes, causal: bo
     bq, bk = blocks.q_bwd, blocks.k_bwd
     common = dict(scale=d**-0.5, bq=bq, bk=bk, causal=causal, segmented=segmented)
     launch = blocks.launch(d, backward=True, itemsize=q.dtype.itemsize)
-    first, end = _visible(qs, ks, bq, bk)
+    bounds = _bounds(qs, ks, bq, bk)
     qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, False)
     dkv = functools.partial(_dkv_kernel, group=h // kv, **common)
-    args = (q, k, v, qs, ks, end, do, lse, delta)
-    in_specs = [qspec, kvspec, kvspec, qsspec, ksspec, ksspec, qspec, row, row]
+    args = (q, k, v, qs, ks, bounds.end, bounds.k_lo, bounds.k_hi, do, lse, delta)
+    in_specs = [qspec, kvspec, kvspec, qsspec, ksspec, ksspec, ksspec, ksspec, qspec, row, row]
     dkv_shapes = [struct(k.shape, k.dtype, q, k), struct(v.shape, v.dtype, q, k)]
     if blocks.fused_bwd:  # one kernel: dQ's fp32 sum starts as zeros, aliased to its output
         dq32 = vary_like(jnp.zeros(q.shape, jnp.float32), q, k)
@@ -398,13 +452,13 @@ def _backward(q, k, v, qs, ks, delta, lse, do, *, blocks: BlockSizes, causal: bo
     dq = _call(
         functools.partial(_dq_kernel, **common),
         (b, h, t // bq),
-        [qspec, kvspec, kvspec, qsspec, ksspec, qsspec, qspec, row, row],
+        [qspec, kvspec, kvspec, qsspec, ksspec, qsspec, qsspec, qsspec, qspec, row, row],
         qspec,
         struct(q.shape, q.dtype, q, k),
         interpret,
         "flash_attention_dq",
         launch,
-    )(q, k, v, qs, ks, first, do, lse, delta)
+    )(q, k, v, qs, ks, bounds.first, bounds.q_lo, bounds.q_hi, do, lse, delta)
     return dq, dk, dv
 
 

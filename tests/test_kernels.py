@@ -112,23 +112,35 @@ def test_rows_with_nothing_to_attend_to_give_zeros_not_nan():
 
 def test_blocks_of_other_documents_are_skipped_and_nothing_else():
     """Three documents in a row of 64 (tiles of 16): the loops start and end at the blocks
-    that can share a document, and the result (output, lse, gradients) is unchanged."""
-    from ultrajax.kernels.flash_attention import _visible
+    that can share a document, only pairs of blocks wholly in one document run without
+    the segment mask, and the result (output, lse, gradients) is unchanged."""
+    from ultrajax.kernels.flash_attention import _bounds
+
+    def blocks(x):  # one value per block of 16
+        return np.asarray(x)[0, ::16].tolist()
 
     seg = np.concatenate([np.full(20, 1), np.full(25, 2), np.full(15, 3), np.zeros(4)])
     seg = jnp.asarray(np.stack([seg, np.ones(64)]).astype(np.int32))  # row 2: one document
-    first, end = _visible(seg, seg, 16, 16)
+    got = _bounds(seg, seg, 16, 16)
     # query blocks' smallest ids 1, 1, 2, 0 (padding); key blocks' largest 1, 2, 2, 3
-    np.testing.assert_array_equal(first[0, ::16], [0, 0, 1, 0])
-    np.testing.assert_array_equal(end[0, ::16], [4, 4, 4, 4])  # padding last: no end skip
-    np.testing.assert_array_equal(first[1, ::16], 0)
+    assert blocks(got.first) == [0, 0, 1, 0]
+    assert blocks(got.end) == [4, 4, 4, 4]  # padding last: no end skip
+    assert np.asarray(got.first)[1].tolist() == [0] * 64
+    # only block 0 holds one id: the pair (0, 0) alone is bare
+    assert (blocks(got.q_lo), blocks(got.q_hi)) == ([0] * 4, [1, 0, 0, 0])
+    assert (blocks(got.k_lo), blocks(got.k_hi)) == ([0] * 4, [1, 0, 0, 0])
+    assert np.asarray(got.q_hi)[1].tolist() == [4] * 64  # one document: all bare
     rising = jnp.asarray(np.repeat([[1, 1, 2, 3]], 16, axis=1), jnp.int32)  # no padding
-    first, end = _visible(rising, rising, 16, 16)
-    np.testing.assert_array_equal(first[0, ::16], [0, 0, 2, 3])
-    np.testing.assert_array_equal(end[0, ::16], [2, 2, 3, 4])
+    got = _bounds(rising, rising, 16, 16)
+    assert (blocks(got.first), blocks(got.end)) == ([0, 0, 2, 3], [2, 2, 3, 4])
+    assert (blocks(got.q_lo), blocks(got.q_hi)) == ([0, 0, 2, 3], [2, 2, 3, 4])
+    assert (blocks(got.k_lo), blocks(got.k_hi)) == ([0, 0, 2, 3], [2, 2, 3, 4])
     falling = rising[:, ::-1]  # nothing can be skipped, and nothing is
-    np.testing.assert_array_equal(_visible(falling, falling, 16, 16)[0], 0)
-    np.testing.assert_array_equal(_visible(falling, falling, 16, 16)[1], 4)
+    got = _bounds(falling, falling, 16, 16)
+    assert (blocks(got.first), blocks(got.end)) == ([0] * 4, [4] * 4)
+    apart = jnp.asarray(np.repeat([[1, 2, 1, 1]], 16, axis=1), jnp.int32)
+    got = _bounds(apart, apart, 16, 16)  # id 1's blocks 0, 2, 3 are no one run: all masked
+    assert (blocks(got.q_lo), blocks(got.q_hi)) == ([0, 1, 0, 0], [0, 2, 0, 0])
     q, k, v, _ = inputs(2, 64, 4, 2, 8, jnp.float32, seed=9, packed=False)
     blocks = BlockSizes(16, 16, 16, 16)
     o, lse = flash_attention(q, k, v, seg, seg, blocks=blocks, interpret=True)
