@@ -4,21 +4,22 @@
 # the kernels' numerics compiled on the card, the flash attention beside cuDNN (causal,
 # packed documents; both backwards), the sweeps of tiles, warps and stages (head_dim 64
 # and 128; the one-kernel backward's first), the 1B step beside transformers +
-# torch.compile (scripts/bench_gpu.sh, the baseline in the same call), the MoE layer, and
-# the fused norm beside XLA. All of it is more than one call's 10 minutes: a second call
-# takes PARTS (what the first did not reach).
+# torch.compile (scripts/bench_gpu.sh, the baseline in the same call), where that step's
+# time goes (scripts/profile_step.py), the MoE layer, and the fused norm beside XLA. All
+# of it is more than one call's 10 minutes: a second call takes PARTS (what the first did
+# not reach; the step part takes whatever budget is left).
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]              # everything
 #   PARTS="numerics sweep" bash scripts/gpu_check.sh  # some parts only
 #
-# PARTS: any of numerics, attention, sweep, step, moe, norm (default: all). BUDGET: seconds
+# PARTS: any of numerics, attention, sweep, step, profile, moe, norm (default: all). BUDGET: seconds
 # (default 470). Wheels the GPU image lacks (grain, array-record, portpicker, jax-triton)
 # come from .whl/ (docs/kernels.md says how to fetch them); flax and jax are the image's.
 # Each part writes OUT_DIR/<name>.txt; bench_gpu.sh's table is OUT_DIR/step/.
 set -u
 OUT=${1:-${OUT:-/tmp/gpu_check}}
 BUDGET=${BUDGET:-470}
-PARTS=${PARTS:-numerics attention sweep step moe norm}
+PARTS=${PARTS:-numerics attention sweep step profile moe norm}
 mkdir -p "$OUT"
 start=$(date +%s)
 source "$(dirname "$0")/gpu_common.sh"
@@ -51,6 +52,10 @@ if want step; then
   left=$((BUDGET - ($(date +%s) - start)))
   echo "== step: bench_gpu.sh with $left s"
   BUDGET=$left bash scripts/bench_gpu.sh "$OUT/step" 2>&1 | tail -12
+fi
+if want profile; then  # where the 1B step's time goes (selective: the fastest), per kind of op
+  run profile 150 python3 scripts/profile_step.py --size 1b --steps 3 --top 30 \
+    train.micro_batch_size=8 model.remat=selective
 fi
 if want moe; then  # the MoE layer's native ragged_dot: numerics, time, compiled memory
   run moe 120 python3 scripts/check_moe_gpu.py

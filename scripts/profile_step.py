@@ -2,16 +2,18 @@
 
     python scripts/profile_step.py                       # the cpu256 shape of bench_step.py
     python scripts/profile_step.py --size tiny --top 20 model.attention=xla
+    python3 scripts/profile_step.py --size 1b --top 25 train.micro_batch_size=8   # a GPU
 
 Builds the step as `python -m ultrajax.train` does (through bench_step.py's sizes), runs
 warm-up steps, then traces `--steps` steps with `jax.profiler`. Every op XLA runs shows
 up in the trace as an event named after its HLO instruction; the compiled HLO gives each
 instruction its opcode and the JAX operation it came from (`op_name` metadata), so the
 events are summed per category (matmuls, attention, the layer loop's slicing and copies,
-elementwise fusions, the optimizer update, ...) and per instruction. Times are summed over
-threads: on a CPU the matmul library splits one dot over several threads, so the total
-can exceed the wall time; the shares are what matter. The trace directory stays for
-TensorBoard / Perfetto. A benchmark: nothing is asserted.
+elementwise fusions, the optimizer update, ...) and per instruction. On a GPU the kernels
+are read off the device's streams, each tagged with its HLO instruction (`op_times`). Times
+are summed over threads (or streams): on a CPU the matmul library splits one dot over
+several threads, so the total can exceed the wall time; the shares are what matter. The
+trace directory stays for TensorBoard / Perfetto. A benchmark: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -63,14 +65,35 @@ def categorize(label: str) -> str:
 
 
 def events(trace_dir: str):
-    """(name, self time in ns) of every op event of the newest trace in trace_dir: an
-    event's duration minus that of the events nested in it on the same thread (a loop's
-    body ops inside the loop), runtime bookkeeping left out."""
+    """(name, self time in ns) of every op of the newest trace in trace_dir (`op_times`)."""
     import jax
 
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
-    data = jax.profiler.ProfileData.from_file(files[-1])
-    for plane in data.planes:
+    yield from op_times(jax.profiler.ProfileData.from_file(files[-1]).planes)
+
+
+def op_times(planes):
+    """(HLO instruction name, ns) of every op event in a trace's planes.
+
+    On a GPU the device planes ("/device:GPU:N") hold the kernels, one line per stream,
+    each kernel named by its library and tagged with the HLO instruction that launched it
+    (its "hlo_op" stat): those are summed, and the host's threads (launches, not work) are
+    left out. On a CPU the host's threads run the ops: an event's time is its duration
+    minus that of the events nested in it on the same thread (a loop's body ops inside the
+    loop), runtime bookkeeping left out."""
+    planes = list(planes)
+    gpus = [p for p in planes if p.name.startswith("/device:GPU")]
+    if gpus:
+        for plane in gpus:
+            for line in plane.lines:
+                if line.name in ("XLA Modules", "XLA Ops", "Steps"):  # derived views, if any
+                    continue
+                for e in line.events:
+                    op = dict(e.stats).get("hlo_op")
+                    if op:
+                        yield str(op), e.duration_ns
+        return
+    for plane in planes:
         for line in plane.lines:
             if line.name == "python":
                 continue
@@ -137,7 +160,8 @@ def main(argv=None) -> int:
     steps = args.steps
     print(f"{args.size}: {cfg.tokens_per_step:,} tokens/step, {jax.default_backend()}, "
           f"trace in {trace_dir}")  # fmt: skip
-    print("\n| category | ms/step (summed over threads) | share |\n|---|---|---|")
+    over = "streams" if jax.default_backend() == "gpu" else "threads"
+    print(f"\n| category | ms/step (summed over {over}) | share |\n|---|---|---|")
     for category, ns in per_category.most_common():
         print(f"| {category} | {ns / 1e6 / steps:.1f} | {ns / total:.1%} |")
     print("\n| instruction (opcode \\| JAX op \\| name) | ms/step | share |\n|---|---|---|")

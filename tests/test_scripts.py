@@ -133,3 +133,34 @@ def test_bench_attention_prints_a_row_per_backward_with_stand_ins_off_a_gpu(caps
     assert bench_attention.main([*tiny, "--sweep", "bwd", "--fused"]) == 0
     (row,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| bwd")]
     assert "128,64,4,2 fused" in row and "failed" not in row
+
+
+def test_profile_step_reads_a_gpu_trace_off_the_device_streams():
+    """On a GPU trace the kernels on the device's streams count, each named by the HLO
+    instruction in its "hlo_op" stat (a cuBLAS kernel's own name says nothing of which dot
+    it is); the host's launch threads and the derived views count for nothing. On a CPU
+    trace (no device plane) nested events count by self time."""
+    from types import SimpleNamespace as NS
+
+    import profile_step
+
+    def event(name, start, duration, **stats):
+        return NS(name=name, start_ns=start, end_ns=start + duration, duration_ns=duration,
+                  stats=list(stats.items()))  # fmt: skip
+
+    stream = NS(name="Stream #7", events=[
+        event("sm90_xmma_gemm_bf16", 0, 50, hlo_op="custom-call.3"),
+        event("loop_fusion", 60, 20, hlo_op="fusion.12"),
+        event("sm90_xmma_gemm_bf16", 90, 30, hlo_op="custom-call.3"),
+        event("memcpy", 130, 5),  # no instruction: not counted
+    ])  # fmt: skip
+    derived = NS(name="XLA Ops", events=[event("custom-call.3", 0, 50, hlo_op="custom-call.3")])
+    host = NS(name="/host:CPU", lines=[NS(name="launch", events=[event("fusion.12", 0, 999)])])
+    gpu = NS(name="/device:GPU:0", lines=[stream, derived])
+    totals = {}
+    for name, ns in profile_step.op_times([host, gpu]):
+        totals[name] = totals.get(name, 0) + ns
+    assert totals == {"custom-call.3": 80, "fusion.12": 20}
+    thread = NS(name="tf_XLAEigen", events=[event("while.1", 0, 100), event("dot.2", 10, 60)])
+    cpu = dict(profile_step.op_times([NS(name="/host:CPU", lines=[thread])]))
+    assert cpu == {"while.1": 40, "dot.2": 60}
