@@ -33,6 +33,26 @@ def _moe_warnings(cfg: Config) -> list[str]:
     return out
 
 
+def _kernel_warnings(cfg: Config) -> list[str]:
+    """no_effect's line about the Pallas attention kernel's settings."""
+    m = cfg.model
+    backend = attention.BACKENDS.get(m.attention)  # None: auto (may pick the kernel)
+    # the kernel runs where chosen, and in the ring's pairs for any GPU kernel (pair_kernel)
+    kernel = backend is None or backend.tiles or (cfg.mesh.sequence > 1 and backend.gpu_kernel)
+    asked = [f"model.attention_blocks={m.attention_blocks}"] * (m.attention_blocks is not None)
+    asked += [f"model.attention_backward={m.attention_backward}"] * (
+        m.attention_backward != "split"
+    )
+    if not asked or kernel:
+        return []
+    one = len(asked) == 1
+    return [
+        f"{' and '.join(asked)} {'has' if one else 'have'} no effect with "
+        f"model.attention={m.attention} (the Pallas kernel's tiles and backward): use "
+        f"model.attention=pallas, or drop {'it' if one else 'them'}"
+    ]
+
+
 def no_effect(cfg: Config) -> list[str]:
     """Settings that do nothing in this layout (or cost far more than they should), one
     line each saying what to change: valid, so not errors (a recipe may be meant for a
@@ -77,19 +97,7 @@ def no_effect(cfg: Config) -> list[str]:
             "train.grad_accum >= 2, or drop it"
         )
     m = cfg.model
-    backend = attention.BACKENDS.get(m.attention)  # None: auto (may pick the kernel)
-    # the kernel runs where chosen, and in the ring's pairs for any GPU kernel (pair_kernel)
-    kernel = backend is None or backend.tiles or (mesh.sequence > 1 and backend.gpu_kernel)
-    asked = [f"model.attention_blocks={m.attention_blocks}"] * (m.attention_blocks is not None)
-    asked += [f"model.attention_backward={m.attention_backward}"] * (
-        m.attention_backward != "split"
-    )
-    if asked and not kernel:
-        out.append(
-            f"{' and '.join(asked)} {'has' if len(asked) == 1 else 'have'} no effect with "
-            f"model.attention={m.attention} (the Pallas kernel's tiles and backward): use "
-            f"model.attention=pallas, or drop {'it' if len(asked) == 1 else 'them'}"
-        )
+    out += _kernel_warnings(cfg)
     regather = par.zero >= 3 and mesh.fsdp != 1
     if m.scan_unroll > 1 and (m.remat != "none" or regather):
         why = f"model.remat={m.remat}" if m.remat != "none" else "parallel.zero=3"
