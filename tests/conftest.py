@@ -41,10 +41,10 @@ def compile_once(tmp_path_factory):
     starts: the same small programs (init, step, evaluation) are compiled once, not once
     per run, however short their compile (about 90 s of the suite).
 
-    XLA:CPU has killed a worker now and then, inside a compile or inside
-    executable.serialize() as the cache wrote an entry (a segfault or an abort, never
-    reproduced alone; writing only compiles of 0.5 s or more did not stop it). Such a
-    test runs once more in a fresh worker (pytest_handlecrashitem, below)."""
+    XLA:CPU used to kill a worker now and then, inside a compile or inside
+    executable.serialize() as the cache wrote an entry: the worker had run out of memory
+    mappings (pytest_runtest_teardown, below, now prevents that). A test whose worker
+    dies still runs once more in a fresh worker (pytest_handlecrashitem, below)."""
     cache = str(tmp_path_factory.mktemp("jax-cache"))
     settings = {
         "jax_compilation_cache_dir": cache,
@@ -123,9 +123,9 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_handlecrashitem(crashitem, report, sched):
     """A test whose worker died runs once more in a fresh worker; a second death fails it.
 
-    XLA:CPU has killed a worker a few times in full runs (a segfault or an abort inside
-    compile or executable.serialize(), never reproduced alone), and a hung test is ended
-    the same way (pytest-timeout). xdist's file scheduler already runs the dead worker's
+    XLA:CPU killed a worker a few times in full runs (a segfault or an abort inside
+    compile or executable.serialize(): out of memory mappings, pytest_runtest_teardown),
+    and a hung test is ended the same way (pytest-timeout). xdist's file scheduler already runs the dead worker's
     unfinished tests again, the crashed one first; this marks the first crash a rerun
     instead of a failure. The crash stays in the summary (pytest_terminal_summary)."""
     crashes = sched.config.stash.setdefault(_CRASHES, {})
@@ -152,3 +152,33 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("worker crashes, each test run again")
         for report in reruns:
             terminalreporter.line(f"{report.nodeid}: {report.longrepr}")
+
+
+def _mappings() -> tuple[int, int]:
+    """(this process's memory mappings, the kernel's limit on them); (0, 0) off Linux."""
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:
+        return 0, 0
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Past 60% of the kernel's limit on a process's memory mappings, jax's caches are
+    emptied: a worker runs the whole suite's compiles in one process.
+
+    XLA:CPU maps memory for each program it compiles (about 15 mappings for a small
+    8-device program here) and keeps it while jax's caches hold the executable. A worker
+    compiling thousands of programs reaches vm.max_map_count (65,530 by default): LLVM's
+    next allocation fails ("LLVM compilation error: Cannot allocate memory") and XLA
+    segfaults in the compile. That was the worker crash in full runs, at whichever test
+    compiled next (seen 2026-11-28: filling the mappings to the limit then compiling
+    crashes the same way). Emptying the caches frees the executables' mappings; what a
+    later test compiles again comes from the persistent cache (compile_once)."""
+    used, limit = _mappings()
+    if limit and used > 0.6 * limit:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
