@@ -125,9 +125,10 @@ def pytest_handlecrashitem(crashitem, report, sched):
 
     XLA:CPU killed a worker a few times in full runs (a segfault or an abort inside
     compile or executable.serialize(): out of memory mappings, pytest_runtest_teardown),
-    and a hung test is ended the same way (pytest-timeout). xdist's file scheduler already runs the dead worker's
-    unfinished tests again, the crashed one first; this marks the first crash a rerun
-    instead of a failure. The crash stays in the summary (pytest_terminal_summary)."""
+    and a hung test is ended the same way (pytest-timeout). xdist's file scheduler
+    already runs the dead worker's unfinished tests again, the crashed one first; this
+    marks the first crash a rerun instead of a failure. The crash stays in the summary
+    (pytest_terminal_summary)."""
     crashes = sched.config.stash.setdefault(_CRASHES, {})
     crashes[crashitem] = crashes.get(crashitem, 0) + 1
     if crashes[crashitem] == 1:
@@ -165,8 +166,11 @@ def _mappings() -> tuple[int, int]:
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    """Past 60% of the kernel's limit on a process's memory mappings, jax's caches are
-    emptied: a worker runs the whole suite's compiles in one process.
+    """Past 45% of the kernel's limit on a process's memory mappings after a test file
+    (80% after any test), jax's caches are emptied: a worker runs the whole suite's
+    compiles in one process. Between files, the next file's tests compile little of what
+    the last one kept; within a file, its tests share compiles (a full run: 2 to 3
+    emptyings a worker, nearly all between files).
 
     XLA:CPU maps memory for each program it compiles (about 15 mappings for a small
     8-device program here) and keeps it while jax's caches hold the executable. A worker
@@ -177,7 +181,8 @@ def pytest_runtest_teardown(item, nextitem):
     crashes the same way). Emptying the caches frees the executables' mappings; what a
     later test compiles again comes from the persistent cache (compile_once)."""
     used, limit = _mappings()
-    if limit and used > 0.6 * limit:
+    last_of_file = nextitem is None or nextitem.path != item.path
+    if limit and used > (0.45 if last_of_file else 0.8) * limit:
         import gc
 
         jax.clear_caches()
