@@ -39,9 +39,8 @@ def inputs(b, t, h, kv, d, dtype, seed, packed=True):
 
 
 def grads(fn, q, k, v, seg, do):
-    return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)[0].astype(jnp.float32) * do), (0, 1, 2))(
-        q, k, v
-    )
+    loss = lambda q, k, v: jnp.sum(fn(q, k, v)[0].astype(jnp.float32) * do)  # noqa: E731
+    return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
 
 
 CASES = {  # (batch, length, heads, kv_heads, head_dim, packed)
