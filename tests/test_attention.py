@@ -202,7 +202,9 @@ def test_pallas_backend_in_the_model_matches_xla():
         c = dataclasses.replace(cfg, attention=impl)
         return jnp.sum(forward(c, p, tokens, pos, seg) ** 2) * 1e-3
 
-    (lp, gp), (lx, gx) = (jax.value_and_grad(loss)(params, i) for i in ("pallas", "xla"))
+    (lp, gp), (lx, gx) = (
+        jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, i) for i in ("pallas", "xla")
+    )
     np.testing.assert_allclose(lp, lx, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(gp), jax.tree.leaves(gx), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
@@ -233,10 +235,11 @@ def test_attention_blocks_reach_the_kernel(monkeypatch):
     def loss(attend):
         return lambda q, k, v: jnp.sum(attend(q, k, v) * w)
 
-    got = jax.value_and_grad(loss(lambda *a: cp.attend(*a, seg, "pallas")), (0, 1, 2))(q, k, v)
+    kernel = loss(lambda *a: cp.attend(*a, seg, "pallas"))
+    got = jax.jit(jax.value_and_grad(kernel, (0, 1, 2)))(q, k, v)
     assert seen == [fa.BlockSizes(16, 32, 16, 16, fused_bwd=True)]
     plain = lambda *a: attention.attend(*a, seg, implementation="xla")  # noqa: E731
-    want = jax.value_and_grad(loss(plain), (0, 1, 2))(q, k, v)
+    want = jax.jit(jax.value_and_grad(loss(plain), (0, 1, 2)))(q, k, v)
     np.testing.assert_allclose(got[0], want[0], rtol=2e-5)
     for g, r in zip(got[1], want[1], strict=True):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4)
