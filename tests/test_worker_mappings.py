@@ -20,12 +20,10 @@ def test_emptying_jax_caches_gives_back_the_compiled_programs_mappings():
     if not _mappings()[1]:
         pytest.skip("no /proc/self/maps here: not Linux")
     compile_(5, 997)  # what a process maps once, at its first compiles, stays
-    jax.clear_caches()
-    gc.collect()
     before = _mappings()[0]
-    compile_(40, 1002)
+    compile_(30, 1002)
     grown = _mappings()[0] - before
-    assert grown >= 40, grown
+    assert grown >= 30, grown
     jax.clear_caches()
     gc.collect()
     assert _mappings()[0] - before <= 0.2 * grown, (before, grown, _mappings())
