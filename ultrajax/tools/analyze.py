@@ -129,6 +129,13 @@ def lower_step(cfg: Config, devices=None):
 _COMPILED: dict = {}  # (config, devices, options) -> (compiled step, partitioned module)
 
 
+def forget_compiled() -> None:
+    """Drop the compiled steps kept for reuse. Each executable holds memory mappings
+    (XLA:CPU's compiled code); a process that compiles hundreds of steps (the test suite)
+    frees them before it reaches the kernel's limit on mappings."""
+    _COMPILED.clear()
+
+
 def compile_step(cfg: Config, devices=None, compiler_options: dict | None = None):
     """Lower and compile the train step; `compiler_options` go to XLA (tests use
     {"xla_backend_optimization_level": 0}: the same buffers, half the compile time).
