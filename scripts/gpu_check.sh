@@ -12,9 +12,10 @@
 #   bash scripts/gpu_check.sh [OUT_DIR]              # everything
 #   PARTS="numerics sweep" bash scripts/gpu_check.sh  # some parts only
 #
-# PARTS: any of numerics, attention, sweep, step, profile, moe, norm (default: all). BUDGET: seconds
-# (default 470). Wheels the GPU image lacks (grain, array-record, portpicker, jax-triton)
-# come from .whl/ (docs/kernels.md says how to fetch them); flax and jax are the image's.
+# PARTS: any of numerics, attention, sweep, step, profile, moe, norm (default: all).
+# BUDGET: seconds (default 470). Wheels the GPU image lacks (grain, array-record,
+# portpicker, jax-triton) come from .whl/ (docs/kernels.md says how to fetch them); flax
+# and jax are the image's.
 # Each part writes OUT_DIR/<name>.txt; bench_gpu.sh's table is OUT_DIR/step/.
 set -u
 OUT=${1:-${OUT:-/tmp/gpu_check}}
