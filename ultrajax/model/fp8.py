@@ -128,8 +128,8 @@ def delayed_backward(eq: str, res, g, seen):
     return scaled(eq_dx, gq, sg, wq, sw), scaled(eq_dw, xq, sx, gq, sg), ag
 
 
-def delayed_split_backward(eq: str, x, w, g, seen):
-    """(dx, g's amax) of `delayed_backward` from the forward's inputs (zero bubble's input
+def delayed_split_backward(eq: str, w, g, seen):
+    """(dx, g's amax) of `delayed_backward` from the weight itself (zero bubble's input
     step: its weight step is `delayed_weight_gradient` of (x, g, seen))."""
     eq_dx = _transposes(eq)[0]
     ag = amax(g)
@@ -197,15 +197,15 @@ def backward(eq: str, res, g, recipe: str = "tensorwise"):
     return scaled(eq_dx, gq, sg, wq, sw), scaled(eq_dw, xq, sx, gq, sg)
 
 
-def split_backward(eq: str, x, w, g, recipe: str):
-    """(dx, dw) as `backward` gives them, from the forward's inputs themselves rather
-    than its residuals: zero bubble computes dx now and dw later, from (x, g) alone.
-    Quantising the same tensor the same way again gives the same operands."""
-    eq_dx, eq_dw = _transposes(eq)
+def input_gradient(eq: str, w, g, recipe: str):
+    """dx of `backward` from the weight itself rather than the forward's residuals: zero
+    bubble's input step (its weight step is `weight_gradient` of (x, g)). Quantising the
+    same tensor the same way again gives the same operands."""
+    eq_dx = _transposes(eq)[0]
     if recipe == "rowwise":
-        return rowwise(eq_dx, g, w, E5M2, E4M3), weight_gradient(eq, x, g, recipe)
+        return rowwise(eq_dx, g, w, E5M2, E4M3)
     (gq, sg), (wq, sw) = quantize(g, E5M2), quantize(w, E4M3)
-    return scaled(eq_dx, gq, sg, wq, sw), weight_gradient(eq, x, g, recipe)
+    return scaled(eq_dx, gq, sg, wq, sw)
 
 
 def weight_gradient(eq: str, x, g, recipe: str):

@@ -221,7 +221,7 @@ def _dense_fp8_bwd(eq, recipe, out_dtype, x_dtype, red, res, g):
     res, acc = res
     if red.defer is not None:
         x, value = res
-        dx = fp8.split_backward(eq, x, value, g, recipe)[0]
+        dx = fp8.input_gradient(eq, value, g, recipe)
         return dx.astype(x_dtype), None, None, (x, g.astype(x.dtype))
     dx, dw = fp8.backward(eq, res, g, recipe)
     return dx.astype(x_dtype), None, finish(dw, acc, red), None
@@ -249,7 +249,7 @@ def _dense_delayed_bwd(eq, out_dtype, x_dtype, red, axes, res, g):
     res, acc, seen, amaxes = res
     if red.defer is not None:  # zero bubble: dx now, (x, g, the scales' amaxes) for W
         x, value = res
-        dx, ag = fp8.delayed_split_backward(eq, x, value, g, seen)
+        dx, ag = fp8.delayed_split_backward(eq, value, g, seen)
         pair, dw = (x, g.astype(x.dtype), seen), None
     else:
         dx, dw, ag = fp8.delayed_backward(eq, res, g, seen)

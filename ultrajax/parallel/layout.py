@@ -131,7 +131,9 @@ class Layout:
             else ("embed",),
             prefetch=prefetches(cfg),
             fp8=fp8_weights(cfg.model) if cfg.model.fp8 == "delayed" else (),
-            fp8_apart=frozenset({DATA}) if self.replicas else frozenset(),
+            # DiLoCo's replicas keep their own; each pipeline stage has its own layers' rows
+            fp8_apart=frozenset({DATA} if self.replicas else ())
+            | frozenset({PIPELINE} if self.pipeline > 1 else ()),
         )
 
     def _specs(self, kind, drop=None):

@@ -253,9 +253,8 @@ def _pipelined(cfg: Config, layout: Layout):
         v, p = cfg.parallel.virtual_stages, layout.pipeline
         grads = dict(grads, layers=pipeline.to_model(grads["layers"], p, v))
         if amaxes is not None:  # the largest over the ranks that split this stage's work
-            axes = tuple(sorted(layout.manual - {pipeline.AXIS}))
-            amaxes = pipeline.to_model(amaxes, p, v)
-            grads[FP8] = jax.tree.map(lambda a: jax.lax.pmax(a, axes) if axes else a, amaxes)
+            grads, found = layout.grads.amaxes({**grads, FP8: pipeline.to_model(amaxes, p, v)})
+            grads[FP8] = found
         return grads, jax.lax.psum(layout.psum(loss), pipeline.AXIS), n_targets, layout.psum(stats)
 
     return per_device
