@@ -103,6 +103,21 @@ def test_fp8_tiny_over_seeds_says_each_recipes_mean_gap(tmp_path, capsys):
     assert "fp8 tensorwise over seeds 0,1: mean +0.50% (-1.00% to +2.00%), within ±1.5%" in out
 
 
+def test_check_flash_gpu_holds_each_backward_to_the_reference_interpreted(capsys):
+    """scripts/check_flash_gpu.py's own check off a GPU (--interpret: one small packed
+    case, the kernel interpreted): a line for each backward, split and fused, every error
+    (out, lse, dq, dk, dv) at fp32 rounding."""
+    import check_flash_gpu
+
+    assert check_flash_gpu.main(["--interpret"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("ok")]
+    assert [ln.split(":")[0].split()[-1] for ln in lines] == ["split", "fused"], lines
+    for line in lines:
+        errors = dict(zip(*[iter(line.split(":")[1].split())] * 2, strict=True))
+        assert set(errors) == {"out", "lse", "dq", "dk", "dv"}
+        assert all(float(e) < 1e-5 for e in errors.values()), line
+
+
 def test_bench_attention_prints_a_row_per_backward_with_stand_ins_off_a_gpu(capsys, monkeypatch):
     """scripts/bench_attention.py's GPU paths run here with stand-ins (the kernel
     interpreted, XLA's attention for cuDNN's), so a GPU call finds no plumbing error: a row
