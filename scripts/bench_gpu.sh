@@ -10,7 +10,8 @@
 # Environment: HF (the baseline script; default scripts/torch_step.py), ULTRA (bench_step.py
 # arguments; default the 1B shape, micro-batch 8 x 2048, no remat), HF_ARGS (baseline
 # arguments; default the same shape and batch), HF_COMPILE (the baseline's switch to
-# torch.compile), BUDGET (seconds, default 420).
+# torch.compile), BUDGET (seconds, default 420), RUNS (which of the runs below, by the
+# names of their output files; default all seven).
 # Wheels the GPU image lacks (grain, array-record, portpicker) are installed from .whl/.
 set -u
 OUT=${1:-${OUT:-/tmp/bench_gpu}}
@@ -19,6 +20,8 @@ ULTRA=${ULTRA:---sizes 1b --steps 10 --warmup 2 train.micro_batch_size=8 model.r
 HF_ARGS=${HF_ARGS:---size 1b --steps 10 --warmup 2 train.micro_batch_size=8}
 HF_COMPILE=${HF_COMPILE:---compile}  # ../shared/bench/hf_llama_step.py: "--compile 1"
 BUDGET=${BUDGET:-420}
+RUNS=${RUNS:-ultrajax-causal hf-compiled ultrajax-selective ultrajax-packed \
+ultrajax-packed-fused ultrajax-whole-logits hf-eager}
 mkdir -p "$OUT"
 start=$(date +%s)
 source "$(dirname "$0")/gpu_common.sh"
@@ -29,75 +32,80 @@ versions
 # target), packed documents (the Pallas kernel, its two backward kernels, then its one),
 # then the same step with whole logits (loss_chunk=0: what chunking costs or saves), and
 # transformers eager last.
-# shellcheck disable=SC2086  # ULTRA and HF_ARGS are argument lists
-run ultrajax-causal 100 python3 scripts/bench_step.py $ULTRA model.attention=auto data.cross_doc_mask=false
+want() { [[ " $RUNS " == *" $1 "* ]]; }
+step() {  # step NAME OVERRIDES...: bench_step.py's 1B step, if RUNS names it
+  local name=$1
+  shift
+  # shellcheck disable=SC2086  # ULTRA and HF_ARGS are argument lists
+  if want "$name"; then
+    run "$name" 100 python3 scripts/bench_step.py $ULTRA model.attention=auto "$@"
+  fi
+}
+step ultrajax-causal data.cross_doc_mask=false
 # shellcheck disable=SC2086
-run hf-compiled 140 python3 "$HF" --label compiled $HF_COMPILE $HF_ARGS
+if want hf-compiled; then run hf-compiled 140 python3 "$HF" --label compiled $HF_COMPILE $HF_ARGS; fi
+step ultrajax-selective data.cross_doc_mask=false model.remat=selective
+step ultrajax-packed data.cross_doc_mask=true
+step ultrajax-packed-fused data.cross_doc_mask=true model.attention_backward=fused
+step ultrajax-whole-logits data.cross_doc_mask=false model.loss_chunk=0
 # shellcheck disable=SC2086
-run ultrajax-selective 100 python3 scripts/bench_step.py $ULTRA model.attention=auto \
-  data.cross_doc_mask=false model.remat=selective
-# shellcheck disable=SC2086
-run ultrajax-packed 100 python3 scripts/bench_step.py $ULTRA model.attention=auto data.cross_doc_mask=true
-# shellcheck disable=SC2086
-run ultrajax-packed-fused 100 python3 scripts/bench_step.py $ULTRA model.attention=auto \
-  data.cross_doc_mask=true model.attention_backward=fused
-# shellcheck disable=SC2086
-run ultrajax-whole-logits 100 python3 scripts/bench_step.py $ULTRA model.attention=auto \
-  data.cross_doc_mask=false model.loss_chunk=0
-# shellcheck disable=SC2086
-run hf-eager 90 python3 "$HF" --label eager $HF_ARGS
+if want hf-eager; then run hf-eager 90 python3 "$HF" --label eager $HF_ARGS; fi
 
-python3 - "$OUT" <<'PY'
+python3 - "$OUT" "$RUNS" <<'PY'
 import json, pathlib, sys
 
-out = pathlib.Path(sys.argv[1])
+out, wanted = pathlib.Path(sys.argv[1]), sys.argv[2].split()
 
 def ultrajax(name):
     """tokens/s, MFU and peak memory (GiB) from bench_step.py's table, or None."""
     path = out / f"{name}.txt"
-    if not path.exists():
+    if name not in wanted or not path.exists():  # not an older call's file
         return None
     rows = [l for l in path.read_text().splitlines() if l.startswith("| ") and "---" not in l]
     if len(rows) < 2:
         return None
     cells = [c.strip() for c in rows[-1].strip("|").split("|")]
     mem = cells[10].split()[0] if len(cells) > 10 and cells[10] != "-" else None
-    return float(cells[5].replace(",", "")), cells[7], float(mem) if mem else None
+    causal = cells[11] if len(cells) > 11 else ""
+    return float(cells[5].replace(",", "")), (cells[7], causal), float(mem) if mem else None
 
 def hf(name):
     path = out / f"{name}.txt"
-    lines = [l for l in path.read_text().splitlines() if l.startswith("{")] if path.exists() else []
+    lines = [] if name not in wanted or not path.exists() else [
+        l for l in path.read_text().splitlines() if l.startswith("{")]
     if not lines:
         return None
     r = json.loads(lines[-1])
-    return r["tokens_per_s"], "", r["peak_gib"]
+    return r["tokens_per_s"], ("", ""), r["peak_gib"]
 
-runs = {
-    "ultrajax, causal (defaults: auto attention, auto loss_chunk)": ultrajax("ultrajax-causal"),
-    "ultrajax, causal, model.remat=selective": ultrajax("ultrajax-selective"),
-    "ultrajax, packed documents (auto: the Pallas kernel)": ultrajax("ultrajax-packed"),
-    "ultrajax, packed, model.attention_backward=fused": ultrajax("ultrajax-packed-fused"),
-    "ultrajax, causal, loss_chunk=0 (whole logits)": ultrajax("ultrajax-whole-logits"),
-    "transformers eager": hf("hf-eager"),
-    "transformers + torch.compile": hf("hf-compiled"),
+labels = {  # output file: the row's label, in the table's order
+    "ultrajax-causal": "ultrajax, causal (defaults: auto attention, auto loss_chunk)",
+    "ultrajax-selective": "ultrajax, causal, model.remat=selective",
+    "ultrajax-packed": "ultrajax, packed documents (auto: the Pallas kernel)",
+    "ultrajax-packed-fused": "ultrajax, packed, model.attention_backward=fused",
+    "ultrajax-whole-logits": "ultrajax, causal, loss_chunk=0 (whole logits)",
+    "hf-eager": "transformers eager",
+    "hf-compiled": "transformers + torch.compile",
 }
-base = runs["transformers + torch.compile"]
-print("| run | tokens/s | MFU | peak GiB | tokens/s vs torch.compile | memory vs torch.compile |")
-print("|---|---|---|---|---|---|")
-for label, r in runs.items():
-    if r is None:
-        print(f"| {label} | failed or skipped (see its .txt) | | | | |")
+runs = {name: (hf if name.startswith("hf-") else ultrajax)(name) for name in labels}
+base = runs["hf-compiled"]
+print("| run | tokens/s | MFU | MFU causal | peak GiB | tokens/s vs torch.compile "
+      "| memory vs torch.compile |")
+print("|---|---|---|---|---|---|---|")
+for name, r in runs.items():
+    if name not in wanted:
         continue
-    tps, mfu, mem = r
+    if r is None:
+        print(f"| {labels[name]} | failed or skipped (see {name}.txt) | | | | | |")
+        continue
+    tps, (mfu, mfu_causal), mem = r
     ratio = f"{tps / base[0]:.3f}x" if base else "-"
     mratio = f"{mem / base[2]:.2f}x" if base and mem and base[2] else "-"
     mem_s = f"{mem:.1f}" if mem else "-"
-    print(f"| {label} | {tps:,.0f} | {mfu} | {mem_s} | {ratio} | {mratio} |")
-causal = runs["ultrajax, causal (defaults: auto attention, auto loss_chunk)"]
-packed = runs["ultrajax, packed documents (auto: the Pallas kernel)"]
-fused = runs["ultrajax, packed, model.attention_backward=fused"]
-for name, r in (("packed", packed), ("packed, fused backward", fused)):
-    if causal and r:
-        print(f"{name} / causal tokens/s: {r[0] / causal[0]:.1%}")
+    print(f"| {labels[name]} | {tps:,.0f} | {mfu} | {mfu_causal} | {mem_s} | {ratio} | {mratio} |")
+causal = runs["ultrajax-causal"]
+for name, label in (("ultrajax-packed", "packed"), ("ultrajax-packed-fused", "packed, fused backward")):
+    if causal and runs[name]:
+        print(f"{label} / causal tokens/s: {runs[name][0] / causal[0]:.1%}")
 PY
 echo "total $(($(date +%s) - start)) s"
