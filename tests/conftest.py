@@ -178,17 +178,12 @@ def pytest_runtest_teardown(item, nextitem):
     next allocation fails ("LLVM compilation error: Cannot allocate memory") and XLA
     segfaults in the compile. That was the worker crash in full runs, at whichever test
     compiled next (seen 2026-11-28: filling the mappings to the limit then compiling
-    crashes the same way). Emptying the caches frees the executables' mappings (jax's,
-    and the compiled steps ultrajax.tools.analyze keeps: about 550 mappings each, up to
-    64 of them); what a later test compiles again comes from the persistent cache
-    (compile_once)."""
+    crashes the same way). Emptying jax's caches frees the executables' mappings; what a
+    later test compiles again comes from the persistent cache (compile_once)."""
     used, limit = _mappings()
     last_of_file = nextitem is None or nextitem.path != item.path
     if limit and used > (0.45 if last_of_file else 0.8) * limit:
         import gc
 
-        from ultrajax.tools import analyze
-
-        analyze.forget_compiled()  # the compiled steps it keeps hold mappings as well
         jax.clear_caches()
         gc.collect()

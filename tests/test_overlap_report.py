@@ -144,14 +144,25 @@ def test_the_ring_forward_sends_k_and_v_beside_the_pairs_attention(ring):
             assert r.beside and not r.waits_on, r
 
 
-def test_the_script_prints_the_table_of_a_layout(ring, capsys):
-    """The same config as the fixture's (harness.BASE): analyze's shared compile."""
+def test_the_script_prints_the_table_of_a_layout(ring, capsys, monkeypatch):
+    """The same config as the fixture's (harness.BASE): the script is handed the
+    fixture's compile, once it has asked for that config on those devices."""
     import bench_overlap
 
-    cfg, _, _ = ring
+    from ultrajax.config.parse import dump
+
+    cfg, devices, compiled = ring
+    asked = []
+
+    def compile_step_partitioned(other, devs, options):
+        asked.append((dump(other), [d.id for d in devs], options))
+        return compiled
+
+    monkeypatch.setattr(analyze, "compile_step_partitioned", compile_step_partitioned)
     assert bench_overlap.FAST == harness.FAST
     args = ["--config", harness.TINY, *harness.BASE, "mesh.sequence=4"]
     assert bench_overlap.main(args) == 0
+    assert asked == [(dump(cfg), [d.id for d in devices], harness.FAST)]
     out = capsys.readouterr().out
     assert "| collective | kind | axis (group) |" in out and "sequence (4)" in out
     assert "can overlap" in out and "the partitioned module: " in out

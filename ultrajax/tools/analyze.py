@@ -41,7 +41,6 @@ import jax
 
 from ultrajax import cli
 from ultrajax.config.no_effect import no_effect
-from ultrajax.config.parse import dump
 from ultrajax.config.schema import Config, ConfigError
 from ultrajax.config.validate import resolve_mesh
 from ultrajax.cost import flops, hardware, memory, units
@@ -126,38 +125,20 @@ def lower_step(cfg: Config, devices=None):
         return step.lower(state, batch)
 
 
-_COMPILED: dict = {}  # (config, devices, options) -> (compiled step, partitioned module)
-
-
-def forget_compiled() -> None:
-    """Drop the compiled steps kept for reuse. Each executable holds memory mappings
-    (XLA:CPU's compiled code); a process that compiles hundreds of steps (the test suite)
-    frees them before it reaches the kernel's limit on mappings."""
-    _COMPILED.clear()
-
-
 def compile_step(cfg: Config, devices=None, compiler_options: dict | None = None):
     """Lower and compile the train step; `compiler_options` go to XLA (tests use
-    {"xla_backend_optimization_level": 0}: the same buffers, half the compile time).
-    The same config on the same devices is compiled once per process."""
+    {"xla_backend_optimization_level": 0}: the same buffers, half the compile time)."""
     return compile_step_partitioned(cfg, devices, compiler_options)[0]
 
 
 def compile_step_partitioned(cfg: Config, devices=None, compiler_options: dict | None = None):
     """(compiled step, its module as the SPMD partitioner left it, or None on one device),
     from one compile."""
-
     devices = list(jax.devices() if devices is None else devices)
-    key = (dump(cfg), tuple(d.id for d in devices), tuple(sorted((compiler_options or {}).items())))
-    if key not in _COMPILED:
-        if len(_COMPILED) >= 64:
-            _COMPILED.pop(next(iter(_COMPILED)))
-        lowered = lower_step(cfg, devices)
-        if len(devices) > 1:
-            _COMPILED[key] = hlo_lib.compile_partitioned(lowered, compiler_options)
-        else:
-            _COMPILED[key] = (lowered.compile(compiler_options), None)
-    return _COMPILED[key]
+    lowered = lower_step(cfg, devices)
+    if len(devices) > 1:
+        return hlo_lib.compile_partitioned(lowered, compiler_options)
+    return lowered.compile(compiler_options), None
 
 
 def compiled_memory(compiled) -> dict:
