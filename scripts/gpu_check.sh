@@ -7,13 +7,14 @@
 # recomputation, packed documents with each backward; the baseline in the same call), and
 # the fused norm beside XLA. More parts, each asked for by name (a second call): the packed
 # kernel alone, the sweeps of tiles, warps and stages, where the step's time goes
-# (scripts/profile_step.py) and the MoE layer.
+# (scripts/profile_step.py), XLA's GPU code-generation flags on the step, and the MoE layer.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]               # issue 32's figures
 #   PARTS="sweep profile" bash scripts/gpu_check.sh   # others, by name
 #   PARTS=all bash scripts/gpu_check.sh               # every part (more than one call)
 #
-# PARTS: any of numerics, attention, step, norm (the default), packed, sweep, profile, moe.
+# PARTS: any of numerics, attention, step, norm (the default), packed, sweep, profile, flags,
+# moe.
 # BUDGET: seconds (default 470). Wheels the GPU image lacks (grain, array-record,
 # portpicker, jax-triton) come from .whl/ (docs/kernels.md says how to fetch them); flax
 # and jax are the image's.
@@ -22,7 +23,7 @@ set -u
 OUT=${1:-${OUT:-/tmp/gpu_check}}
 BUDGET=${BUDGET:-470}
 PARTS=${PARTS:-numerics attention step norm}
-[ "$PARTS" = all ] && PARTS="numerics attention step norm packed sweep profile moe"
+[ "$PARTS" = all ] && PARTS="numerics attention step norm packed sweep profile flags moe"
 mkdir -p "$OUT"
 start=$(date +%s)
 source "$(dirname "$0")/gpu_common.sh"
@@ -67,6 +68,17 @@ fi
 if want profile; then  # where the 1B step's time goes (selective: the fastest), per kind of op
   run profile 150 python3 scripts/profile_step.py --size 1b --steps 3 --top 30 \
     train.micro_batch_size=8 model.remat=selective
+fi
+if want flags; then  # XLA's GPU code generation on the 1B step (selective): each flag alone
+  i=0
+  for flags in "" --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_command_buffer= \
+    --xla_gpu_enable_cublaslt=true; do
+    echo "== XLA_FLAGS=$flags"
+    XLA_FLAGS=$flags run "flags-$i" 90 python3 scripts/bench_step.py --sizes 1b --steps 10 \
+      --warmup 2 train.micro_batch_size=8 model.remat=selective
+    echo "XLA_FLAGS=$flags" >>"$OUT/flags-$i.txt"
+    i=$((i + 1))
+  done
 fi
 if want moe; then  # the MoE layer's native ragged_dot: numerics, time, compiled memory
   run moe 120 python3 scripts/check_moe_gpu.py
