@@ -98,6 +98,11 @@ class BlockSizes:
     # one backward kernel (each block's probabilities computed once, dQ by fp32 atomic
     # adds) instead of two (dQ, then dK/dV, each recomputing them); model.attention_backward
     fused_bwd: bool = False
+    # the grid's first (fastest) axis is the block, then batch and head: the programs that
+    # run at once share one head's K and V (or Q and dO) in L2, as FlashAttention-2 and
+    # Triton's attention tutorial order their grids, and the query-block kernels start the
+    # longest causal rows first. False: batch, head, block (the order before; for timing)
+    blocks_first: bool = True
 
     @classmethod
     def of(cls, sizes, head_dim: int, itemsize: int = 2, fused_bwd: bool = False) -> BlockSizes:
@@ -183,9 +188,9 @@ def _key_pieces(i, n_k, bq, bk, causal, segmented, first_ref, lo_ref, hi_ref):
 
 def _fwd_kernel(
     q_ref, k_ref, v_ref, qs_ref, ks_ref, first_ref, lo_ref, hi_ref, o_ref, lse_ref, *, scale,
-    bq, bk, causal, segmented,
+    bq, bk, causal, segmented, grid,
 ):  # fmt: skip
-    i = pl.program_id(2)
+    i = grid.block_id()
     n_k = k_ref.shape[0] // bk
     q = q_ref[...]
     q_seg = qs_ref[...]
@@ -232,9 +237,9 @@ def _probs(q, k, lse, q_seg, k_seg, q_start, k_start, scale, diagonal, segmented
 
 def _dq_kernel(
     q_ref, k_ref, v_ref, qs_ref, ks_ref, first_ref, lo_ref, hi_ref, do_ref, lse_ref, delta_ref,
-    dq_ref, *, scale, bq, bk, causal, segmented,
+    dq_ref, *, scale, bq, bk, causal, segmented, grid,
 ):  # fmt: skip
-    i = pl.program_id(2)
+    i = grid.block_id()
     n_k = k_ref.shape[0] // bk
     q, do, lse, delta, q_seg = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], qs_ref[...]
 
@@ -255,7 +260,7 @@ def _dq_kernel(
 
 def _dkv_kernel(
     q_ref, k_ref, v_ref, qs_ref, ks_ref, end_ref, lo_ref, hi_ref, do_ref, lse_ref, delta_ref,
-    *refs, scale, bq, bk, causal, segmented, group,
+    *refs, scale, bq, bk, causal, segmented, group, grid,
 ):  # fmt: skip
     """dK and dV of one key block, summed in fp32 over the `group` query heads that share
     its K/V head (GQA) before one write in the inputs' dtype. `refs`: (dk, dv), or for the
@@ -266,7 +271,7 @@ def _dkv_kernel(
     dk_ref, dv_ref, dq_ref = (*refs, None) if len(refs) == 2 else refs[1:]
     if dq_ref is not None:
         from jax.experimental.pallas import triton as pltriton  # atomic_add (interpretable)
-    j = pl.program_id(2)
+    j = grid.block_id()
     n_q = q_ref.shape[0] // bq
     k, v, k_seg = k_ref[...], v_ref[...], ks_ref[...]
 
@@ -331,23 +336,54 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, launch,
     )
 
 
-def _specs(b, t, s, h, kv, d, bq, bk, q_blocked: bool):
-    """BlockSpecs over the grid (batch, head, block): the blocked side (queries, or keys
-    for the dK/dV kernel) one block per program, the other side whole. The dK/dV grid runs
-    over K/V heads: its programs see the whole group of query heads sharing one."""
-    g = h // kv
+class Grid(NamedTuple):
+    """A kernel's grid over (batch, head, block), in launch order: `blocks_first` puts the
+    block axis first (it varies fastest as programs start); `reverse` numbers the blocks
+    from the last (the query-block kernels: under a causal mask the last rows see the most
+    keys, so they start first and the short ones fill the tail)."""
+
+    batch: int
+    heads: int
+    blocks: int
+    blocks_first: bool
+    reverse: bool
+
+    def shape(self) -> tuple[int, int, int]:
+        if self.blocks_first:
+            return self.blocks, self.batch, self.heads
+        return self.batch, self.heads, self.blocks
+
+    def _block(self, i):
+        return self.blocks - 1 - i if self.reverse else i
+
+    def block_id(self):
+        """This program's block (inside a kernel)."""
+        return self._block(pl.program_id(0 if self.blocks_first else 2))
+
+    def index_map(self, f):
+        """f(batch, head, block) -> block indices, as a BlockSpec index map of this grid."""
+        if self.blocks_first:
+            return lambda i, bi, hi: f(bi, hi, self._block(i))
+        return lambda bi, hi, i: f(bi, hi, self._block(i))
+
+
+def _specs(grid: Grid, t, s, h, kv, d, bq, bk, q_blocked: bool):
+    """BlockSpecs over `grid`: the blocked side (queries, or keys for the dK/dV kernel) one
+    block per program, the other side whole. The dK/dV grid runs over K/V heads: its
+    programs see the whole group of query heads sharing one."""
+    g, at = h // kv, grid.index_map
     if q_blocked:
-        q = pl.BlockSpec((None, bq, None, d), lambda bi, hi, i: (bi, i, hi, 0))
-        kvs = pl.BlockSpec((None, s, None, d), lambda bi, hi, i: (bi, 0, hi // g, 0))
-        qs = pl.BlockSpec((None, bq), lambda bi, hi, i: (bi, i))
-        ks = pl.BlockSpec((None, s), lambda bi, hi, i: (bi, 0))
-        row = pl.BlockSpec((None, None, bq), lambda bi, hi, i: (bi, hi, i))
+        q = pl.BlockSpec((None, bq, None, d), at(lambda bi, hi, i: (bi, i, hi, 0)))
+        kvs = pl.BlockSpec((None, s, None, d), at(lambda bi, hi, i: (bi, 0, hi // g, 0)))
+        qs = pl.BlockSpec((None, bq), at(lambda bi, hi, i: (bi, i)))
+        ks = pl.BlockSpec((None, s), at(lambda bi, hi, i: (bi, 0)))
+        row = pl.BlockSpec((None, None, bq), at(lambda bi, hi, i: (bi, hi, i)))
     else:
-        q = pl.BlockSpec((None, t, g, d), lambda bi, hi, j: (bi, 0, hi, 0))
-        kvs = pl.BlockSpec((None, bk, None, d), lambda bi, hi, j: (bi, j, hi, 0))
-        qs = pl.BlockSpec((None, t), lambda bi, hi, j: (bi, 0))
-        ks = pl.BlockSpec((None, bk), lambda bi, hi, j: (bi, j))
-        row = pl.BlockSpec((None, g, t), lambda bi, hi, j: (bi, hi, 0))
+        q = pl.BlockSpec((None, t, g, d), at(lambda bi, hi, j: (bi, 0, hi, 0)))
+        kvs = pl.BlockSpec((None, bk, None, d), at(lambda bi, hi, j: (bi, j, hi, 0)))
+        qs = pl.BlockSpec((None, t), at(lambda bi, hi, j: (bi, 0)))
+        ks = pl.BlockSpec((None, bk), at(lambda bi, hi, j: (bi, j)))
+        row = pl.BlockSpec((None, g, t), at(lambda bi, hi, j: (bi, hi, 0)))
     return q, kvs, qs, ks, row
 
 
@@ -356,13 +392,14 @@ def _forward(q, k, v, qs, ks, *, blocks: BlockSizes, causal: bool, segmented: bo
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
     bq, bk = blocks.q, blocks.k
-    qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, True)
+    grid = Grid(b, h, t // bq, blocks.blocks_first, reverse=blocks.blocks_first)
+    qspec, kvspec, qsspec, ksspec, row = _specs(grid, t, s, h, kv, d, bq, bk, True)
     kernel = functools.partial(_fwd_kernel, scale=d**-0.5, bq=bq, bk=bk, causal=causal,
-                               segmented=segmented)  # fmt: skip
+                               segmented=segmented, grid=grid)  # fmt: skip
     bounds = _bounds(qs, ks, bq, bk)
     return _call(
         kernel,
-        (b, h, t // bq),
+        grid.shape(),
         [qspec, kvspec, kvspec, qsspec, ksspec, qsspec, qsspec, qsspec],
         [qspec, row],
         [struct(q.shape, out_dtype or q.dtype, q, k), struct((b, h, t), jnp.float32, q, k)],
@@ -434,24 +471,26 @@ def _backward(q, k, v, qs, ks, delta, lse, do, *, blocks: BlockSizes, causal: bo
     common = dict(scale=d**-0.5, bq=bq, bk=bk, causal=causal, segmented=segmented)
     launch = blocks.launch(d, backward=True, itemsize=q.dtype.itemsize)
     bounds = _bounds(qs, ks, bq, bk)
-    qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, False)
-    dkv = functools.partial(_dkv_kernel, group=h // kv, **common)
+    grid = Grid(b, kv, s // bk, blocks.blocks_first, reverse=False)  # causal: longest first
+    qspec, kvspec, qsspec, ksspec, row = _specs(grid, t, s, h, kv, d, bq, bk, False)
+    dkv = functools.partial(_dkv_kernel, group=h // kv, grid=grid, **common)
     args = (q, k, v, qs, ks, bounds.end, bounds.k_lo, bounds.k_hi, do, lse, delta)
     in_specs = [qspec, kvspec, kvspec, qsspec, ksspec, ksspec, ksspec, ksspec, qspec, row, row]
     dkv_shapes = [struct(k.shape, k.dtype, q, k), struct(v.shape, v.dtype, q, k)]
     if blocks.fused_bwd:  # one kernel: dQ's fp32 sum starts as zeros, aliased to its output
         dq32 = vary_like(jnp.zeros(q.shape, jnp.float32), q, k)
-        dk, dv, dq = _call(dkv, (b, kv, s // bk), [*in_specs, qspec], [kvspec, kvspec, qspec],
+        dk, dv, dq = _call(dkv, grid.shape(), [*in_specs, qspec], [kvspec, kvspec, qspec],
                            [*dkv_shapes, struct(q.shape, jnp.float32, q, k)], interpret,
                            "flash_attention_bwd", launch, aliases={len(args): 2},
                            )(*args, dq32)  # fmt: skip
         return (dq * common["scale"]).astype(q.dtype), dk, dv
-    dk, dv = _call(dkv, (b, kv, s // bk), in_specs, [kvspec, kvspec], dkv_shapes, interpret,
+    dk, dv = _call(dkv, grid.shape(), in_specs, [kvspec, kvspec], dkv_shapes, interpret,
                    "flash_attention_dkv", launch)(*args)  # fmt: skip
-    qspec, kvspec, qsspec, ksspec, row = _specs(b, t, s, h, kv, d, bq, bk, True)
+    grid = Grid(b, h, t // bq, blocks.blocks_first, reverse=blocks.blocks_first)
+    qspec, kvspec, qsspec, ksspec, row = _specs(grid, t, s, h, kv, d, bq, bk, True)
     dq = _call(
-        functools.partial(_dq_kernel, **common),
-        (b, h, t // bq),
+        functools.partial(_dq_kernel, grid=grid, **common),
+        grid.shape(),
         [qspec, kvspec, kvspec, qsspec, ksspec, qsspec, qsspec, qsspec, qspec, row, row],
         qspec,
         struct(q.shape, q.dtype, q, k),

@@ -10,7 +10,8 @@ documents per row (segment ids; cuDNN then gets the equivalent dense mask). Forw
 backward of sum(out * random) through `jax.grad`, median of timed calls after warm-up.
 The largest error of the kernel's output and gradients against cuDNN's is printed beside
 (bf16: expect ~1e-2). Each length gets a row per backward (`--backward`: split, the dQ
-and dK/dV kernels; fused, one kernel with dQ by atomic adds). `--sweep` times each of
+and dK/dV kernels; fused, one kernel with dQ by atomic adds; `--heads-first` adds the
+split one on the grid's order before, batch and head fastest). `--sweep` times each of
 SWEEP (or the `q,k,q_bwd,k_bwd,warps,stages` choices given) at every sequence length:
 what to set as `model.attention_blocks` and BlockSizes' defaults. A benchmark, not a
 test: nothing is asserted.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from timing import median_ms
 
@@ -177,6 +179,9 @@ def main(argv=None) -> int:
         help="the kernel's backward: two kernels, one (dQ by atomic adds), or both",
     )
     p.add_argument("--fused", action="store_true", help="--sweep bwd: the one-kernel backward")
+    p.add_argument("--heads-first", action="store_true",
+                   help="also the split backward with the grid's order before (batch and head "
+                        "fastest, BlockSizes.blocks_first=False), a row per length")  # fmt: skip
     p.add_argument(
         "--sweep",
         nargs="?",
@@ -209,6 +214,8 @@ def main(argv=None) -> int:
         fused = {"split": (False,), "fused": (True,), "both": (False, True)}[args.backward]
         choices = [BlockSizes(q=q, k=k, q_bwd=tiles.q_bwd, k_bwd=tiles.k_bwd, fused_bwd=f)
                    for f in fused]  # fmt: skip
+        if args.heads_first:
+            choices.append(replace(choices[0], fused_bwd=False, blocks_first=False))
     else:
         given = [tuple(int(x) for x in c.split(",")) for c in args.sweep.split(";") if c]
         choices = [BlockSizes(*c) for c in (given or SWEEP)]
@@ -223,6 +230,7 @@ def main(argv=None) -> int:
         for b in choices:
             name = f"{b.q},{b.k},{b.q_bwd},{b.k_bwd},{b.warps},{b.stages}"
             name += " fused" if b.fused_bwd else " split"
+            name += "" if b.blocks_first else " heads-first"
             try:
                 print(f"| {name} {row(seq, args, b, cudnn_runs)}", flush=True)
             except Exception as e:  # a choice the GPU cannot hold (shared memory): say so

@@ -7,6 +7,8 @@ case are exercised in seconds.
 
 import dataclasses
 import functools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -188,6 +190,26 @@ def test_one_kernel_backward_equals_the_two_kernels(case):
                 np.testing.assert_allclose(g, w, atol=3e-2 * scale, err_msg=f"d{name}")
 
 
+def test_the_grid_order_changes_no_value():
+    """BlockSizes.blocks_first (blocks fastest, query blocks numbered from the last)
+    against batch and head fastest: each program computes the same block either way, and
+    the one-kernel backward's dQ adds come in the same key-block order per row, so out,
+    lse and every gradient are equal bit for bit (packed documents, GQA 4:1, causal)."""
+    b, t, h, kv, d, _ = CASES["packed-gqa4"]
+    q, k, v, seg = inputs(b, t, h, kv, d, jnp.float32, seed=5)
+    do = jnp.asarray(np.random.default_rng(3).standard_normal(q.shape), jnp.float32)
+    for fused in (False, True):
+        runs = []
+        for first in (True, False):
+            blocks = dataclasses.replace(BLOCKS, fused_bwd=fused, blocks_first=first)
+            fn = functools.partial(flash_attention, q_segment_ids=seg, kv_segment_ids=seg,
+                                   blocks=blocks, interpret=True)  # fmt: skip
+            runs.append([*fn(q, k, v), *grads(fn, q, k, v, seg, do)])
+        for got, want, name in zip(*runs, ("out", "lse", "dq", "dk", "dv"), strict=True):
+            assert np.isfinite(np.asarray(got)).all(), name
+            np.testing.assert_array_equal(got, want, err_msg=f"{name}, fused={fused}")
+
+
 @pytest.mark.parametrize(
     "blocks",
     [
@@ -218,6 +240,13 @@ def test_kernels_lower_to_triton_for_a_gpu(blocks):
     for name in ("forward", "dq", "dkv", "bwd"):
         assert (f'name = "flash_attention_{name}"' in text) == (name in names), name
     assert ("atomic_rmw" in text) == blocks.fused_bwd  # dQ's adds, in the Triton IR
+    # each launch's grid puts the blocks first (blocks_first), then batch, then heads
+    found = re.findall(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+)", text)
+    step = math.lcm(blocks.q, blocks.k, blocks.q_bwd, blocks.k_bwd)
+    t = -(-200 // step) * step  # the padded length
+    want = {(t // blocks.q, 1, 4), (t // blocks.k_bwd, 1, 1)}  # forward; dK/dV over K/V heads
+    want |= set() if blocks.fused_bwd else {(t // blocks.q_bwd, 1, 4)}  # dQ
+    assert {tuple(map(int, g)) for g in found} == want, found
     for backward in (False, True):
         warps, stages = blocks.launch(64, backward)
         assert f"num_warps = {warps}" in text and f"num_stages = {stages}" in text

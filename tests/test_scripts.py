@@ -122,8 +122,8 @@ def test_check_flash_gpu_holds_each_backward_to_the_reference_interpreted(capsys
 def test_bench_attention_prints_a_row_per_backward_with_stand_ins_off_a_gpu(capsys, monkeypatch):
     """scripts/bench_attention.py's GPU paths run here with stand-ins (the kernel
     interpreted, XLA's attention for cuDNN's), so a GPU call finds no plumbing error: a row
-    per backward, split and fused, each the stand-in's attention to bf16 rounding, and the
-    one-kernel backward's sweep."""
+    per backward, split and fused, and the split one on the grid's order before, each the
+    stand-in's attention to bf16 rounding, and the one-kernel backward's sweep."""
     import functools
 
     import bench_attention
@@ -139,9 +139,10 @@ def test_bench_attention_prints_a_row_per_backward_with_stand_ins_off_a_gpu(caps
     monkeypatch.setattr(jax.nn, "dot_product_attention",
                         lambda *a, implementation=None, **kw: real_attention(*a, **kw))  # fmt: skip
     tiny = ["--seqs", "128", "--tokens", "128", "--heads", "2", "--kv-heads", "1", "--iters", "1"]
-    assert bench_attention.main(tiny) == 0
+    assert bench_attention.main([*tiny, "--heads-first"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 128,64")]
-    assert [r.split("|")[1].split()[1] for r in rows] == ["split", "fused"]
+    assert [r.split("|")[1].split()[1:] for r in rows] == [["split"], ["fused"],
+                                                            ["split", "heads-first"]]  # fmt: skip
     for r in rows:
         cells = [c.strip() for c in r.strip("|").split("|")]
         assert float(cells[5]) > 0 and float(cells[8]) < 0.1 and float(cells[9]) < 0.1, r
