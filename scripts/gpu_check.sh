@@ -2,19 +2,20 @@
 # Every GPU figure of issue 32 in one call of under 8 minutes on one H100/H200, each part
 # under its own time limit inside a running budget, in the order that a short budget keeps
 # the most: the flash attention's numerics compiled on the card (both backwards), the
-# kernel beside cuDNN (causal, seq 2048/4096/8192, head_dim 64 and 128, both backwards),
-# the 1B step beside transformers + torch.compile (scripts/bench_gpu.sh: causal, selective
-# recomputation, packed documents with each backward; the baseline in the same call), and
-# the fused norm beside XLA. More parts, each asked for by name (a second call): the packed
-# kernel alone, the sweeps of tiles, warps and stages, where the step's time goes
-# (scripts/profile_step.py), XLA's GPU code-generation flags on the step, and the MoE layer.
+# kernel beside cuDNN (causal, seq 2048/4096/8192, head_dim 64 and 128, both backwards; at
+# head_dim 64 also the grid's order before), and the 1B step beside transformers +
+# torch.compile (scripts/bench_gpu.sh: causal, selective recomputation, packed documents
+# with each backward; the baseline in the same call). More parts, each asked for by name
+# (a second call): the fused norm beside XLA, the packed kernel alone, the sweeps of tiles,
+# warps and stages, where the step's time goes (scripts/profile_step.py), XLA's GPU
+# code-generation flags on the step, and the MoE layer.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]               # issue 32's figures
 #   PARTS="sweep profile" bash scripts/gpu_check.sh   # others, by name
 #   PARTS=all bash scripts/gpu_check.sh               # every part (more than one call)
 #
-# PARTS: any of numerics, attention, step, norm (the default), packed, sweep, profile, flags,
-# moe.
+# PARTS: any of numerics, attention, step (the default), norm, packed, sweep, profile,
+# flags, moe.
 # BUDGET: seconds (default 470). Wheels the GPU image lacks (grain, array-record,
 # portpicker, jax-triton) come from .whl/ (docs/kernels.md says how to fetch them); flax
 # and jax are the image's.
@@ -22,7 +23,7 @@
 set -u
 OUT=${1:-${OUT:-/tmp/gpu_check}}
 BUDGET=${BUDGET:-470}
-PARTS=${PARTS:-numerics attention step norm}
+PARTS=${PARTS:-numerics attention step}
 [ "$PARTS" = all ] && PARTS="numerics attention step norm packed sweep profile flags moe"
 mkdir -p "$OUT"
 start=$(date +%s)
@@ -33,11 +34,12 @@ versions
 if want numerics; then
   run flash-numerics 100 python3 scripts/check_flash_gpu.py
 fi
-if want attention; then  # each length: the split backward's row, then the fused one's
-  run attention-d64 90 python3 scripts/bench_attention.py --iters 5
+if want attention; then  # each length: the split backward's row, the fused one's (head_dim
+  # 64: and the split one on the grid's order before, batch and head fastest)
+  run attention-d64 100 python3 scripts/bench_attention.py --iters 5 --heads-first
   run attention-d128 90 python3 scripts/bench_attention.py --iters 5 --head-dim 128 --heads 16
 fi
-if want step; then  # the 1B step's runs of the issue's targets; the norm keeps 70 s
+if want step; then  # the 1B step's runs of the issue's targets; a norm part keeps 70 s
   keep=0
   want norm && keep=70
   left=$((BUDGET - ($(date +%s) - start) - keep))
