@@ -181,3 +181,32 @@ def test_profile_step_reads_a_gpu_trace_off_the_device_streams():
     thread = NS(name="tf_XLAEigen", events=[event("while.1", 0, 100), event("dot.2", 10, 60)])
     cpu = dict(profile_step.op_times([NS(name="/host:CPU", lines=[thread])]))
     assert cpu == {"while.1": 40, "dot.2": 60}
+
+
+def test_step_table_reports_the_runs_asked_for_with_their_ratios(tmp_path):
+    """scripts/step_table.py (bench_gpu.sh's table): each run asked for from its own file,
+    ratios to torch.compile's tokens/s and memory, packed against causal; a run asked for
+    whose file holds only the header is named as failed; a file of a run not asked for
+    (an older call's) is never read."""
+    import step_table
+
+    head = "| model | params | batch | tokens/step | step ms | tokens/s | peak FLOP/s | MFU |"
+
+    def ultrajax(name, tokens, mem):
+        row = f"| 1b | 1.2B | 8x2048 | 16384 | 1 | {tokens:,} | 989T | 40.0% | 40.0% | 30 | {mem} GiB | 38.0% |"  # noqa: E501
+        (tmp_path / f"{name}.txt").write_text(f"{head}\n|---|\n{row}\n")
+
+    ultrajax("ultrajax-causal", 60000, 40.0)
+    ultrajax("ultrajax-packed", 57000, 40.0)
+    ultrajax("ultrajax-whole-logits", 1, 1.0)  # an older call's: not asked for
+    (tmp_path / "ultrajax-selective.txt").write_text(f"{head}\n|---|\n")  # failed
+    (tmp_path / "hf-compiled.txt").write_text('{"tokens_per_s": 50000.0, "peak_gib": 50.0}\n')
+    runs = "ultrajax-causal ultrajax-selective ultrajax-packed hf-compiled"
+    lines = step_table.table(tmp_path, runs.split()).splitlines()
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]]
+            for ln in lines[2:] if ln.startswith("| ")}  # fmt: skip
+    assert list(rows) == [step_table.LABELS[n] for n in runs.split()]
+    causal = rows[step_table.LABELS["ultrajax-causal"]]
+    assert causal == ["60,000", "40.0%", "38.0%", "40.0", "1.200x", "0.80x"]
+    assert rows[step_table.LABELS["ultrajax-selective"]][0].startswith("failed or skipped")
+    assert lines[-1] == "packed / causal tokens/s: 95.0%"
