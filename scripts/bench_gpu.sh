@@ -11,7 +11,7 @@
 # arguments; default the 1B shape, micro-batch 8 x 2048, no remat), HF_ARGS (baseline
 # arguments; default the same shape and batch), HF_COMPILE (the baseline's switch to
 # torch.compile), BUDGET (seconds, default 420), RUNS (which of the runs below, by the
-# names of their output files; default all seven).
+# names of their output files; default all eight).
 # Wheels the GPU image lacks (grain, array-record, portpicker) are installed from .whl/.
 set -u
 OUT=${1:-${OUT:-/tmp/bench_gpu}}
@@ -21,7 +21,7 @@ HF_ARGS=${HF_ARGS:---size 1b --steps 10 --warmup 2 train.micro_batch_size=8}
 HF_COMPILE=${HF_COMPILE:---compile}  # ../shared/bench/hf_llama_step.py: "--compile 1"
 BUDGET=${BUDGET:-420}
 RUNS=${RUNS:-ultrajax-causal hf-compiled ultrajax-selective ultrajax-packed \
-ultrajax-packed-fused ultrajax-whole-logits hf-eager}
+ultrajax-packed-fused ultrajax-packed-docs4 ultrajax-whole-logits hf-eager}
 mkdir -p "$OUT"
 start=$(date +%s)
 source "$(dirname "$0")/gpu_common.sh"
@@ -29,9 +29,10 @@ versions
 
 # In the order a short budget keeps the most: the default step (the LM head and loss in
 # chunks: model.loss_chunk auto), the baseline, selective recomputation (the memory
-# target), packed documents (the Pallas kernel, its two backward kernels, then its one),
-# then the same step with whole logits (loss_chunk=0: what chunking costs or saves), and
-# transformers eager last.
+# target), packed documents (the Pallas kernel; one document a row, the kernel's worst case
+# as it skips nothing: its two backward kernels, then its one; then four documents a row
+# of uneven lengths), then the same step with whole logits (loss_chunk=0: what chunking
+# costs or saves), and transformers eager last.
 want() { [[ " $RUNS " == *" $1 "* ]]; }
 step() {  # step NAME OVERRIDES...: bench_step.py's 1B step, if RUNS names it
   local name=$1
@@ -47,6 +48,7 @@ if want hf-compiled; then run hf-compiled 140 python3 "$HF" --label compiled $HF
 step ultrajax-selective data.cross_doc_mask=false model.remat=selective
 step ultrajax-packed data.cross_doc_mask=true
 step ultrajax-packed-fused data.cross_doc_mask=true model.attention_backward=fused
+step ultrajax-packed-docs4 data.cross_doc_mask=true --docs 4
 step ultrajax-whole-logits data.cross_doc_mask=false model.loss_chunk=0
 # shellcheck disable=SC2086
 if want hf-eager; then run hf-eager 90 python3 "$HF" --label eager $HF_ARGS; fi

@@ -75,17 +75,18 @@ def size_overrides(name: str, platform: str, user: list[str]) -> list[str]:
     return out + list(user)
 
 
-def random_batch(cfg, batch_sh, rng):
-    """A Batch of random tokens, one document a row, on the devices."""
+def random_batch(cfg, batch_sh, rng, documents: int = 1):
+    """A Batch of random tokens, `documents` a row (uneven lengths), on the devices."""
     from ultrajax.parallel.context import token_order
     from ultrajax.train import batch
 
-    packed = batch.random_packed(cfg.global_batch, cfg.model.seq_len, cfg.model.vocab_size, rng)
+    m = cfg.model
+    packed = batch.random_packed(cfg.global_batch, m.seq_len, m.vocab_size, rng, documents)
     b = batch.make(packed, cfg.data.cross_doc_mask, cfg.train.grad_accum, token_order(cfg))
     return batch.place(b, batch_sh)
 
 
-def bench(name: str, cfg, steps: int, warmup: int) -> dict:
+def bench(name: str, cfg, steps: int, warmup: int, documents: int = 1) -> dict:
     import jax
     import numpy as np
 
@@ -95,7 +96,7 @@ def bench(name: str, cfg, steps: int, warmup: int) -> dict:
     mesh, _, _, state, step_fn, _, batch_sh = build_run(cfg)
     rng = np.random.default_rng(cfg.train.seed)
     with jax.set_mesh(mesh):
-        batches = [random_batch(cfg, batch_sh, rng) for _ in range(2)]
+        batches = [random_batch(cfg, batch_sh, rng, documents) for _ in range(2)]
         t0 = time.perf_counter()
         pos = np.float32(0)  # the schedule's position, as the train loop passes it
         compiled = step_fn.lower(state, batches[0], pos).compile()
@@ -126,7 +127,8 @@ def bench(name: str, cfg, steps: int, warmup: int) -> dict:
         "layout": f"{cfg.train.micro_batch_size}x{cfg.model.seq_len}, dp={cfg.dp},"
         + (f" cp={cfg.mesh.sequence}," if cfg.mesh.sequence > 1 else "")
         + (f" tp={cfg.mesh.tensor}," if cfg.mesh.tensor > 1 else "")
-        + f" {cfg.model.dtype}, remat={cfg.model.remat}",
+        + f" {cfg.model.dtype}, remat={cfg.model.remat}"
+        + (f", {documents} docs a row" if documents > 1 else ""),
     }
 
 
@@ -156,6 +158,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per size (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after compiling")
     p.add_argument("--cpu-devices", type=int, default=None, metavar="N", help="simulate N CPUs")
+    p.add_argument("--docs", type=int, default=1, metavar="N",
+                   help="documents a row, of uneven lengths (default 1; the attention sees "
+                        "them apart with data.cross_doc_mask=true)")  # fmt: skip
     p.add_argument(
         "--compare-torch",
         action="store_true",
@@ -163,8 +168,8 @@ def main(argv=None) -> int:
     )
     p.add_argument("overrides", nargs="*", help="config overrides for every size, e.g. a=b")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.docs < 1:
+        p.error("--steps and --docs must be >= 1 and --warmup >= 0")
 
     from ultrajax import cli
     from ultrajax.config.parse import load
@@ -196,11 +201,12 @@ def main(argv=None) -> int:
     else:
         source = peaks.device_peak(device, cfgs[0][1].model)[1] + " x devices"
     print(f"peak: {source}")
-    print(f"timing: {args.warmup} warm-up + {args.steps} timed steps per size, random tokens")
+    print(f"timing: {args.warmup} warm-up + {args.steps} timed steps per size, random tokens, "
+          f"{args.docs} document{'s' if args.docs > 1 else ''} a row")  # fmt: skip
     rows = []
     for name, cfg in cfgs:
         try:
-            rows.append(bench(name, cfg, args.steps, args.warmup))
+            rows.append(bench(name, cfg, args.steps, args.warmup, args.docs))
         except ConfigError as e:
             cli.fail(f"size {name}: {e}")
         print(f"  {name}: {rows[-1]['step_ms']:.1f} ms/step", file=sys.stderr, flush=True)

@@ -18,13 +18,18 @@ from pathlib import Path
 LABELS = {  # output file: the row's label, in the table's order
     "ultrajax-causal": "ultrajax, causal (defaults: auto attention, auto loss_chunk)",
     "ultrajax-selective": "ultrajax, causal, model.remat=selective",
-    "ultrajax-packed": "ultrajax, packed documents (auto: the Pallas kernel)",
+    "ultrajax-packed": "ultrajax, packed documents (auto: the Pallas kernel), one a row",
     "ultrajax-packed-fused": "ultrajax, packed, model.attention_backward=fused",
+    "ultrajax-packed-docs4": "ultrajax, packed, 4 documents a row (uneven)",
     "ultrajax-whole-logits": "ultrajax, causal, loss_chunk=0 (whole logits)",
     "hf-eager": "transformers eager",
     "hf-compiled": "transformers + torch.compile",
 }
-PACKED = {"ultrajax-packed": "packed", "ultrajax-packed-fused": "packed, fused backward"}
+PACKED = {  # against the causal step: one document a row (the kernel skips nothing), four
+    "ultrajax-packed": "packed, one document a row",
+    "ultrajax-packed-fused": "packed, one document a row, fused backward",
+    "ultrajax-packed-docs4": "packed, 4 documents a row",
+}
 
 
 def ultrajax(path: Path):

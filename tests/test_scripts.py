@@ -14,10 +14,12 @@ def test_bench_step_prints_its_table(capsys):
     import bench_step
 
     tiny = ["model.n_layers=1", "model.seq_len=32", "train.micro_batch_size=1"]
-    assert bench_step.main(["--sizes", "tiny", "--steps", "1", "--warmup", "0", *tiny]) == 0
+    args = ["--sizes", "tiny", "--steps", "1", "--warmup", "0", "--docs", "3"]
+    assert bench_step.main([*args, *tiny, "data.cross_doc_mask=true"]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| tiny |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2].endswith("3 docs a row"), cells[2]  # packed rows, as --docs asked
     assert float(cells[5].replace(",", "")) > 0  # tokens/s
 
 
@@ -209,4 +211,4 @@ def test_step_table_reports_the_runs_asked_for_with_their_ratios(tmp_path):
     causal = rows[step_table.LABELS["ultrajax-causal"]]
     assert causal == ["60,000", "40.0%", "38.0%", "40.0", "1.200x", "0.80x"]
     assert rows[step_table.LABELS["ultrajax-selective"]][0].startswith("failed or skipped")
-    assert lines[-1] == "packed / causal tokens/s: 95.0%"
+    assert lines[-1] == "packed, one document a row / causal tokens/s: 95.0%"

@@ -282,6 +282,25 @@ def test_mixture_weights_hold_and_resume():
     np.testing.assert_array_equal(next(again)["tokens"], nxt)
 
 
+def test_random_packed_rows_hold_the_documents_asked_for():
+    """The benchmarks' random rows (bench_step.py --docs): `documents` a row, ids rising
+    from 1 by one at each start, positions counted from each document's start; one
+    document a row is the row's own positions."""
+    rng = np.random.default_rng(3)
+    one = batch_lib.random_packed(3, 31, 50, rng)
+    assert (one["segment_ids"] == 1).all()
+    np.testing.assert_array_equal(one["positions"], np.broadcast_to(np.arange(32), (3, 32)))
+    packed = batch_lib.random_packed(5, 31, 50, rng, documents=4)
+    seg, pos = packed["segment_ids"], packed["positions"]
+    assert seg.shape == pos.shape == packed["tokens"].shape == (5, 32)
+    steps = np.diff(seg, axis=1)
+    assert (seg[:, 0] == 1).all() and (seg[:, -1] == 4).all() and set(steps.ravel()) <= {0, 1}
+    starts = np.concatenate([np.ones((5, 1), bool), steps == 1], axis=1)
+    assert (pos[starts] == 0).all() and (np.diff(pos, axis=1)[steps == 0] == 1).all()
+    with pytest.raises(ValueError, match="documents"):
+        batch_lib.random_packed(1, 7, 50, rng, documents=9)
+
+
 def test_rows_needed_and_place_rows_match_placing_the_whole_batch():
     axes = ("data", "fsdp", "expert", "sequence")
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 1, 2), axes)

@@ -64,14 +64,22 @@ def make(packed: dict, cross_doc_mask: bool, grad_accum: int | None = None, orde
     return Batch(*(np.ascontiguousarray(a) for a in out))
 
 
-def random_packed(n_rows: int, seq_len: int, vocab_size: int, rng) -> dict:
-    """Packed rows of random tokens, one document a row (benchmarks: nothing to read)."""
+def random_packed(n_rows: int, seq_len: int, vocab_size: int, rng, documents: int = 1) -> dict:
+    """Packed rows of random tokens (benchmarks: nothing to read): `documents` a row, of
+    uneven lengths (cut at distinct random places), ids rising from 1 along the row and
+    positions counted from each document's start, as the data pipeline packs them."""
     shape = (n_rows, seq_len + 1)
-    return {
-        "tokens": rng.integers(0, vocab_size, size=shape, dtype=np.int32),
-        "segment_ids": np.ones(shape, np.int32),
-        "positions": np.broadcast_to(np.arange(seq_len + 1, dtype=np.int32), shape),
-    }
+    if not 1 <= documents <= seq_len + 1:
+        raise ValueError(f"documents must be in 1..{seq_len + 1} a row, got {documents}")
+    tokens = rng.integers(0, vocab_size, size=shape, dtype=np.int32)
+    seg = np.ones(shape, np.int32)
+    pos = np.broadcast_to(np.arange(seq_len + 1, dtype=np.int32), shape).copy()
+    for row in range(n_rows if documents > 1 else 0):
+        cuts = np.sort(rng.choice(np.arange(1, seq_len + 1), documents - 1, replace=False))
+        for cut in cuts:
+            seg[row, cut:] += 1
+            pos[row, cut:] -= pos[row, cut]
+    return {"tokens": tokens, "segment_ids": seg, "positions": pos}
 
 
 SPEC = PartitionSpec(None, DATA_AXES, SEQUENCE_AXIS)
