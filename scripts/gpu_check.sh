@@ -47,7 +47,7 @@ if want step; then  # the 1B step's runs of the issue's targets; a norm part kee
   echo "== step: bench_gpu.sh with $left s"
   RUNS=${RUNS:-ultrajax-causal hf-compiled ultrajax-selective ultrajax-packed \
     ultrajax-packed-fused ultrajax-packed-docs4} \
-    BUDGET=$left bash scripts/bench_gpu.sh "$OUT/step" 2>&1 | tail -9
+    BUDGET=$left bash scripts/bench_gpu.sh "$OUT/step" 2>&1 | tail -14
 fi
 if want norm; then  # the Triton norm compiled and held to XLA's, then its time beside XLA's
   run triton-numerics 40 python3 -m pytest -q -p no:cacheprovider --override-ini=addopts= -rs \
