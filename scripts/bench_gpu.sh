@@ -53,5 +53,5 @@ step ultrajax-whole-logits data.cross_doc_mask=false model.loss_chunk=0
 # shellcheck disable=SC2086
 if want hf-eager; then run hf-eager 90 python3 "$HF" --label eager $HF_ARGS; fi
 
-python3 "$(dirname "$0")/step_table.py" "$OUT" "$RUNS"
+python3 "$(dirname "$0")/step_table.py" "$OUT" "$RUNS" | tee "$OUT/step_table.txt"
 echo "total $(($(date +%s) - start)) s"

@@ -20,7 +20,8 @@
 # BUDGET: seconds (default 470). Wheels the GPU image lacks (grain, array-record,
 # portpicker, jax-triton) come from .whl/ (docs/kernels.md says how to fetch them); flax
 # and jax are the image's.
-# Each part writes OUT_DIR/<name>.txt; bench_gpu.sh's table is OUT_DIR/step/.
+# Each part writes OUT_DIR/<name>.txt; bench_gpu.sh's table is OUT_DIR/step/; every table
+# and verdict line, with the versions, ends in OUT_DIR/summary.md.
 set -u
 OUT=${1:-${OUT:-/tmp/gpu_check}}
 BUDGET=${BUDGET:-470}
@@ -88,3 +89,16 @@ if want moe; then  # the MoE layer's native ragged_dot: numerics, time, compiled
   run moe 120 python3 scripts/check_moe_gpu.py
 fi
 echo "total $(($(date +%s) - start)) s"
+{  # every part's tables and verdict lines in one file, in RESULTS.md's form, for the record
+  echo "gpu_check.sh, PARTS=\"$PARTS\", $(($(date +%s) - start)) s of a $BUDGET s budget"
+  sed 's/^/    /' "$OUT/versions.txt"
+  for f in "$OUT"/*.txt "$OUT"/step/step_table.txt; do
+    [ -f "$f" ] || continue
+    case $(basename "$f") in versions.txt) continue ;; esac
+    echo
+    echo "**${f#"$OUT"/}**"
+    echo
+    grep -E '^(\||ok |FAIL|XLA_FLAGS|== .*skipped|packed.*causal tokens/s)' "$f" || echo "(no table: see the file)"
+  done
+} >"$OUT/summary.md"
+echo "summary: $OUT/summary.md"
