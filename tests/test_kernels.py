@@ -194,7 +194,9 @@ def test_the_grid_order_changes_no_value():
     """BlockSizes.blocks_first (blocks fastest, query blocks numbered from the last)
     against batch and head fastest: each program computes the same block either way, and
     the one-kernel backward's dQ adds come in the same key-block order per row, so out,
-    lse and every gradient are equal bit for bit (packed documents, GQA 4:1, causal)."""
+    lse and every gradient agree (packed documents, GQA 4:1, causal). Bit for bit on the
+    CPU this was written on; the bound is a few fp32 roundings of the largest magnitude,
+    as XLA:CPU may fuse the two interpreted programs' loops apart on another CPU."""
     b, t, h, kv, d, _ = CASES["packed-gqa4"]
     q, k, v, seg = inputs(b, t, h, kv, d, jnp.float32, seed=5)
     do = jnp.asarray(np.random.default_rng(3).standard_normal(q.shape), jnp.float32)
@@ -206,8 +208,11 @@ def test_the_grid_order_changes_no_value():
                                    blocks=blocks, interpret=True)  # fmt: skip
             runs.append([*fn(q, k, v), *grads(fn, q, k, v, seg, do)])
         for got, want, name in zip(*runs, ("out", "lse", "dq", "dk", "dv"), strict=True):
-            assert np.isfinite(np.asarray(got)).all(), name
-            np.testing.assert_array_equal(got, want, err_msg=f"{name}, fused={fused}")
+            got, want = np.asarray(got), np.asarray(want)
+            assert np.isfinite(got).all(), name
+            scale = np.abs(np.where(np.isfinite(want), want, 0)).max()
+            np.testing.assert_allclose(got, want, rtol=0, atol=4 * np.finfo(np.float32).eps * scale,
+                                       err_msg=f"{name}, fused={fused}")  # fmt: skip
 
 
 @pytest.mark.parametrize(
