@@ -65,6 +65,21 @@ def private_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(autouse=True)
+def xla_flags_restored():
+    """XLA_FLAGS as it was before each test. The train command and bench_step.py add the
+    GPU overlap flags to their own process's XLA_FLAGS (train/overlap.py); a test that
+    calls their main in-process would hand them to the next test in its worker, and
+    bench_overlap.py refuses to compare the flags with them set (seen in a full run: a
+    failure that depended on which worker ran which file)."""
+    before = os.environ.get("XLA_FLAGS")
+    yield
+    if before is None:
+        os.environ.pop("XLA_FLAGS", None)
+    else:
+        os.environ["XLA_FLAGS"] = before
+
+
 @pytest.fixture(scope="session")
 def random_params():
     """make(cfg, seed) -> a parameter dict shaped like model.init_params, filled from numpy.
