@@ -79,8 +79,8 @@ if want flags; then  # XLA's GPU code generation on the 1B step (selective): eac
   for flags in "" --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_command_buffer= \
     --xla_gpu_enable_cublaslt=true; do
     echo "== XLA_FLAGS=$flags"
-    XLA_FLAGS="${XLA_FLAGS:-} $flags" run "flags-$i" 90 python3 scripts/bench_step.py --sizes 1b --steps 10 \
-      --warmup 2 train.micro_batch_size=8 model.remat=selective
+    XLA_FLAGS="${XLA_FLAGS:-} $flags" run "flags-$i" 90 python3 scripts/bench_step.py \
+      --sizes 1b --steps 10 --warmup 2 train.micro_batch_size=8 model.remat=selective
     echo "XLA_FLAGS=$flags" >>"$OUT/flags-$i.txt"
     i=$((i + 1))
   done
