@@ -33,14 +33,16 @@ PACKED = {  # against the causal step: one document a row (the kernel skips noth
 
 
 def ultrajax(path: Path):
-    """(tokens/s, (MFU, MFU causal), peak GiB or None) off bench_step.py's last row."""
+    """(tokens/s, (MFU, MFU causal), peak GiB or None) off bench_step.py's last row, its
+    columns found by their names in the table's header."""
     rows = [r for r in path.read_text().splitlines() if r.startswith("| ") and "---" not in r]
     if len(rows) < 2:  # the header alone: the run failed or was skipped
         return None
-    cells = [c.strip() for c in rows[-1].strip("|").split("|")]
-    mem = cells[10].split()[0] if len(cells) > 10 and cells[10] != "-" else None
-    causal = cells[11] if len(cells) > 11 else ""
-    return float(cells[5].replace(",", "")), (cells[7], causal), float(mem) if mem else None
+    head, last = ([c.strip() for c in r.strip("|").split("|")] for r in (rows[0], rows[-1]))
+    cell = dict(zip(head, last, strict=True))
+    mem = cell["peak memory"].split()[0] if cell["peak memory"] != "-" else None
+    tokens = float(cell["tokens/s"].replace(",", ""))
+    return tokens, (cell["MFU"], cell["MFU causal"]), float(mem) if mem else None
 
 
 def baseline(path: Path):

@@ -190,18 +190,20 @@ def test_step_table_reports_the_runs_asked_for_with_their_ratios(tmp_path):
     ratios to torch.compile's tokens/s and memory, packed against causal; a run asked for
     whose file holds only the header is named as failed; a file of a run not asked for
     (an older call's) is never read."""
+    import bench_step
     import step_table
 
-    head = "| model | params | batch | tokens/step | step ms | tokens/s | peak FLOP/s | MFU |"
-
-    def ultrajax(name, tokens, mem):
-        row = f"| 1b | 1.2B | 8x2048 | 16384 | 1 | {tokens:,} | 989T | 40.0% | 40.0% | 30 | {mem} GiB | 38.0% |"  # noqa: E501
-        (tmp_path / f"{name}.txt").write_text(f"{head}\n|---|\n{row}\n")
+    def ultrajax(name, tokens, mem):  # a run's file as bench_step.py writes its table
+        row = {"model": "1b", "params": 1.2e9, "layout": "8x2048", "tokens_per_step": 16384,
+               "step_ms": 1.0, "tokens_per_s": tokens, "peak": 989e12, "mfu": 0.4,
+               "hfu": 0.4, "compile_s": 30.0, "memory": mem * 2**30,
+               "mfu_causal": 0.38}  # fmt: skip
+        (tmp_path / f"{name}.txt").write_text(bench_step.table([row]) + "\n")
 
     ultrajax("ultrajax-causal", 60000, 40.0)
     ultrajax("ultrajax-packed", 57000, 40.0)
     ultrajax("ultrajax-whole-logits", 1, 1.0)  # an older call's: not asked for
-    (tmp_path / "ultrajax-selective.txt").write_text(f"{head}\n|---|\n")  # failed
+    (tmp_path / "ultrajax-selective.txt").write_text(bench_step.table([]) + "\n")  # failed
     (tmp_path / "hf-compiled.txt").write_text('{"tokens_per_s": 50000.0, "peak_gib": 50.0}\n')
     runs = "ultrajax-causal ultrajax-selective ultrajax-packed hf-compiled"
     lines = step_table.table(tmp_path, runs.split()).splitlines()
