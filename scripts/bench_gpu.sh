@@ -21,7 +21,7 @@ HF_ARGS=${HF_ARGS:---size 1b --steps 10 --warmup 2 train.micro_batch_size=8}
 HF_COMPILE=${HF_COMPILE:---compile}  # ../shared/bench/hf_llama_step.py: "--compile 1"
 BUDGET=${BUDGET:-420}
 RUNS=${RUNS:-ultrajax-causal hf-compiled ultrajax-selective ultrajax-packed \
-ultrajax-packed-fused ultrajax-packed-docs4 ultrajax-whole-logits hf-eager}
+ultrajax-packed-docs4 ultrajax-packed-fused ultrajax-whole-logits hf-eager}
 mkdir -p "$OUT"
 start=$(date +%s)
 source "$(dirname "$0")/gpu_common.sh"
@@ -30,8 +30,8 @@ versions
 # In the order a short budget keeps the most: the default step (the LM head and loss in
 # chunks: model.loss_chunk auto), the baseline, selective recomputation (the memory
 # target), packed documents (the Pallas kernel; one document a row, the kernel's worst case
-# as it skips nothing: its two backward kernels, then its one; then four documents a row
-# of uneven lengths), then the same step with whole logits (loss_chunk=0: what chunking
+# as it skips nothing, then four documents a row of uneven lengths, then one a row with
+# the one-kernel backward, which the attention part also times alone), then the same step with whole logits (loss_chunk=0: what chunking
 # costs or saves), and transformers eager last.
 want() { [[ " $RUNS " == *" $1 "* ]]; }
 step() {  # step NAME OVERRIDES...: bench_step.py's 1B step, if RUNS names it
@@ -47,8 +47,8 @@ step ultrajax-causal data.cross_doc_mask=false
 if want hf-compiled; then run hf-compiled 140 python3 "$HF" --label compiled $HF_COMPILE $HF_ARGS; fi
 step ultrajax-selective data.cross_doc_mask=false model.remat=selective
 step ultrajax-packed data.cross_doc_mask=true
-step ultrajax-packed-fused data.cross_doc_mask=true model.attention_backward=fused
 step ultrajax-packed-docs4 data.cross_doc_mask=true --docs 4
+step ultrajax-packed-fused data.cross_doc_mask=true model.attention_backward=fused
 step ultrajax-whole-logits data.cross_doc_mask=false model.loss_chunk=0
 # shellcheck disable=SC2086
 if want hf-eager; then run hf-eager 90 python3 "$HF" --label eager $HF_ARGS; fi

@@ -5,7 +5,8 @@
 # kernel beside cuDNN (causal, seq 2048/4096/8192, head_dim 64 and 128, both backwards; at
 # head_dim 64 also the grid's order before), and the 1B step beside transformers +
 # torch.compile (scripts/bench_gpu.sh: causal, selective recomputation, packed documents
-# one a row with each backward and four a row; the baseline in the same call). More
+# one a row, four a row, and one a row with the one-kernel backward, the run a short
+# budget drops first; the baseline in the same call). More
 # parts, each asked for by name (a second call): the fused norm beside XLA, the packed
 # kernel alone, the sweeps of tiles, warps and stages, where the step's time goes
 # (scripts/profile_step.py), XLA's GPU code-generation flags on the step, and the MoE
@@ -47,7 +48,7 @@ if want step; then  # the 1B step's runs of the issue's targets; a norm part kee
   left=$((BUDGET - ($(date +%s) - start) - keep))
   echo "== step: bench_gpu.sh with $left s"
   RUNS=${RUNS:-ultrajax-causal hf-compiled ultrajax-selective ultrajax-packed \
-    ultrajax-packed-fused ultrajax-packed-docs4} \
+    ultrajax-packed-docs4 ultrajax-packed-fused} \
     BUDGET=$left bash scripts/bench_gpu.sh "$OUT/step" 2>&1 | tail -14
 fi
 if want norm; then  # the Triton norm compiled and held to XLA's, then its time beside XLA's
