@@ -9,15 +9,15 @@
 # budget drops first; the baseline in the same call). More
 # parts, each asked for by name (a second call): the fused norm beside XLA, the packed
 # kernel alone, the sweeps of tiles, warps and stages, where the step's time goes
-# (scripts/profile_step.py), XLA's GPU code-generation flags on the step, and the MoE
-# layer.
+# (scripts/profile_step.py), XLA's GPU code-generation flags on the step, the step's
+# other recomputation settings (full; offload, never run before), and the MoE layer.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]               # issue 32's figures
 #   PARTS="sweep profile" bash scripts/gpu_check.sh   # others, by name
 #   PARTS=all bash scripts/gpu_check.sh               # every part (more than one call)
 #
 # PARTS: any of numerics, attention, step (the default), norm, packed, sweep, profile,
-# flags, moe.
+# flags, remat, moe.
 # BUDGET: seconds (default 470). Wheels the GPU image lacks (grain, array-record,
 # portpicker, jax-triton) come from .whl/ (docs/kernels.md says how to fetch them); flax
 # and jax are the image's.
@@ -27,7 +27,7 @@ set -u
 OUT=${1:-${OUT:-/tmp/gpu_check}}
 BUDGET=${BUDGET:-470}
 PARTS=${PARTS:-numerics attention step}
-[ "$PARTS" = all ] && PARTS="numerics attention step norm packed sweep profile flags moe"
+[ "$PARTS" = all ] && PARTS="numerics attention step norm packed sweep profile flags remat moe"
 mkdir -p "$OUT"
 start=$(date +%s)
 source "$(dirname "$0")/gpu_common.sh"
@@ -86,6 +86,12 @@ if want flags; then  # XLA's GPU code generation on the 1B step (selective): eac
     i=$((i + 1))
   done
 fi
+if want remat; then  # the 1B step's recomputation settings beside selective (the config's)
+  left=$((BUDGET - ($(date +%s) - start)))
+  echo "== remat: bench_gpu.sh with $left s"
+  RUNS="ultrajax-selective ultrajax-full ultrajax-offload" BUDGET=$left \
+    bash scripts/bench_gpu.sh "$OUT/remat" 2>&1 | tail -8
+fi
 if want moe; then  # the MoE layer's native ragged_dot: numerics, time, compiled memory
   run moe 120 python3 scripts/check_moe_gpu.py
 fi
@@ -93,7 +99,7 @@ echo "total $(($(date +%s) - start)) s"
 {  # every part's tables and verdict lines in one file, in RESULTS.md's form, for the record
   echo "gpu_check.sh, PARTS=\"$PARTS\", $(($(date +%s) - start)) s of a $BUDGET s budget"
   sed 's/^/    /' "$OUT/versions.txt"
-  for f in "$OUT"/*.txt "$OUT"/step/step_table.txt; do
+  for f in "$OUT"/*.txt "$OUT"/step/step_table.txt "$OUT"/remat/step_table.txt; do
     [ -f "$f" ] || continue
     case $(basename "$f") in versions.txt) continue ;; esac
     echo
