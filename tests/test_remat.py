@@ -2,6 +2,7 @@
 compiled memory the more is recomputed, and exactly the predicted extra FLOPs."""
 
 import math
+import re
 
 import harness
 import jax
@@ -138,3 +139,54 @@ def test_offload_is_a_clear_error_on_cpu_and_analysed_without_compiling():
     with pytest.raises(ConfigError, match="offload"):
         analyze.analyze(cfg, compile=True, devices=jax.devices()[:1])
     assert math.isfinite(analyze.analyze(cfg, devices=jax.devices()[:1])["predicted"]["peak"])
+
+
+def _offloaded_bytes(text: str) -> int:
+    """Bytes the lowered module places in pinned host memory (one layer's, in a scan)."""
+    total = 0
+    for line in text.splitlines():
+        if '_xla_buffer_placement = "pinned_host"' in line:
+            shape, dtype = re.search(r"\(tensor<([0-9x]+)x(f32|bf16)>\)", line).groups()
+            total += math.prod(int(n) for n in shape.split("x")) * (4 if dtype == "f32" else 2)
+    return total
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        (),
+        ("model.dtype=bfloat16",),
+        ("mesh.data=2", "mesh.fsdp=2", "parallel.zero=3"),
+        ("mesh.tensor=2", "parallel.sequence_parallel=true"),
+        ("mesh.sequence=2",),
+        ("model.moe_experts=4", "mesh.expert=2"),
+        ("model.moe_experts=4", "model.moe_every=2", "model.n_layers=4"),
+    ],
+    ids=["one", "bf16", "zero3", "tp-sp", "cp2", "moe-ep2", "moe-every2"],
+)
+def test_offload_lowers_for_a_gpu_moving_what_the_memory_model_counts(layout):
+    """model.remat=offload compiles on a GPU only, but its step lowers for one here
+    (StableHLO for cuda, not compiled): the layer loop's body places in pinned host
+    memory exactly the bytes per device that the memory model's host row counts, under
+    data, ZeRO-3, tensor + sequence and context parallelism, and with MoE layers (their
+    experts' rows; a dense and an MoE layer a body with moe_every=2); selective places
+    none there. (Before, the host row counted a dense MLP's rows in an MoE layer: 1/3 of
+    what expert parallelism over 2 moves.)"""
+    over = ("model.remat=offload", "model.n_layers=2", "model.scan_unroll=1", *layout)
+    cfg, devices = harness.make(*over)
+    moved = _offloaded_bytes(analyze.lower_step(cfg, devices, "cuda").as_text())
+    bodies = cfg.model.n_layers // (cfg.model.moe_every if cfg.model.moe else 1)
+    assert moved > 0
+    assert moved * bodies == memory.estimate(cfg).host
+    kept, devices = harness.make(*over, "model.remat=selective")
+    assert _offloaded_bytes(analyze.lower_step(kept, devices, "cuda").as_text()) == 0
+
+
+def test_offload_with_a_pipeline_is_refused_at_validation():
+    """The pipeline's schedule stores each micro-batch's saved activations in one device
+    buffer of its loop (dynamic_update_slice), which host arrays cannot join: jax refuses
+    it while tracing ("memory_space of all inputs ... must be the same"), so validation
+    says so first."""
+    with pytest.raises(ConfigError, match="offload with mesh.pipeline > 1"):
+        harness.make("model.remat=offload", "mesh.pipeline=2", "train.grad_accum=4")
+    harness.make("model.remat=selective", "mesh.pipeline=2", "train.grad_accum=4")

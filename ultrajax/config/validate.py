@@ -483,6 +483,12 @@ def _validate_pipeline(cfg: Config, build_schedule: bool = True) -> None:
         "compose yet; use one of them",
     )
     _check(
+        cfg.model.remat != "offload",
+        "model.remat=offload with mesh.pipeline > 1: the schedule keeps each micro-batch's "
+        "saved activations in one device buffer of its loop, which host memory cannot join; "
+        "use selective or full",
+    )
+    _check(
         not (par.zero == 3 and cfg.mesh.fsdp > 1),
         "parallel.zero=3 with mesh.pipeline > 1: ZeRO-3 would all-gather every stage's "
         "weights again at every micro-batch tick; use parallel.zero=1 or 2 (docs/pipeline.md)",

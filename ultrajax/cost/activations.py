@@ -235,11 +235,17 @@ def moe_saved(cfg: Config) -> float:
 
 
 def offloaded_per_layer(cfg: Config) -> float:
-    """remat=offload: bytes per layer moved to pinned host memory instead of kept."""
+    """remat=offload: bytes per layer moved to pinned host memory instead of kept: what
+    selective keeps but the block input (an MoE layer's experts' rows included; the mean
+    over the layers where dense and MoE layers interleave). Checked against the step
+    lowered for a GPU (tests/test_remat.py)."""
     if cfg.model.remat != "offload":
         return 0.0
-    d = dims(cfg)
-    return d.c * (2 * d.Q + 2 * d.K + 2 * d.F)
+    selective = copy.copy(cfg)
+    selective.model = copy.copy(cfg.model)
+    selective.model.remat = "selective"
+    parts = saved_per_layer(selective)
+    return sum(parts.values()) - parts["norms"]
 
 
 def invariant_activations(cfg: Config) -> float:

@@ -388,7 +388,6 @@ def _pipelined(cfg: Config, fixed: _Fixed, platform: str | None = None) -> Estim
     activations = pipeline_buffers(cfg)
     saved = sum(activations.values())
     per_chunk = m.n_layers // (plan.p * plan.v)
-    host = (plan.slots["res"] + 1) * per_chunk * offloaded_per_layer(cfg)
     # a chunk of several layers stacks its residuals before they go into their slot
     chunk_res = per_chunk * sum(pipeline_saved_per_layer(cfg).values()) if per_chunk > 1 else 0
     work = layer_work(cfg, PIPE_WORK[work_features(cfg)[0]], PIPE_ATTN_S, platform)
@@ -409,9 +408,7 @@ def _pipelined(cfg: Config, fixed: _Fixed, platform: str | None = None) -> Estim
         head_work=fixed.head_work,
         work=work,
     )
-    return Estimate(
-        parts, activations, phases, fixed.arguments, fixed.outputs, host, pipelined=True
-    )
+    return Estimate(parts, activations, phases, fixed.arguments, fixed.outputs, pipelined=True)
 
 
 def summary_lines(cfg: Config, measured_peak: int | None = None) -> list[str]:

@@ -112,8 +112,10 @@ def abstract_inputs(cfg: Config, mesh, rules, tx):
     return state, batch, shardings, batch_sh
 
 
-def lower_step(cfg: Config, devices=None):
-    """The train step (step.jit_train_step) lowered on abstract inputs over `devices`."""
+def lower_step(cfg: Config, devices=None, platform: str | None = None):
+    """The train step (step.jit_train_step) lowered on abstract inputs over `devices`;
+    `platform` ("cuda"): lowered for that backend instead of the devices' own, to be
+    read, not compiled (what a GPU's step would hold, checked on a CPU host)."""
 
     devices = list(jax.devices() if devices is None else devices)
     mesh = mesh_lib.make_mesh(cfg, devices)
@@ -122,7 +124,9 @@ def lower_step(cfg: Config, devices=None):
     state, batch, shardings, batch_sh = abstract_inputs(cfg, mesh, rules, tx)
     with jax.set_mesh(mesh):
         step = jit_train_step(cfg, mesh, rules, tx, schedule, shardings, batch_sh)
-        return step.lower(state, batch)
+        if platform is None:
+            return step.lower(state, batch)
+        return step.trace(state, batch).lower(lowering_platforms=(platform,))
 
 
 def compile_step(cfg: Config, devices=None, compiler_options: dict | None = None):
