@@ -32,12 +32,10 @@ What it supports, and how:
 A query row with no key to attend to (never the case under causal masking, where each
 token sees itself) gives zeros and lse = -inf, never NaN.
 
-On a CPU it runs with `interpret=True` (the tests); on a GPU through Pallas's Triton
-lowering, where fp32 inputs are multiplied in TF32 (bf16 is the training dtype; measured
-against cuDNN in benchmarks/RESULTS.md, `scripts/bench_attention.py`). Shapes: q (batch,
-length, heads, head_dim), k and v (batch, kv_length, kv_heads, head_dim), segment ids
-(batch, length) and (batch, kv_length) int32. Its tests hold it to the one plain-jnp
-attention, ultrajax/model/attention/xla.py's `reference` (tests/test_kernels.py).
+Interpreted on a CPU (the tests, against ultrajax/model/attention/xla.py's `reference`);
+on a GPU through Pallas's Triton lowering, fp32 inputs in TF32 (benchmarks/RESULTS.md).
+Shapes: q (batch, length, heads, head_dim), k and v (batch, kv_length, kv_heads,
+head_dim), segment ids (batch, length) and (batch, kv_length) int32.
 """
 
 from __future__ import annotations
@@ -50,6 +48,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from ultrajax.kernels.varying import struct, vary_like
@@ -501,18 +500,19 @@ def _backward(q, k, v, qs, ks, delta, lse, do, *, blocks: BlockSizes, causal: bo
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _flash(q, k, v, qs, ks, blocks, flags):
-    o, lse = _forward(q, k, v, qs, ks, blocks=blocks, **flags._asdict())
-    return o, lse
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash(q, k, v, qs, ks, blocks, flags, saved_as):
+    return _forward(q, k, v, qs, ks, blocks=blocks, **flags._asdict())
 
 
-def _flash_fwd(q, k, v, qs, ks, blocks, flags):
+def _flash_fwd(q, k, v, qs, ks, blocks, flags, saved_as):
     o, lse = _forward(q, k, v, qs, ks, blocks=blocks, **flags._asdict())
+    if saved_as is not None:  # what a remat policy that keeps the name keeps
+        o, lse = checkpoint_name(o, saved_as), checkpoint_name(lse, saved_as)
     return (o, lse), (q, k, v, qs, ks, o, lse)
 
 
-def _flash_bwd(blocks, flags, res, cts):
+def _flash_bwd(blocks, flags, saved_as, res, cts):
     q, k, v, qs, ks, o, lse = res
     do, _ = cts  # the log-sum-exp output is for merging blocks; its gradient is not used
     dq, dk, dv = _backward(q, k, v, qs, ks, _delta(o, do), lse, do, blocks=blocks,
@@ -533,12 +533,9 @@ class Flags(NamedTuple):
 
 
 def _pad(x, axis, multiple, value=0):
-    extra = (-x.shape[axis]) % multiple
-    if not extra:
-        return x
     widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
+    widths[axis] = (0, (-x.shape[axis]) % multiple)
+    return jnp.pad(x, widths, constant_values=value) if widths[axis][1] else x
 
 
 def flash_attention(
@@ -551,11 +548,14 @@ def flash_attention(
     causal: bool = True,
     blocks: BlockSizes | None = None,
     interpret: bool = False,
+    saved_as: str | None = None,
 ):
     """(out (batch, length, heads, head_dim), lse (batch, length, heads), natural log).
 
     Differentiable in q, k, v (the lse's own gradient is not propagated: callers that
-    merge blocks use it for weights only). `blocks` None: `BlockSizes.of` the head_dim."""
+    merge blocks use it for weights only). `blocks` None: `BlockSizes.of` the head_dim.
+    `saved_as`: a `checkpoint_name` for the out and lse the backward reads: a remat policy
+    that keeps it runs no forward kernel again in the backward pass."""
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
     if h % kv:
@@ -573,7 +573,7 @@ def flash_attention(
     kp, vp = _pad(k, 1, step), _pad(v, 1, step)
     qs = _pad(q_segment_ids.astype(jnp.int32), 1, step, PAD_Q)
     ks = _pad(kv_segment_ids.astype(jnp.int32), 1, step, PAD_K)
-    o, lse = _flash(qp, kp, vp, qs, ks, blocks, Flags(causal, segmented, interpret))
+    o, lse = _flash(qp, kp, vp, qs, ks, blocks, Flags(causal, segmented, interpret), saved_as)
     return o[:, :t], lse[:, :, :t].transpose(0, 2, 1)
 
 

@@ -23,7 +23,7 @@ import argparse
 import sys
 import time
 
-from ultrajax.cost import flops
+from ultrajax.cost import activations, flops
 from ultrajax.train import peaks
 
 # Each size: model shape, sequence length and micro-batch. `cpu` sizes keep a run of the
@@ -112,6 +112,8 @@ def bench(name: str, cfg, steps: int, warmup: int, documents: int = 1) -> dict:
         jax.block_until_ready((state, out))
         step_s = (time.perf_counter() - t0) / steps
     tokens_per_s = cfg.tokens_per_step / step_s
+    saved = activations.keeps_residuals(cfg)  # selective runs no attention forward again
+    hardware = flops.hardware_flops_per_token(cfg.model, attention_saved=saved)
     return {
         "model": name,
         "params": param_count(cfg.model),
@@ -120,7 +122,7 @@ def bench(name: str, cfg, steps: int, warmup: int, documents: int = 1) -> dict:
         "tokens_per_s": tokens_per_s,
         "mfu": tokens_per_s * flops.flops_per_token(cfg.model) / peak,
         "mfu_causal": tokens_per_s * flops.flops_per_token(cfg.model, causal=True) / peak,
-        "hfu": tokens_per_s * flops.hardware_flops_per_token(cfg.model) / peak,
+        "hfu": tokens_per_s * hardware / peak,
         "peak": peak,
         "compile_s": compile_s,
         "memory": peaks.peak_memory_bytes(),  # GPU: the process's peak so far

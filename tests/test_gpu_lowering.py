@@ -8,11 +8,13 @@ kernel to run); jax's caches are emptied afterwards, so no trace made that way r
 a later test's CPU compile."""
 
 import re
+from types import SimpleNamespace
 
 import harness
 import jax
 import pytest
 
+from ultrajax.model import remat
 from ultrajax.tools import analyze
 
 # a GPU's tiles fit: head_dim 16, seq 256 (and 64-token chunks of it under context
@@ -78,3 +80,23 @@ def test_offload_places_the_saved_set_in_host_memory_beside_the_flash_kernels(as
     text = lowered("model.remat=offload", "mesh.data=2", "mesh.sequence=2")
     assert '_xla_buffer_placement = "pinned_host"' in text
     assert kernels(text) == SPLIT
+
+
+def test_selective_runs_cudnns_forward_once_a_layer(as_gpu, monkeypatch):
+    """jax.nn's cuDNN attention under selective recomputation: its forward primitive's
+    outputs (output and softmax statistics) are kept (model/remat.py CUDNN_FORWARD), so
+    the backward pass does not run the forward again, as full recomputation does. jax
+    asks for cuDNN while tracing; its version and the card's compute capability are
+    answered here (jax's private module: skipped if it moved)."""
+    cudnn = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    wrapper = getattr(cudnn, "_dot_product_attention_fwd_p_wrapper", None)
+    if wrapper is None or not hasattr(cudnn, "check_compute_capability"):
+        pytest.skip("jax's cuDNN attention module has changed")
+    assert wrapper.name == remat.CUDNN_FORWARD
+    monkeypatch.setattr(cudnn, "cuda_versions", SimpleNamespace(cudnn_get_version=lambda: 91000))
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
+    forwards = {}
+    for policy in ("none", "selective", "full"):
+        text = lowered("model.attention=cudnn", f"model.remat={policy}")
+        forwards[policy] = text.count("custom_call @__cudnn$fmhaScaleBiasSoftmax(")
+    assert forwards == {"none": 1, "selective": 1, "full": 2}

@@ -190,3 +190,35 @@ def test_offload_with_a_pipeline_is_refused_at_validation():
     with pytest.raises(ConfigError, match="offload with mesh.pipeline > 1"):
         harness.make("model.remat=offload", "mesh.pipeline=2", "train.grad_accum=4")
     harness.make("model.remat=selective", "mesh.pipeline=2", "train.grad_accum=4")
+
+
+@pytest.mark.parametrize("attention", ["blocked", "pallas"])
+def test_selective_keeps_a_flash_attentions_residuals_and_runs_no_attention_forward_again(
+    attention,
+):
+    """Selective recomputation keeps a flash attention's output and log-sum-exp
+    (remat.ATTN_SAVED, named by its forward rule; cuDNN's by its primitive), so the
+    backward pass runs no attention forward again: the blocked attention (plain XLA) and
+    our Pallas kernel (interpreted), whose compiled dots under selective exceed their
+    dots without recomputation by exactly the recomputation flops counts with the
+    attention kept (wo's output alone here; the Pallas forward that jax's remat still
+    emits is dead, and XLA removes it), and blocked's under full by the whole layers'
+    forward. (Both run more than the counted attention, padded blocks and the backward's
+    recomputed scores, the same with every policy, so differences are compared.) Before,
+    selective ran the attention forward a second time: on a GPU the cuDNN or Pallas
+    kernel's, about a third of the attention's time, every layer."""
+    shape = ("model.seq_len=128",) if attention == "pallas" else ()
+    policies = ("none", "selective", "full") if attention == "blocked" else ("none", "selective")
+    dots, cfgs = {}, {}
+    for policy in policies:
+        cfg = make(f"model.remat={policy}", f"model.attention={attention}", *shape)
+        compiled = analyze.compile_step(cfg, jax.devices()[:1], FAST)
+        dots[policy] = hlo.matmul_flops(compiled.as_text())[0] / cfg.tokens_per_step
+        cfgs[policy] = cfg
+        assert activations.keeps_residuals(cfg)
+    for policy in policies[1:]:
+        redo = flops.recompute_flops_per_token(cfgs[policy].model, attention_saved=True)
+        assert dots[policy] - dots["none"] == pytest.approx(redo, rel=1e-9), policy
+    m = cfgs["selective"].model
+    saved = flops.recompute_flops_per_token(m, attention_saved=True)
+    assert flops.recompute_flops_per_token(m) - saved == flops.attention_flops_per_token(m) / 2

@@ -143,13 +143,18 @@ def _saved_one(cfg: Config) -> dict[str, float]:
         return _fp8_saved(cfg, out) if m.fp8 in ("tensorwise", "delayed") and not split else out
     if pol in ("full", "offload"):
         return {"attention": 0.0, "mlp": 0.0, "norms": block_input}
-    names = set(remat.SELECTIVE) if pol == "selective" else set(m.remat)
+    names = set(remat.SELECTIVE) | {remat.ATTN_SAVED} if pol == "selective" else set(m.remat)
     attention = c * (
         d.Q * (remat.QUERY in names)
         + d.K * (remat.KEY in names)
         + d.K * (remat.VALUE in names)
         + d.Q * (remat.ATTN_OUT in names)
     )
+    if remat.ATTN_SAVED in names and keeps_residuals(cfg):
+        attention += 4 * d.a * d.N  # the log-sum-exp; the output is wo's input
+        kind = attention_lib.BACKENDS[concrete(cfg).model.attention]
+        if cfg.mesh.sequence == 1 and kind.output_copy:  # a second output (blocked)
+            attention += c * d.Q
     hidden = expert_rows(cfg) * m.expert_ff // cfg.mesh.tensor if m.moe else d.F
     mlp = 2 * c * hidden * (remat.MLP_IN in names)
     return {"attention": attention, "mlp": mlp, "norms": block_input}
@@ -236,15 +241,15 @@ def moe_saved(cfg: Config) -> float:
 
 def offloaded_per_layer(cfg: Config) -> float:
     """remat=offload: bytes per layer moved to pinned host memory instead of kept: what
-    selective keeps but the block input (an MoE layer's experts' rows included; the mean
-    over the layers where dense and MoE layers interleave). Checked against the step
-    lowered for a GPU (tests/test_remat.py)."""
+    keeping the tagged matmul outputs (remat.SELECTIVE) keeps but the block input (an MoE
+    layer's experts' rows included; the mean over the layers where dense and MoE layers
+    interleave). Checked against the step lowered for a GPU (tests/test_remat.py)."""
     if cfg.model.remat != "offload":
         return 0.0
-    selective = copy.copy(cfg)
-    selective.model = copy.copy(cfg.model)
-    selective.model.remat = "selective"
-    parts = saved_per_layer(selective)
+    tagged = copy.copy(cfg)
+    tagged.model = copy.copy(cfg.model)
+    tagged.model.remat = list(remat.SELECTIVE)
+    parts = saved_per_layer(tagged)
     return sum(parts.values()) - parts["norms"]
 
 
@@ -505,6 +510,19 @@ def concrete(cfg: Config, platform: str | None = None) -> Config:
     cfg = copy.deepcopy(cfg)
     cfg.model.attention = name
     return cfg
+
+
+def keeps_residuals(cfg: Config, platform: str | None = None) -> bool:
+    """Whether selective recomputation keeps the attention's output and log-sum-exp
+    (model/remat.py ATTN_SAVED), so the backward pass runs no attention forward: the
+    flash attentions that save a log-sum-exp (cuDNN, Pallas, blocked) and context
+    parallelism's ring and all-gather; not the plain one (its s² probabilities are
+    recomputed, Korthikanti's trade) nor tiled (whose residuals are copies of q, k, v).
+    `platform`: the backend `model.attention` is resolved for (default: this one)."""
+    if cfg.mesh.sequence > 1:
+        return True
+    kind = attention_lib.BACKENDS[concrete(cfg, platform).model.attention]
+    return kind.flash and kind.lse
 
 
 def _flash(cfg: Config) -> bool:

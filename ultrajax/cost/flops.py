@@ -44,12 +44,16 @@ def model_peak(m: ModelConfig, peak_of) -> float:
     return total / ((total - f8) / high + f8 / peak_of("float8_e4m3fn"))
 
 
-def recompute_flops_per_token(m: ModelConfig) -> float:
+def recompute_flops_per_token(m: ModelConfig, attention_saved: bool = False) -> float:
     """Forward FLOPs that the remat policy runs a second time in the backward pass.
+    `attention_saved`: the attention keeps its output and log-sum-exp under selective
+    recomputation (activations.keeps_residuals: the flash attentions with a log-sum-exp
+    and context parallelism), so selective runs no attention forward again.
 
     What the backward pass recomputes is what it needs and was not saved (checked
     against the compiled HLO's dots in tests/test_remat.py):
-    - the attention scores QK^T: never saved by any policy (half the attention FLOPs);
+    - the attention scores QK^T: saved by no policy but selective with a flash attention
+      that keeps its residuals (half the attention FLOPs);
     - the output projection wo: its output feeds the residual stream that the MLP's
       norm needs, and no policy names that residual, so any remat recomputes it;
     - q, k, v, PV (attn_out) and the MLP's gate and up (mlp_in): unless kept by name;
@@ -77,6 +81,8 @@ def recompute_flops_per_token(m: ModelConfig) -> float:
     }
     redo = sum(v for k, v in per_layer.items() if k not in kept) * m.n_layers
     redo += 2 * a * hd * h * m.n_layers  # wo
+    if m.remat == "selective" and attention_saved:
+        return redo
     redo += attention / 2 if remat.ATTN_OUT not in kept else 0.0  # PV
     return redo + attention / 2  # QK^T
 
@@ -95,11 +101,14 @@ def grouped_flops_per_token(m: ModelConfig, platform: str | None = None) -> floa
     return 18.0 * m.d_model * m.expert_ff * (m.moe_experts - m.moe_top_k) * layers
 
 
-def hardware_flops_per_token(m: ModelConfig, platform: str | None = None) -> float:
+def hardware_flops_per_token(
+    m: ModelConfig, platform: str | None = None, attention_saved: bool = False
+) -> float:
     """What the hardware runs per token on `platform` (default: this backend): the
-    model's FLOPs, what the remat policy recomputes and the grouped matmuls' dense excess
-    (HFU's numerator)."""
-    return flops_per_token(m) + recompute_flops_per_token(m) + grouped_flops_per_token(m, platform)
+    model's FLOPs, what the remat policy recomputes (`attention_saved`: as
+    recompute_flops_per_token) and the grouped matmuls' dense excess (HFU's numerator)."""
+    redo = recompute_flops_per_token(m, attention_saved)
+    return flops_per_token(m) + redo + grouped_flops_per_token(m, platform)
 
 
 # --------------------------------------------------------------------------- FLOPs

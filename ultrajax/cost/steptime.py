@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ultrajax.config.schema import Config
-from ultrajax.cost import comms, flops, hardware
+from ultrajax.cost import activations, comms, flops, hardware
 from ultrajax.model import llama
 from ultrajax.parallel.axes import AXES
 from ultrajax.parallel.pipeline import schedules as schedule
@@ -267,7 +267,7 @@ def features(
     tokens_mb = t.micro_batch_size * m.seq_len / cp  # one device's tokens per micro-batch
     tokens = tokens_mb * accum * cfg.dp * cp  # per step, all devices
     head = 6.0 * _head_size(m)  # LM head, forward and backward, per token
-    per_token = flops.hardware_flops_per_token(m, "gpu")
+    per_token = flops.hardware_flops_per_token(m, "gpu", activations.keeps_residuals(cfg, "gpu"))
     layers = math.ceil(m.n_layers / p)  # the slowest stage's (nanotron splits unevenly)
     kind = cfg.parallel.pipeline_schedule
     if balanced:
@@ -278,7 +278,7 @@ def features(
         lockstep = not balanced
     if lockstep and p > 1 and accum >= p:  # the LM head against the stage's layers
         plain = flops.flops_per_token(m, causal=True) - head  # flash skips the masked half
-        redo = remat_share(m)
+        redo = remat_share(m, activations.keeps_residuals(cfg, "gpu"))
         bubble = lockstep_bubble(kind, p, accum, v, head / plain * m.n_layers / layers, redo)
     else:
         bubble = _bubble(kind, p, accum, v)
@@ -357,12 +357,13 @@ def _bubble(kind: str, p: int, m: int, v: int) -> float:
 HEAD_IN_FORWARD = 3.0
 
 
-def remat_share(m) -> float:
+def remat_share(m, attention_saved: bool = False) -> float:
     """The forward FLOPs a backward recomputes (flops.recompute_flops_per_token, the remat
-    policy's), in units of the layers' forward: 0 without remat, ~0.9 for full (w_down is
-    never recomputed), counted as flops counts them (the whole score square)."""
+    policy's, `attention_saved` as there), in units of the layers' forward: 0 without
+    remat, ~0.9 for full (w_down is never recomputed), counted as flops counts them (the
+    whole score square)."""
     forward = (flops.flops_per_token(m) - 6.0 * _head_size(m)) / 3.0
-    return flops.recompute_flops_per_token(m) / forward
+    return flops.recompute_flops_per_token(m, attention_saved) / forward
 
 
 def lockstep_time(kind: str, p: int, m: int, v: int, head: float, redo: float = 0.0) -> float:

@@ -23,6 +23,14 @@ QUERY, KEY, VALUE, ATTN_OUT, MLP_IN, MLP_OUT = TAGS = (
 POLICIES = ("none", "full", "selective", "offload")  # or a list of tags to keep
 SELECTIVE = TAGS  # Korthikanti et al.: keep matmul outputs, recompute the rest
 GATHERED = "weights"  # ZeRO-3's gathered weights (parallel/layout.py): never kept
+# a flash attention's residuals besides its inputs: its output and log-sum-exp, named by
+# the attentions' forward rules (our Pallas kernel, ring attention, the XLA blocked and
+# tiled ones); jax.nn's cuDNN forward by its primitive, whose outputs are the same two.
+# Selective keeps them: (b·s·a) fp32 more a layer, and no attention forward in the
+# backward pass (Korthikanti's selective recomputation drops the s² scores, which a
+# flash attention never stores)
+ATTN_SAVED = "attn_saved"
+CUDNN_FORWARD = "dot_product_attention_fwd_wrapper"
 
 
 def remat_policy(remat):
@@ -33,8 +41,13 @@ def remat_policy(remat):
     if remat == "full":
         return cp.nothing_saveable  # keep only the block input
     if remat == "selective":
-        # keep matmul outputs, recompute softmax and elementwise work
-        return cp.save_only_these_names(*SELECTIVE)
+        # keep matmul outputs and the attention's residuals; recompute the elementwise work
+        named = cp.save_only_these_names(*SELECTIVE, ATTN_SAVED)
+
+        def keep(prim, *args, **params) -> bool:
+            return prim.name == CUDNN_FORWARD or named(prim, *args, **params)
+
+        return keep
     if remat == "offload":
         return cp.save_and_offload_only_these_names(
             names_which_can_be_saved=[],

@@ -39,10 +39,12 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from ultrajax.kernels import flash_attention as fa
 from ultrajax.kernels.varying import vary, vma, zeros
+from ultrajax.model import remat
 from ultrajax.model.attention.backends import BACKENDS, attend, resolve
 from ultrajax.model.attention.blocked import block_grads
 from ultrajax.model.attention.xla import NEG_INF, reference, scores, visible
@@ -366,6 +368,8 @@ def _context_attention(ctx: Context, q, k, v, segment_ids):
 
 def _fwd(ctx, q, k, v, segment_ids):
     out, lse = ctx.forward(q, k, v, segment_ids, segment_ids)
+    # named, so that selective recomputation keeps them rather than run the ring again
+    out, lse = checkpoint_name(out, remat.ATTN_SAVED), checkpoint_name(lse, remat.ATTN_SAVED)
     return out, (q, k, v, segment_ids, out, lse)
 
 

@@ -43,7 +43,7 @@ from ultrajax import cli
 from ultrajax.config.no_effect import no_effect
 from ultrajax.config.schema import Config, ConfigError
 from ultrajax.config.validate import resolve_mesh
-from ultrajax.cost import flops, hardware, memory, units
+from ultrajax.cost import activations, flops, hardware, memory, units
 from ultrajax.cost.activations import concrete
 from ultrajax.cost.flops import attention_flops
 from ultrajax.model.attention import backends as attention
@@ -171,10 +171,11 @@ def flops_report(cfg: Config, compiled=None, hlo_text: str | None = None) -> dic
     m = cfg.model
     n = math.prod(cfg.mesh.sizes().values())
     tokens = cfg.tokens_per_step
+    saved = activations.keeps_residuals(cfg)  # selective runs no attention forward again
     out = {
         "model": flops.flops_per_token(m) * tokens / n,
-        "hardware": flops.hardware_flops_per_token(m) * tokens / n,
-        "recompute": flops.recompute_flops_per_token(m) * tokens / n,
+        "hardware": flops.hardware_flops_per_token(m, attention_saved=saved) * tokens / n,
+        "recompute": flops.recompute_flops_per_token(m, saved) * tokens / n,
         "grouped": flops.grouped_flops_per_token(m) * tokens / n,
         "fp8": flops.fp8_flops_per_token(m) * tokens / n,  # of "model", FP8 operands
     }

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from ultrajax.config.schema import Config
-from ultrajax.cost import flops, units
+from ultrajax.cost import activations, flops, units
 from ultrajax.train import peaks
 from ultrajax.train.ramp import Ramp
 
@@ -30,7 +30,9 @@ class Throughput:
         self.peak, self.peak_source = peaks.host_peak(cfg)  # on CPU: measured once, cached
         self.fpt = flops.flops_per_token(cfg.model)  # what the model needs: MFU
         self.cfpt = flops.flops_per_token(cfg.model, causal=True)  # attention halved
-        self.hfpt = flops.hardware_flops_per_token(cfg.model)  # what ran, recompute too: HFU
+        # what ran, recompute too: HFU
+        saved = activations.keeps_residuals(cfg)
+        self.hfpt = flops.hardware_flops_per_token(cfg.model, attention_saved=saved)
         self.rates: list[float] = []  # one per logged interval, for the summary's median
         self._since, self._tokens = time.perf_counter(), 0
 

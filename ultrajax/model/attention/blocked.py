@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from ultrajax.kernels.varying import vary_like
+from ultrajax.model import remat
 from ultrajax.model.attention.xla import NEG_INF
 
 BLOCK = 512  # keys per block of the blocked attention (its working set: memory.KERNEL_WORK)
@@ -97,6 +99,8 @@ def _blocked_forward(q, k, v, segment_ids):
 
 def _blocked_fwd(q, k, v, segment_ids):
     out, lse = _blocked_forward(q, k, v, segment_ids)
+    # named, so that selective recomputation keeps them (model/remat.py)
+    out, lse = checkpoint_name(out, remat.ATTN_SAVED), checkpoint_name(lse, remat.ATTN_SAVED)
     return out, (q, k, v, segment_ids, out, lse)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 
 from ultrajax.kernels import flash_attention as fa
+from ultrajax.model import remat
 from ultrajax.model.attention.xla import mask
 
 
@@ -32,5 +33,6 @@ def pallas_attention(q, k, v, segment_ids=None, q_offset=0, *, blocks=None, fuse
         segment_ids,
         blocks=fa.BlockSizes.of(blocks, q.shape[-1], q.dtype.itemsize, fused_bwd),
         interpret=interpret,
+        saved_as=remat.ATTN_SAVED,
     )
     return out
