@@ -74,6 +74,23 @@ def test_ring_sends_kv_blocks_and_never_gathers():
     assert sent["collective-permute"]["traffic"] == pytest.approx(expected, rel=0.01)
 
 
+def test_selective_recomputation_sends_no_second_forward_ring():
+    """Selective keeps the ring's output and log-sum-exp (model/remat.py ATTN_SAVED), so
+    its backward pass reruns no forward ring: the compiled step sends what it sends
+    without recomputation, the formula's bytes (before: a second forward ring, 30% more
+    at cp=4). Full recomputation still sends more."""
+    sent = {}
+    for policy in ("none", "selective", "full"):
+        r = grid.run("cp4-ring-data2", "explicit", f"model.remat={policy}")
+        found, notes = hlo.collectives(r[3])
+        assert not notes, notes
+        sent[policy] = hlo.summarize(found)["collective-permute"]["traffic"]
+        if policy == "selective":
+            expected = comms_lib.permute_bytes(r[5])["collective-permute"]
+            assert sent[policy] == pytest.approx(expected, rel=0.01)
+    assert sent["selective"] == sent["none"] < sent["full"]
+
+
 def test_allgather_gathers_kv_and_never_permutes():
     found, cfg = grid.collectives("cp2-allgather")
     sent = hlo.summarize(found)

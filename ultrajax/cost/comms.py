@@ -411,9 +411,9 @@ def permute_bytes(cfg) -> dict:
     local = t.micro_batch_size * (m.seq_len // cp)
     kv = local * (m.n_kv_heads // cfg.mesh.tensor) * m.hd
     block = 2 * kv * dtype_bytes(m.dtype) + 4 * local  # K, V and their segment ids
-    # any recomputation repeats the forward ring: no policy saves the attention's
-    # log-sum-exp, so the backward reruns the whole custom_vjp forward
-    forwards = 1 if m.remat == "none" else 2
+    # recomputation repeats the forward ring, but selective keeps the attention's output
+    # and log-sum-exp (model/remat.py ATTN_SAVED): its backward runs no forward ring
+    forwards = 1 if m.remat in ("none", "selective") else 2
     times = m.n_layers * t.grad_accum
     if cfg.parallel.context == "ring":
         per_layer = (forwards + 1) * (cp - 1) * block + cp * 2 * kv * 4
