@@ -24,8 +24,9 @@ POLICIES = ("none", "full", "selective", "offload")  # or a list of tags to keep
 SELECTIVE = TAGS  # Korthikanti et al.: keep matmul outputs, recompute the rest
 GATHERED = "weights"  # ZeRO-3's gathered weights (parallel/layout.py): never kept
 # a flash attention's residuals besides its inputs: its output and log-sum-exp, named by
-# the attentions' forward rules (our Pallas kernel, ring attention, the XLA blocked and
-# tiled ones); jax.nn's cuDNN forward by its primitive, whose outputs are the same two.
+# the attentions' forward rules (our Pallas kernel, ring attention, the XLA blocked one;
+# not tiled, whose residuals are copies of q, k and v); jax.nn's cuDNN forward by its
+# primitive, whose outputs are the same two.
 # Selective keeps them: (b·s·a) fp32 more a layer, and no attention forward in the
 # backward pass (Korthikanti's selective recomputation drops the s² scores, which a
 # flash attention never stores)
