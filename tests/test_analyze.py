@@ -254,6 +254,23 @@ def test_communication_matches_the_playbook(name):
     assert 0.9 <= comm["total"]["ratio"] <= 1.1, (name, rows)
 
 
+@pytest.mark.parametrize("name", ["TP tensor=2", "TP+SP tensor=2"])
+def test_selective_recomputation_repeats_the_tensor_parallel_forward_collectives(name):
+    """Selective recomputation under tensor parallelism sends what full recomputation
+    sends: the backward runs wo and its reduction again (the residual stream after it
+    is not kept) and, with sequence parallelism, gathers each norm's output again. The
+    formula counts the repeat for every policy but none (comms.tp_collectives_per_block:
+    wo's reduction, and under SP both gathers); before, it counted selective as no
+    recomputation and full as repeating w_down's reduction too: 17% under the compiled
+    tp=2 step's all-reduces with selective."""
+    cfg, devices = make(*LAYOUTS[name], "model.remat=selective")
+    comm, rows = _communication(name, cfg, devices)
+    for kind, row in comm["kinds"].items():
+        if row["expected"]:
+            assert 0.9 <= row["traffic"] / row["expected"] <= 1.1, (name, kind, rows)
+    assert 0.9 <= comm["total"]["ratio"] <= 1.1, (name, rows)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["explicit", "gspmd"])
 def test_fp8_gathers_move_half_the_bytes(mode):

@@ -271,11 +271,16 @@ def _context_terms(cfg: Config) -> list[Term]:
     ]
 
 
-def tp_collectives_per_block(m) -> int:
-    """Tensor parallelism's collectives per block and micro-batch: two in the forward
-    (attention's and the MLP's output), two in the backward; full remat repeats the
-    forward's two."""
-    return 6 if m.remat == "full" else 4
+def tp_collectives_per_block(m, kind: str = "all-reduce") -> int:
+    """Tensor parallelism's collectives of `kind` per block and micro-batch. Forward: a
+    reduction of attention's and of the MLP's output (all-reduces; under sequence
+    parallelism reduce-scatters, each norm's output all-gathered before); backward: the
+    transposes, so 4 of each kind. Any recomputation (selective too: it keeps neither
+    wo's output nor the residual stream after it) runs wo's reduction again and, under
+    SP, both gathers (w_down's output only enters a residual sum): 5 all-reduces, or 6
+    all-gathers and 5 reduce-scatters (measured: tests/test_analyze.py)."""
+    again = m.remat != "none"
+    return 4 + again * (2 if kind == "all-gather" else 1)
 
 
 def _tensor_terms(cfg: Config) -> list[Term]:
@@ -289,18 +294,20 @@ def _tensor_terms(cfg: Config) -> list[Term]:
     # b·s·h of one micro-batch (the device's part of the sequence under CP)
     act = units.dtype_bytes(m.dtype) * t.micro_batch_size * (m.seq_len // mesh.sequence)
     act *= m.d_model
-    per_block = tp_collectives_per_block(m)
-    # + embedding forward, LM head backward; a pipeline stage runs its layers
-    n_ops = (per_block * m.n_layers // mesh.pipeline + 2) * t.grad_accum
-    what = f"activations b·s·h, {per_block} per block + embedding and LM head, per micro-batch"
+
+    def ops(kind):  # + embedding forward, LM head backward; a pipeline stage its layers
+        per_block = tp_collectives_per_block(m, kind)
+        what = f"activations b·s·h, {per_block} per block + embedding and LM head, a micro-batch"
+        return (per_block * m.n_layers // mesh.pipeline + 2) * t.grad_accum, what
+
     if cfg.parallel.sequence_parallel:
         return [
-            Term(kind, what + " (SP)", f"{n_ops}·bsh(t-1)/t", n_ops * _ring(act, tp),
-                 "tensor", "tp")
+            Term(kind, what + " (SP)", f"{n}·bsh(t-1)/t", n * _ring(act, tp), "tensor", "tp")
             for kind in ("all-gather", "reduce-scatter")
-        ]  # fmt: skip
-    return [Term("all-reduce", what, f"{n_ops}·2bsh(t-1)/t", n_ops * _ring(act, tp, 2.0),
-                 "tensor", "tp")]  # fmt: skip
+            for n, what in [ops(kind)]
+        ]
+    n, what = ops("all-reduce")
+    return [Term("all-reduce", what, f"{n}·2bsh(t-1)/t", n * _ring(act, tp, 2.0), "tensor", "tp")]
 
 
 def pipeline_message_bytes(cfg: Config) -> float:

@@ -304,8 +304,9 @@ def features(
         spans = min(dl.nodes * pl.nodes, f.nodes)
         link["data+pipeline"] = Link(dl.size * pl.size, slow.bw, slow.latency, slow.inter, spans)
     f.stages_apart = p > 1 and link["pipeline"].inter
-    per_block = comms.tp_collectives_per_block(m)  # per micro-batch, as comms.expected counts
-    tp_ops = (per_block * layers + 2) * (2 if cfg.parallel.sequence_parallel else 1)
+    kinds = ("all-gather", "reduce-scatter") if cfg.parallel.sequence_parallel else ("all-reduce",)
+    # per micro-batch, as comms.expected counts them
+    tp_ops = sum(comms.tp_collectives_per_block(m, kind) * layers + 2 for kind in kinds)
     for term, scale in _scaled_terms(cfg, cache, split_vocab=not balanced):
         axis, when = _axis_of(term)
         nbytes = term.traffic * scale
