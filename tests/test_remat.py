@@ -134,7 +134,8 @@ def test_offload_is_a_clear_error_on_cpu_and_analysed_without_compiling():
         setup.check_backend(cfg)
     est = memory.estimate(cfg)
     d = sizes.dims(cfg)
-    assert est.host == cfg.model.n_layers * d.c * (2 * d.Q + 2 * d.K + 2 * d.F)
+    # the tagged matmul outputs and the residual stream after attention
+    assert est.host == cfg.model.n_layers * d.c * (2 * d.Q + 2 * d.K + 2 * d.F + d.X_res)
     assert est.activations["norms"] == cfg.model.n_layers * d.c * d.X  # only block inputs
     with pytest.raises(ConfigError, match="offload"):
         analyze.analyze(cfg, compile=True, devices=jax.devices()[:1])
@@ -201,10 +202,11 @@ def test_selective_keeps_a_flash_attentions_residuals_and_runs_no_attention_forw
     backward pass runs no attention forward again: the blocked attention (plain XLA) and
     our Pallas kernel (interpreted), whose compiled dots under selective exceed their
     dots without recomputation by exactly the recomputation flops counts with the
-    attention kept (wo's output alone here; the Pallas forward that jax's remat still
-    emits is dead, and XLA removes it), and blocked's under full by the whole layers'
-    forward. (Both run more than the counted attention, padded blocks and the backward's
-    recomputed scores, the same with every policy, so differences are compared.) Before,
+    attention kept (none: the residual stream after wo is kept too, so no matmul runs
+    again; the Pallas forward that jax's remat still emits is dead, and XLA removes it),
+    and blocked's under full by the whole layers' forward. (Both run more than the
+    counted attention, padded blocks and the backward's recomputed scores, the same
+    with every policy, so differences are compared.) Before,
     selective ran the attention forward a second time: on a GPU the cuDNN or Pallas
     kernel's, about a third of the attention's time, every layer."""
     shape = ("model.seq_len=128",) if attention == "pallas" else ()

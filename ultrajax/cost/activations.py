@@ -157,7 +157,12 @@ def _saved_one(cfg: Config) -> dict[str, float]:
             attention += c * d.Q
     hidden = expert_rows(cfg) * m.expert_ff // cfg.mesh.tensor if m.moe else d.F
     mlp = 2 * c * hidden * (remat.MLP_IN in names)
-    return {"attention": attention, "mlp": mlp, "norms": block_input}
+    # the residual stream after attention, like the block input (sequence-split under SP)
+    return {
+        "attention": attention,
+        "mlp": mlp,
+        "norms": block_input * (1 + (remat.RESIDUAL in names)),
+    }
 
 
 def _fp8_saved(cfg: Config, parts: dict[str, float]) -> dict[str, float]:
@@ -249,8 +254,8 @@ def offloaded_per_layer(cfg: Config) -> float:
     tagged = copy.copy(cfg)
     tagged.model = copy.copy(cfg.model)
     tagged.model.remat = list(remat.SELECTIVE)
-    parts = saved_per_layer(tagged)
-    return sum(parts.values()) - parts["norms"]
+    d = dims(cfg)
+    return sum(saved_per_layer(tagged).values()) - d.c * d.X_res  # the block input stays
 
 
 def invariant_activations(cfg: Config) -> float:

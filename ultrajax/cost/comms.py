@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from ultrajax.config.schema import Config
 from ultrajax.cost import activations, sizes, units
 from ultrajax.cost.units import dtype_bytes
-from ultrajax.model import llama
+from ultrajax.model import llama, remat
 from ultrajax.parallel import mesh as mesh_lib
 from ultrajax.parallel.axes import FSDP
 from ultrajax.parallel.pipeline import schedules as schedule
@@ -275,12 +275,16 @@ def tp_collectives_per_block(m, kind: str = "all-reduce") -> int:
     """Tensor parallelism's collectives of `kind` per block and micro-batch. Forward: a
     reduction of attention's and of the MLP's output (all-reduces; under sequence
     parallelism reduce-scatters, each norm's output all-gathered before); backward: the
-    transposes, so 4 of each kind. Any recomputation (selective too: it keeps neither
-    wo's output nor the residual stream after it) runs wo's reduction again and, under
-    SP, both gathers (w_down's output only enters a residual sum): 5 all-reduces, or 6
-    all-gathers and 5 reduce-scatters (measured: tests/test_analyze.py)."""
-    again = m.remat != "none"
-    return 4 + again * (2 if kind == "all-gather" else 1)
+    transposes, so 4 of each kind. Recomputation gathers both norms' outputs again under
+    SP, and runs wo's reduction again unless the residual stream after it is kept
+    (remat.RESIDUAL: selective keeps it; w_down's output only enters a residual sum):
+    up to 5 all-reduces, or 6 all-gathers and 5 reduce-scatters (measured:
+    tests/test_analyze.py)."""
+    if m.remat == "none":
+        return 4
+    if kind == "all-gather":
+        return 6
+    return 4 + (remat.RESIDUAL not in remat.kept_tags(m.remat))
 
 
 def _tensor_terms(cfg: Config) -> list[Term]:

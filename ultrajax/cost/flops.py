@@ -55,7 +55,8 @@ def recompute_flops_per_token(m: ModelConfig, attention_saved: bool = False) -> 
     - the attention scores QK^T: saved by no policy but selective with a flash attention
       that keeps its residuals (half the attention FLOPs);
     - the output projection wo: its output feeds the residual stream that the MLP's
-      norm needs, and no policy names that residual, so any remat recomputes it;
+      norm needs, so it is recomputed unless that stream is kept (`residual`: selective
+      and offload keep it);
     - q, k, v, PV (attn_out) and the MLP's gate and up (mlp_in): unless kept by name;
     - never w_down: its output only enters a residual sum, whose backward needs nothing.
     full keeps no names, selective and offload keep (or offload) all of them.
@@ -69,10 +70,7 @@ def recompute_flops_per_token(m: ModelConfig, attention_saved: bool = False) -> 
         experts = (m.moe_top_k + m.moe_shared_experts) * m.expert_ff
         f = (moe * experts + (m.n_layers - moe) * m.d_ff) / m.n_layers
     attention = attention_flops_per_token(m)
-    if isinstance(m.remat, str):  # selective keeps SELECTIVE, offload moves it to the host
-        kept = set() if m.remat == "full" else set(remat.SELECTIVE)
-    else:
-        kept = set(m.remat)
+    kept = remat.kept_tags(m.remat)  # selective keeps SELECTIVE, offload moves it to the host
     per_layer = {
         remat.QUERY: 2 * h * a * hd,
         remat.KEY: 2 * h * akv * hd,
@@ -80,7 +78,7 @@ def recompute_flops_per_token(m: ModelConfig, attention_saved: bool = False) -> 
         remat.MLP_IN: 4 * h * f,
     }
     redo = sum(v for k, v in per_layer.items() if k not in kept) * m.n_layers
-    redo += 2 * a * hd * h * m.n_layers  # wo
+    redo += 2 * a * hd * h * m.n_layers * (remat.RESIDUAL not in kept)  # wo
     if m.remat == "selective" and attention_saved:
         return redo
     redo += attention / 2 if remat.ATTN_OUT not in kept else 0.0  # PV

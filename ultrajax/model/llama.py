@@ -108,6 +108,7 @@ def block_stats(p, x, positions, segment_ids, *, cfg, tp=SINGLE, cp=LOCAL, ep=ON
         o = attend(q, k, v, implementation="xla", q_offset=start)
     o = checkpoint_name(tp.constrain(o, heads), remat.ATTN_OUT)
     x = x + tp.exit(dense(o, p["wo"], "btnh,nhd->btd", fp8_recipe=f8["wo"]))  # row-parallel
+    x = checkpoint_name(x, remat.RESIDUAL)
 
     h = tp.enter(rms_norm(x, p["mlp_norm"], cfg.norm_eps))
     if "router" in p:  # an MoE layer (with model.moe_every > 1, every moe_every-th)

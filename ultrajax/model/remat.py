@@ -1,10 +1,10 @@
 """Activation recomputation: the tags the block names its tensors with, and the
 `jax.checkpoint` policy each `model.remat` setting means.
 
-The block tags the outputs of its matmuls with `checkpoint_name(x, tag)`; a policy
-keeps some tags and recomputes the rest in the backward pass. The tags are named
-here once: the config's validation, the block, the memory model and the tests read
-them from this file.
+The block tags its matmuls' outputs and the residual stream after attention with
+`checkpoint_name(x, tag)`; a policy keeps some tags and recomputes the rest in the
+backward pass. The tags are named here once: the config's validation, the block, the
+memory model and the tests read them from this file.
 """
 
 from __future__ import annotations
@@ -12,16 +12,17 @@ from __future__ import annotations
 import jax
 
 # the block's tags, in the order the block makes them
-QUERY, KEY, VALUE, ATTN_OUT, MLP_IN, MLP_OUT = TAGS = (
+QUERY, KEY, VALUE, ATTN_OUT, RESIDUAL, MLP_IN, MLP_OUT = TAGS = (
     "query",
     "key",
     "value",
     "attn_out",
+    "residual",  # the residual stream after attention, the MLP norm's input
     "mlp_in",
     "mlp_out",
 )
 POLICIES = ("none", "full", "selective", "offload")  # or a list of tags to keep
-SELECTIVE = TAGS  # Korthikanti et al.: keep matmul outputs, recompute the rest
+SELECTIVE = TAGS  # Korthikanti et al.: keep all the tagged tensors, recompute the rest
 GATHERED = "weights"  # ZeRO-3's gathered weights (parallel/layout.py): never kept
 # a flash attention's residuals besides its inputs: its output and log-sum-exp, named by
 # the attentions' forward rules (our Pallas kernel, ring attention, the XLA blocked one;
@@ -34,6 +35,14 @@ ATTN_SAVED = "attn_saved"
 CUDNN_FORWARD = "dot_product_attention_fwd_wrapper"
 
 
+def kept_tags(remat) -> set[str]:
+    """The block's tags that a model.remat setting keeps (offload: moves to the host)
+    rather than recomputes: all of them without recomputation, none under full."""
+    if remat == "full":
+        return set()
+    return set(TAGS) if isinstance(remat, str) else set(remat)
+
+
 def remat_policy(remat):
     """model.remat -> a jax.checkpoint policy, or None (no recomputation)."""
     cp = jax.checkpoint_policies
@@ -42,7 +51,7 @@ def remat_policy(remat):
     if remat == "full":
         return cp.nothing_saveable  # keep only the block input
     if remat == "selective":
-        # keep matmul outputs and the attention's residuals; recompute the elementwise work
+        # keep the tagged tensors and the attention's residuals; recompute elementwise work
         named = cp.save_only_these_names(*SELECTIVE, ATTN_SAVED)
 
         def keep(prim, *args, **params) -> bool:
