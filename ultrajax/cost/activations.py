@@ -143,7 +143,7 @@ def _saved_one(cfg: Config) -> dict[str, float]:
         return _fp8_saved(cfg, out) if m.fp8 in ("tensorwise", "delayed") and not split else out
     if pol in ("full", "offload"):
         return {"attention": 0.0, "mlp": 0.0, "norms": block_input}
-    names = set(remat.SELECTIVE) | {remat.ATTN_SAVED} if pol == "selective" else set(m.remat)
+    names = remat.kept_tags(m.remat)
     attention = c * (
         d.Q * (remat.QUERY in names)
         + d.K * (remat.KEY in names)

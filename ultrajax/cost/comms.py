@@ -424,7 +424,7 @@ def permute_bytes(cfg) -> dict:
     block = 2 * kv * dtype_bytes(m.dtype) + 4 * local  # K, V and their segment ids
     # recomputation repeats the forward ring, but selective keeps the attention's output
     # and log-sum-exp (model/remat.py ATTN_SAVED): its backward runs no forward ring
-    forwards = 1 if m.remat in ("none", "selective") else 2
+    forwards = 1 if remat.ATTN_SAVED in remat.kept_tags(m.remat) else 2
     times = m.n_layers * t.grad_accum
     if cfg.parallel.context == "ring":
         per_layer = (forwards + 1) * (cp - 1) * block + cp * 2 * kv * 4

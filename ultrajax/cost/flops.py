@@ -79,7 +79,7 @@ def recompute_flops_per_token(m: ModelConfig, attention_saved: bool = False) -> 
     }
     redo = sum(v for k, v in per_layer.items() if k not in kept) * m.n_layers
     redo += 2 * a * hd * h * m.n_layers * (remat.RESIDUAL not in kept)  # wo
-    if m.remat == "selective" and attention_saved:
+    if attention_saved and remat.ATTN_SAVED in kept:
         return redo
     redo += attention / 2 if remat.ATTN_OUT not in kept else 0.0  # PV
     return redo + attention / 2  # QK^T

@@ -36,11 +36,16 @@ CUDNN_FORWARD = "dot_product_attention_fwd_wrapper"
 
 
 def kept_tags(remat) -> set[str]:
-    """The block's tags that a model.remat setting keeps (offload: moves to the host)
-    rather than recomputes: all of them without recomputation, none under full."""
+    """The names a model.remat setting keeps (offload: moves to the host) rather than
+    recomputes: every tag and the attention's residuals (ATTN_SAVED) without
+    recomputation and under selective, every tag under offload, none under full, a
+    list's own names. The policies below, the memory, FLOPs and communication models
+    read this."""
     if remat == "full":
         return set()
-    return set(TAGS) if isinstance(remat, str) else set(remat)
+    if remat in ("none", "selective"):
+        return {*TAGS, ATTN_SAVED}
+    return set(TAGS) if remat == "offload" else set(remat)
 
 
 def remat_policy(remat):
@@ -52,7 +57,7 @@ def remat_policy(remat):
         return cp.nothing_saveable  # keep only the block input
     if remat == "selective":
         # keep the tagged tensors and the attention's residuals; recompute elementwise work
-        named = cp.save_only_these_names(*SELECTIVE, ATTN_SAVED)
+        named = cp.save_only_these_names(*kept_tags(remat))
 
         def keep(prim, *args, **params) -> bool:
             return prim.name == CUDNN_FORWARD or named(prim, *args, **params)
