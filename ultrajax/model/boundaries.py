@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from ultrajax.model.attention.backends import attend
-from ultrajax.model.nn import cross_entropy
+from ultrajax.model.nn import cross_entropy, cross_entropy_grad
 from ultrajax.model.ops import lookup
 
 
@@ -63,6 +63,9 @@ class TensorBoundary:
 
     def cross_entropy(self, logits, targets):
         return cross_entropy(logits, targets, self)
+
+    def cross_entropy_grad(self, logits, targets, mask, dtype):
+        return cross_entropy_grad(logits, targets, mask, self, dtype)
 
 
 @dataclass(frozen=True)

@@ -94,14 +94,10 @@ def _scan(eq, c, tp, red, x, value, targets, mask, grads: bool):
         total, dw = carry
         xs, ts, ms = parts
 
-        def nll_of(lg):
-            return jnp.sum(tp.cross_entropy(lg, ts) * ms)
-
         lg = _chunk_logits(eq, tp, xs, value)
         if not grads:
-            return (total + nll_of(lg), dw), None
-        nll, back = jax.vjp(nll_of, lg)
-        g = back(jnp.ones_like(nll))[0].astype(xs.dtype)
+            return (total + jnp.sum(tp.cross_entropy(lg, ts) * ms), dw), None
+        nll, g = tp.cross_entropy_grad(lg, ts, ms, xs.dtype)
         dxs = jnp.einsum(eq_dx, g, value.astype(xs.dtype)).astype(xs.dtype)
         return (total + nll, dw + dense_dw(eq, xs, g, red).astype(f32)), dxs
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import jax
 
-from ultrajax.model.nn import cross_entropy
+from ultrajax.model.nn import cross_entropy, cross_entropy_grad
 from ultrajax.model.ops import lookup
 from ultrajax.parallel.mesh import Rules
 
@@ -69,3 +69,6 @@ class Partitioned:
 
     def cross_entropy(self, logits, targets):
         return cross_entropy(logits, targets, None)
+
+    def cross_entropy_grad(self, logits, targets, mask, dtype):
+        return cross_entropy_grad(logits, targets, mask, None, dtype)

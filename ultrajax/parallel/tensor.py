@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from ultrajax.model.nn import cross_entropy
+from ultrajax.model.nn import cross_entropy, cross_entropy_grad
 from ultrajax.model.ops import lookup
 from ultrajax.parallel.axes import TENSOR
 
@@ -137,3 +137,6 @@ class TensorParallel:
 
     def cross_entropy(self, logits, targets):
         return cross_entropy(logits, targets, self)
+
+    def cross_entropy_grad(self, logits, targets, mask, dtype):
+        return cross_entropy_grad(logits, targets, mask, self, dtype)
