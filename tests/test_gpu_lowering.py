@@ -8,7 +8,6 @@ kernel to run); jax's caches are emptied afterwards, so no trace made that way r
 a later test's CPU compile."""
 
 import re
-from types import SimpleNamespace
 
 import harness
 import jax
@@ -24,11 +23,9 @@ TRITON = "__gpu$xla.gpu.triton"
 
 
 @pytest.fixture
-def as_gpu(monkeypatch):
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    yield
-    monkeypatch.undo()
-    jax.clear_caches()
+def as_gpu():
+    with analyze.traced_as_gpu():
+        yield
 
 
 def lowered(*overrides) -> str:
@@ -82,21 +79,21 @@ def test_offload_places_the_saved_set_in_host_memory_beside_the_flash_kernels(as
     assert kernels(text) == SPLIT
 
 
-def test_selective_runs_cudnns_forward_once_a_layer(as_gpu, monkeypatch):
+def test_selective_runs_cudnns_forward_once_a_layer():
     """jax.nn's cuDNN attention under selective recomputation: its forward primitive's
     outputs (output and softmax statistics) are kept (model/remat.py CUDNN_FORWARD), so
     the backward pass does not run the forward again, as full recomputation does. jax
-    asks for cuDNN while tracing; its version and the card's compute capability are
-    answered here (jax's private module: skipped if it moved)."""
+    asks for cuDNN while tracing; analyze.traced_as_gpu answers its version and the
+    card's compute capability (jax's private module: skipped if it moved)."""
     cudnn = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
     wrapper = getattr(cudnn, "_dot_product_attention_fwd_p_wrapper", None)
     if wrapper is None or not hasattr(cudnn, "check_compute_capability"):
         pytest.skip("jax's cuDNN attention module has changed")
     assert wrapper.name == remat.CUDNN_FORWARD
-    monkeypatch.setattr(cudnn, "cuda_versions", SimpleNamespace(cudnn_get_version=lambda: 91000))
-    monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
-    forwards = {}
-    for policy in ("none", "selective", "full"):
-        text = lowered("model.attention=cudnn", f"model.remat={policy}")
-        forwards[policy] = text.count("custom_call @__cudnn$fmhaScaleBiasSoftmax(")
+    forwards, original = {}, cudnn.check_compute_capability
+    with analyze.traced_as_gpu(cudnn=True):
+        for policy in ("none", "selective", "full"):
+            text = lowered("model.attention=cudnn", f"model.remat={policy}")
+            forwards[policy] = text.count("custom_call @__cudnn$fmhaScaleBiasSoftmax(")
     assert forwards == {"none": 1, "selective": 1, "full": 2}
+    assert cudnn.check_compute_capability is original and jax.default_backend() == "cpu"

@@ -30,12 +30,14 @@ point-to-point bytes the executor sends beside the textbook count and the compil
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import json
 import math
 import sys
+from types import SimpleNamespace
 
 import jax
 
@@ -127,6 +129,35 @@ def lower_step(cfg: Config, devices=None, platform: str | None = None):
         if platform is None:
             return step.lower(state, batch)
         return step.trace(state, batch).lower(lowering_platforms=(platform,))
+
+
+@contextlib.contextmanager
+def traced_as_gpu(cudnn: bool = False):
+    """While inside, jax.default_backend() answers "gpu", so the step a CPU host traces
+    takes a GPU's branches (the model asks it which kernel to run) and can be lowered or
+    compiled for one. With `cudnn`, jax's own tracing-time checks for cuDNN attention
+    (its private module: cuDNN's version, the card's compute capability) answer for cuDNN
+    9.10 on a Hopper card. jax's caches are emptied after, so nothing traced this way
+    reaches a later CPU compile."""
+    saved = jax.default_backend
+    patched = []
+    try:
+        jax.default_backend = lambda: "gpu"
+        if cudnn:
+            from jax._src.cudnn import fused_attention_stablehlo as module
+
+            for name, value in (
+                ("cuda_versions", SimpleNamespace(cudnn_get_version=lambda: 91000)),
+                ("check_compute_capability", lambda capability: True),
+            ):
+                patched.append((module, name, getattr(module, name)))
+                setattr(module, name, value)
+        yield
+    finally:
+        jax.default_backend = saved
+        for module, name, value in patched:
+            setattr(module, name, value)
+        jax.clear_caches()
 
 
 def compile_step(cfg: Config, devices=None, compiler_options: dict | None = None):
