@@ -11,7 +11,7 @@
 # arguments; default the 1B shape, micro-batch 8 x 2048, no remat), HF_ARGS (baseline
 # arguments; default the same shape and batch), HF_COMPILE (the baseline's switch to
 # torch.compile), BUDGET (seconds, default 420), RUNS (which of the runs below, by the
-# names of their output files; default all but full and offload).
+# names of their output files; default all but full, offload and scanned).
 # Wheels the GPU image lacks (grain, array-record, portpicker) are installed from .whl/.
 set -u
 OUT=${1:-${OUT:-/tmp/bench_gpu}}
@@ -50,10 +50,12 @@ step ultrajax-packed data.cross_doc_mask=true
 step ultrajax-packed-docs4 data.cross_doc_mask=true --docs 4
 step ultrajax-packed-fused data.cross_doc_mask=true model.attention_backward=fused
 step ultrajax-whole-logits data.cross_doc_mask=false model.loss_chunk=0
-# by name only (gpu_check.sh's remat part): whole-layer recomputation, and selective with
-# the matmul outputs kept in pinned host memory instead (model.remat=offload: never run)
+# by name only (gpu_check.sh's remat part): whole-layer recomputation, selective with the
+# matmul outputs kept in pinned host memory instead (model.remat=offload: never run)
 step ultrajax-full data.cross_doc_mask=false model.remat=full
 step ultrajax-offload data.cross_doc_mask=false model.remat=offload
+# and selective with the layers as one lax.scan (the 1B size runs them as a Python loop)
+step ultrajax-scanned data.cross_doc_mask=false model.remat=selective model.scan_layers=true
 # shellcheck disable=SC2086
 if want hf-eager; then run hf-eager 90 python3 "$HF" --label eager $HF_ARGS; fi
 

@@ -49,9 +49,11 @@ SIZES = {
         vocab_size=32768, d_model=1024, n_layers=24, n_heads=16, n_kv_heads=8, d_ff=2816,
         seq_len=2048, micro_batch_size=4,
     ),
-    "1b": dict(  # Llama 3.2 1B's shape (tied embeddings), shorter sequence
+    "1b": dict(  # Llama 3.2 1B's shape (tied embeddings), shorter sequence; the layers as
+        # configs/llama-1b.yaml runs them (a Python loop: scan_layers=False)
         vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192,
         seq_len=2048, micro_batch_size=2, tie_embeddings=True, remat="selective",
+        scan_layers=False,
     ),
     "8b-layers": dict(  # Llama 3 8B's layer and vocabulary, 8 of its 32 layers (issue 30)
         vocab_size=128256, d_model=4096, n_layers=8, n_heads=32, n_kv_heads=8, d_ff=14336,
@@ -130,6 +132,7 @@ def bench(name: str, cfg, steps: int, warmup: int, documents: int = 1) -> dict:
         + (f" cp={cfg.mesh.sequence}," if cfg.mesh.sequence > 1 else "")
         + (f" tp={cfg.mesh.tensor}," if cfg.mesh.tensor > 1 else "")
         + f" {cfg.model.dtype}, remat={cfg.model.remat}"
+        + ("" if cfg.model.scan_layers else ", layer loop")
         + (f", {documents} docs a row" if documents > 1 else ""),
     }
 

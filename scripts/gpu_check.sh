@@ -10,7 +10,8 @@
 # parts, each asked for by name (a second call): the fused norm beside XLA, the packed
 # kernel alone, the sweeps of tiles, warps and stages, where the step's time goes
 # (scripts/profile_step.py), XLA's GPU code-generation flags on the step, the step's
-# other recomputation settings (full; offload, never run before), and the MoE layer.
+# other recomputation settings (full; offload, never run before) and its layers as one
+# scan, and the MoE layer.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]               # issue 32's figures
 #   PARTS="sweep profile" bash scripts/gpu_check.sh   # others, by name
@@ -86,10 +87,11 @@ if want flags; then  # XLA's GPU code generation on the 1B step (selective): eac
     i=$((i + 1))
   done
 fi
-if want remat; then  # the 1B step's recomputation settings beside selective (the config's)
+if want remat; then  # the 1B step's recomputation settings beside selective (the config's),
+  # and selective with the layers as one scan instead of the size's Python loop
   left=$((BUDGET - ($(date +%s) - start)))
   echo "== remat: bench_gpu.sh with $left s"
-  RUNS="ultrajax-selective ultrajax-full ultrajax-offload" BUDGET=$left \
+  RUNS="ultrajax-selective ultrajax-scanned ultrajax-full ultrajax-offload" BUDGET=$left \
     bash scripts/bench_gpu.sh "$OUT/remat" 2>&1 | tail -8
 fi
 if want moe; then  # the MoE layer's native ragged_dot: numerics, time, compiled memory

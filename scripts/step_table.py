@@ -24,6 +24,7 @@ LABELS = {  # output file: the row's label, in the table's order
     "ultrajax-whole-logits": "ultrajax, causal, loss_chunk=0 (whole logits)",
     "ultrajax-full": "ultrajax, causal, model.remat=full",
     "ultrajax-offload": "ultrajax, causal, model.remat=offload (saved to pinned host)",
+    "ultrajax-scanned": "ultrajax, causal, model.remat=selective, layers as one scan",
     "hf-eager": "transformers eager",
     "hf-compiled": "transformers + torch.compile",
 }

@@ -380,6 +380,16 @@ def test_data_path_without_the_files_source_is_an_error():
         ),  # fmt: skip
         (["model.scan_unroll=4", "model.remat=full"], "model.scan_unroll=4"),
         (["model.scan_unroll=2", "mesh.fsdp=2", "parallel.zero=3"], "model.scan_unroll=2"),
+        (["model.scan_layers=false", "model.scan_unroll=2"], "model.scan_unroll=2"),
+        (
+            ["model.scan_layers=false", "mesh.pipeline=2", "train.grad_accum=2"],
+            "model.scan_layers=false",
+        ),
+        (
+            ["model.scan_layers=false", "model.moe_experts=4", "model.moe_every=2"],
+            "model.scan_layers=false",
+        ),
+        (["model.scan_layers=false", "mesh.fsdp=2", "parallel.zero=3"], "model.scan_layers"),
         (
             ["model.fp8=tensorwise", "parallel.fp8_gather=true", "mesh.fsdp=2", "parallel.zero=2"],
             "parallel.fp8_gather",
@@ -399,6 +409,15 @@ def test_settings_with_effect_give_no_warning():
     kernel = ["model.attention_blocks=[64,64,64,64]", "model.attention_backward=fused"]
     assert no_effect(load(None, ["model.attention=cudnn", "mesh.sequence=2", *kernel])) == []
     assert no_effect(load(None, kernel)) == []  # auto: the kernel where packed on a GPU
+    # a Python layer loop under ZeRO-3 without prefetch, and for an MoE layer in every layer
+    assert no_effect(load(None, ["model.scan_layers=false", "mesh.fsdp=2", "parallel.zero=3",
+                                 "parallel.prefetch=false"])) == []  # fmt: skip
+    assert no_effect(load(None, ["model.scan_layers=false", "model.moe_experts=4"])) == []
+    # the loop's recomputation holds on a GPU, not on a CPU (docs/memory.md)
+    loop = load(None, ["model.scan_layers=false", "model.remat=selective"])
+    assert no_effect(loop, "gpu") == [] and no_effect(loop) == []
+    (line,) = no_effect(loop, "cpu")
+    assert line.startswith("model.scan_layers=false with model.remat=selective holds on a CPU")
 
 
 def test_odd_head_dimension_says_what_to_change():

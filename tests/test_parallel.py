@@ -257,6 +257,15 @@ def test_tiled_attention_trains_like_the_plain_one_under_a_layout(mode):
     assert_same_training(got, run(None))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_python_layer_loop_trains_like_the_single_device_scan(mode):
+    """model.scan_layers=false (the layers as a Python loop, model/stack.py) under data,
+    ZeRO-3 without prefetch (whose loop stays a scan), tensor and sequence parallelism,
+    selective recomputation: the single-device training of the scanned layers."""
+    extra = ("model.scan_layers=false", "parallel.prefetch=false", "model.remat=selective")
+    assert_same_training(run("dp2-fsdp2-tp2-zero3-sp", mode, *extra), run(None))
+
+
 @pytest.mark.parametrize("name", GRID)
 def test_modes_agree(name):
     assert_same_training(run(name, "gspmd"), run(name, "explicit"))

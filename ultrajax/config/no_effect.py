@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 
 from ultrajax.config.schema import Config, ModelConfig, ParallelConfig
+from ultrajax.model import units
 from ultrajax.model.attention import backends as attention
+from ultrajax.model.prefetch import MIN_LAYERS
 
 
 def _moe_warnings(cfg: Config) -> list[str]:
@@ -33,6 +35,39 @@ def _moe_warnings(cfg: Config) -> list[str]:
     return out
 
 
+def _loop_warnings(cfg: Config, regather: bool, platform: str | None) -> list[str]:
+    """no_effect's lines about model.scan_layers=false: the layer loops that stay scans,
+    and recomputation lost on a CPU."""
+    m, mesh = cfg.model, cfg.mesh
+    if m.scan_layers:
+        return []
+    scans = []
+    if mesh.pipeline > 1:
+        scans.append("mesh.pipeline > 1 (each stage's layers)")
+    if units.size(m) > 1:
+        scans.append(f"model.moe_every={m.moe_every} (units of dense and MoE layers)")
+    elif regather and cfg.parallel.prefetch and units.count(m) >= MIN_LAYERS:
+        scans.append("ZeRO-3's prefetch (parallel.prefetch)")
+    out = []
+    if scans:
+        out.append(
+            f"model.scan_layers=false has no effect with {' and '.join(scans)}: that layer "
+            "loop stays a lax.scan (model/stack.py): drop it"
+        )
+    elif m.scan_unroll > 1:
+        out.append(
+            f"model.scan_unroll={m.scan_unroll} has no effect with model.scan_layers=false "
+            "(the layers are a Python loop, no scan to unroll): drop it"
+        )
+    if not scans and platform == "cpu" and m.remat not in ("none", "offload"):
+        out.append(
+            f"model.scan_layers=false with model.remat={m.remat} holds on a CPU about what "
+            "no recomputation holds: XLA:CPU runs every layer's recomputation early "
+            "(docs/memory.md); keep model.scan_layers=true on a CPU"
+        )
+    return out
+
+
 def _kernel_warnings(cfg: Config) -> list[str]:
     """no_effect's line about the Pallas attention kernel's settings."""
     m = cfg.model
@@ -53,10 +88,11 @@ def _kernel_warnings(cfg: Config) -> list[str]:
     ]
 
 
-def no_effect(cfg: Config) -> list[str]:
+def no_effect(cfg: Config, platform: str | None = None) -> list[str]:
     """Settings that do nothing in this layout (or cost far more than they should), one
     line each saying what to change: valid, so not errors (a recipe may be meant for a
-    larger mesh), but worth a warning."""
+    larger mesh), but worth a warning. `platform`: the backend the step runs on, where
+    known (the train command's)."""
     mesh, par = cfg.mesh, cfg.parallel
     out = []
     if par.zero > 0 and mesh.fsdp == 1:
@@ -107,6 +143,7 @@ def no_effect(cfg: Config) -> list[str]:
             "(and ZeRO-3's gathered weights), so the layers run one per loop iteration "
             "(model/remat.py): drop it, or set model.scan_unroll=1"
         )
+    out += _loop_warnings(cfg, regather, platform)
     out += _moe_warnings(cfg)
     default = ParallelConfig()
     axis_keys = {

@@ -176,6 +176,7 @@ HOW = (
     "remat",
     "loss_chunk",
     "scan_unroll",
+    "scan_layers",
     "moe_grouped",
 )
 
@@ -186,8 +187,8 @@ def run_identity(cfg: Config) -> str:
 
     Not the layout, the batch split, train.steps or logging: those may change on resume
     (a checkpoint restores onto any layout; more steps are asked for on purpose). Nor how
-    the step computes the same model (attention backend, recomputation, loss chunks, layer
-    loop unrolling): a run may resume with another."""
+    the step computes the same model (attention backend, recomputation, loss chunks, the
+    layer loop and its unrolling): a run may resume with another."""
     tree = {k: dataclasses.asdict(getattr(cfg, k)) for k in IDENTITY}
     for how in HOW:
         tree["model"].pop(how)

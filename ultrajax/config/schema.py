@@ -61,6 +61,11 @@ class ModelConfig:
     # layers per iteration of the layer loop (lax.scan's unroll): 1 keeps one compiled
     # layer; more lets XLA slice the stacked weights statically (faster on a CPU)
     scan_unroll: int = 1
+    # the layer loop as one lax.scan (compile time flat in depth), or false: a Python loop,
+    # each layer its own code, whose saved activations are not copied into stacked
+    # buffers (model/stack.py; the ZeRO-3 prefetch, interleaved MoE and pipeline loops
+    # stay scans)
+    scan_layers: bool = True
     # RMSNorm over each head's queries and keys before the rotation (Qwen3, OLMo 2)
     qk_norm: bool = False
     # FP8 matmuls in the attention projections and the MLP (model/fp8.py; e4m3 forward

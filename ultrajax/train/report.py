@@ -85,7 +85,7 @@ def announce(cfg: Config, parts: RunParts, run_dir: Path, say) -> None:
     say(dump(cfg).rstrip())
     say(mesh_lib.describe(parts.mesh, parts.rules))
     say(mesh_lib.describe_hosts(parts.mesh))
-    for line in no_effect(cfg) if jax.process_index() == 0 else ():
+    for line in no_effect(cfg, jax.default_backend()) if jax.process_index() == 0 else ():
         print(f"warning: {line}", file=sys.stderr)
     say(f"run directory: {run_dir} (checkpoints in {checkpoint_lib.checkpoint_dir(cfg)})")
     say(
