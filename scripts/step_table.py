@@ -18,13 +18,13 @@ from pathlib import Path
 LABELS = {  # output file: the row's label, in the table's order
     "ultrajax-causal": "ultrajax, causal (defaults: auto attention, auto loss_chunk)",
     "ultrajax-selective": "ultrajax, causal, model.remat=selective",
+    "ultrajax-scanned": "ultrajax, causal, model.remat=selective, layers as one scan",
     "ultrajax-packed": "ultrajax, packed documents (auto: the Pallas kernel), one a row",
     "ultrajax-packed-fused": "ultrajax, packed, model.attention_backward=fused",
     "ultrajax-packed-docs4": "ultrajax, packed, 4 documents a row (uneven)",
     "ultrajax-whole-logits": "ultrajax, causal, loss_chunk=0 (whole logits)",
     "ultrajax-full": "ultrajax, causal, model.remat=full",
     "ultrajax-offload": "ultrajax, causal, model.remat=offload (saved to pinned host)",
-    "ultrajax-scanned": "ultrajax, causal, model.remat=selective, layers as one scan",
     "hf-eager": "transformers eager",
     "hf-compiled": "transformers + torch.compile",
 }

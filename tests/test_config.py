@@ -382,6 +382,10 @@ def test_data_path_without_the_files_source_is_an_error():
         (["model.scan_unroll=2", "mesh.fsdp=2", "parallel.zero=3"], "model.scan_unroll=2"),
         (["model.scan_layers=false", "model.scan_unroll=2"], "model.scan_unroll=2"),
         (
+            ["model.scan_layers=false", "model.scan_unroll=2", "model.remat=full"],
+            "model.scan_unroll=2 has no effect with model.scan_layers=false",
+        ),
+        (
             ["model.scan_layers=false", "mesh.pipeline=2", "train.grad_accum=2"],
             "model.scan_layers=false",
         ),

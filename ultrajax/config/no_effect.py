@@ -35,19 +35,25 @@ def _moe_warnings(cfg: Config) -> list[str]:
     return out
 
 
-def _loop_warnings(cfg: Config, regather: bool, platform: str | None) -> list[str]:
-    """no_effect's lines about model.scan_layers=false: the layer loops that stay scans,
-    and recomputation lost on a CPU."""
-    m, mesh = cfg.model, cfg.mesh
-    if m.scan_layers:
-        return []
-    scans = []
-    if mesh.pipeline > 1:
+def _scans_kept(cfg: Config, regather: bool) -> list[str]:
+    """What keeps the layer loop a lax.scan under model.scan_layers=false."""
+    m, scans = cfg.model, []
+    if cfg.mesh.pipeline > 1:
         scans.append("mesh.pipeline > 1 (each stage's layers)")
     if units.size(m) > 1:
         scans.append(f"model.moe_every={m.moe_every} (units of dense and MoE layers)")
     elif regather and cfg.parallel.prefetch and units.count(m) >= MIN_LAYERS:
         scans.append("ZeRO-3's prefetch (parallel.prefetch)")
+    return scans
+
+
+def _loop_warnings(cfg: Config, regather: bool, platform: str | None) -> list[str]:
+    """no_effect's lines about model.scan_layers=false: the layer loops that stay scans,
+    and recomputation lost on a CPU."""
+    m = cfg.model
+    if m.scan_layers:
+        return []
+    scans = _scans_kept(cfg, regather)
     out = []
     if scans:
         out.append(
@@ -135,7 +141,8 @@ def no_effect(cfg: Config, platform: str | None = None) -> list[str]:
     m = cfg.model
     out += _kernel_warnings(cfg)
     regather = par.zero >= 3 and mesh.fsdp != 1
-    if m.scan_unroll > 1 and (m.remat != "none" or regather):
+    scanned = m.scan_layers or _scans_kept(cfg, regather)
+    if m.scan_unroll > 1 and (m.remat != "none" or regather) and scanned:
         why = f"model.remat={m.remat}" if m.remat != "none" else "parallel.zero=3"
         out.append(
             f"model.scan_unroll={m.scan_unroll} has no effect with {why}: unrolled, XLA merges "
