@@ -3,6 +3,7 @@ parameter and optimizer shards), and within 10% of XLA's compiled peak over a gr
 layouts and shapes (fp32: GUIDE section 5 explains why bf16 figures on CPU mislead).
 """
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -148,18 +149,25 @@ def test_saved_activations_of_moe_layers(remat, dtype, options, capsys):
 
 
 @pytest.mark.parametrize("remat", ["none", "selective"])
-@pytest.mark.parametrize("attention", ["tiled", "blocked"])
+@pytest.mark.parametrize("attention", ["tiled", "blocked", "pallas", "cudnn"])
 def test_saved_activations_of_the_memory_efficient_attentions(attention, remat, capsys):
-    """The tiled and blocked attention store no scores; without recomputation
-    they keep their output twice (their own residual and wo's input), tiled without the
-    log-sum-exp."""
+    """The tiled, blocked and Pallas attentions store no scores. Each keeps its output
+    once, where the block leaves wo's input unnamed (model/remat.py
+    names_attention_output); tiled keeps a second copy without recomputation and no
+    log-sum-exp. Pallas at a multiple of its tiles (64 in fp32): it pads. cuDNN traced
+    as on a GPU (analyze.traced_as_gpu), in bf16."""
+    seq = 64 if attention in ("pallas", "cudnn") else 40
+    gpu = attention == "cudnn"  # and a head_dim that is a multiple of 8
     over = [
-        "model.n_layers=3", "train.micro_batch_size=2", "model.seq_len=40", "model.d_model=48",
+        "model.n_layers=3", "train.micro_batch_size=2", f"model.seq_len={seq}",
+        f"model.d_model={64 if gpu else 48}",
         "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=80", "model.vocab_size=56",
         f"model.remat={remat}", f"model.attention={attention}",
+        f"model.dtype={'bfloat16' if gpu else 'float32'}",
     ]  # fmt: skip
     cfg, _ = make(base=over)
-    want = stacked_residuals(cfg, capsys)
+    with analyze.traced_as_gpu(cudnn=True) if gpu else contextlib.nullcontext():
+        want = stacked_residuals(cfg, capsys)
     got = cfg.model.n_layers * sum(activations.saved_per_layer(cfg).values())
     assert got == want, (activations.saved_per_layer(cfg), want / cfg.model.n_layers)
 

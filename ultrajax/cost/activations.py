@@ -151,10 +151,9 @@ def _saved_one(cfg: Config) -> dict[str, float]:
         + d.Q * (remat.ATTN_OUT in names)
     )
     if remat.ATTN_SAVED in names and keeps_residuals(cfg):
-        attention += 4 * d.a * d.N  # the log-sum-exp; the output is wo's input
-        kind = attention_lib.BACKENDS[concrete(cfg).model.attention]
-        if cfg.mesh.sequence == 1 and kind.output_copy:  # a second output (blocked)
-            attention += c * d.Q
+        # the log-sum-exp; the output, kept once, is wo's input (model/remat.py
+        # names_attention_output)
+        attention += 4 * d.a * d.N
     hidden = expert_rows(cfg) * m.expert_ff // cfg.mesh.tensor if m.moe else d.F
     mlp = 2 * c * hidden * (remat.MLP_IN in names)
     # the residual stream after attention, like the block input (sequence-split under SP)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from ultrajax.model.attention.backends import attend
+from ultrajax.model.attention.backends import attend, output_residual
 from ultrajax.model.nn import cross_entropy, cross_entropy_grad
 from ultrajax.model.ops import lookup
 
@@ -78,6 +78,11 @@ class AttentionBoundary:
     def attend(self, q, k, v, segment_ids, implementation: str):
         return attend(q, k, v, segment_ids, implementation=implementation, blocks=self.blocks,
                       fused_bwd=self.fused_bwd)  # fmt: skip
+
+    def output_residual(self, implementation: str, segment_ids, seq_len: int) -> str:
+        """What the attention keeps of its output for its backward (backends.py)."""
+        packed = segment_ids is not None
+        return output_residual(implementation, jax.default_backend(), packed, seq_len)
 
 
 @dataclass(frozen=True)

@@ -100,13 +100,15 @@ def block_stats(p, x, positions, segment_ids, *, cfg, tp=SINGLE, cp=LOCAL, ep=ON
     q = rope(q, positions, cfg.rope_theta, **scaling)
     k = rope(k, positions, cfg.rope_theta, **scaling)
     if cache is None:
-        o = cp.attend(q, k, v, segment_ids, cfg.attention)
+        o = tp.constrain(cp.attend(q, k, v, segment_ids, cfg.attention), heads)
+        kept = cp.output_residual(cfg.attention, segment_ids, k.shape[1])
+        if remat.names_attention_output(cfg.remat, kept):
+            o = checkpoint_name(o, remat.ATTN_OUT)
     else:
         k_cache, v_cache, start = cache
         k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, 1)
         v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, 1)
-        o = attend(q, k, v, implementation="xla", q_offset=start)
-    o = checkpoint_name(tp.constrain(o, heads), remat.ATTN_OUT)
+        o = tp.constrain(attend(q, k, v, implementation="xla", q_offset=start), heads)
     x = x + tp.exit(dense(o, p["wo"], "btnh,nhd->btd", fp8_recipe=f8["wo"]))  # row-parallel
     x = checkpoint_name(x, remat.RESIDUAL)
 

@@ -48,6 +48,20 @@ def kept_tags(remat) -> set[str]:
     return set(TAGS) if remat == "offload" else set(remat)
 
 
+def names_attention_output(remat, residual: str) -> bool:
+    """Whether the block names the attention's output ATTN_OUT, given what the attention
+    keeps of it for its own backward (backends.output_residual). A name is a new array
+    to jax: where the attention's backward keeps its output and the policy keeps that too
+    (without recomputation every flash attention's; under selective those that name it
+    ATTN_SAVED), naming wo's input as well would keep the output twice, a second stacked
+    copy under the layer scan."""
+    if remat == "none":
+        return residual == ""
+    if remat == "selective":
+        return residual != "saved"
+    return True
+
+
 def remat_policy(remat):
     """model.remat -> a jax.checkpoint policy, or None (no recomputation)."""
     cp = jax.checkpoint_policies

@@ -95,8 +95,8 @@ def _loop(layer, policy, x, stack, n: int):
     (zeroed first), and its backward zeroes and fills a stacked gradient; here they stay
     the buffers their ops wrote, each freed once its layer's backward has run. Compiled
     for an H200 (scripts/gpu_compile.py), the 1B step under selective recomputation moves
-    150.5 GiB a step in its memory-bound kernels instead of 214.5, at a 31.3 GiB peak
-    instead of 35.0; compile time grows with depth. XLA:CPU runs every layer's
+    150.5 GiB a step in its memory-bound kernels instead of 209.5, at a 31.3 GiB peak
+    instead of 34.1; compile time grows with depth. XLA:CPU runs every layer's
     recomputation early instead, so on a CPU this holds what no recomputation holds."""
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=True)

@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec
 from ultrajax.kernels import flash_attention as fa
 from ultrajax.kernels.varying import vary, vma, zeros
 from ultrajax.model import remat
-from ultrajax.model.attention.backends import BACKENDS, attend, resolve
+from ultrajax.model.attention.backends import BACKENDS, attend, output_residual, resolve
 from ultrajax.model.attention.blocked import block_grads
 from ultrajax.model.attention.xla import NEG_INF, reference, scores, visible
 from ultrajax.parallel.axes import SEQUENCE
@@ -221,6 +221,14 @@ class Context:
             axis_names={self.axis},
             check_vma=True,
         )(q, k, v, segment_ids)
+
+    def output_residual(self, implementation: str, segment_ids, seq_len: int) -> str:
+        """What the attention keeps of its output for its backward: across devices, the
+        ring's or the all-gather's output and log-sum-exp, named (model/remat.py)."""
+        if self.size == 1:
+            packed = segment_ids is not None
+            return output_residual(implementation, jax.default_backend(), packed, seq_len)
+        return "saved"
 
     def _pair_forward(self, q, k, v, qs, ks, causal):
         if self.kernel == "xla":

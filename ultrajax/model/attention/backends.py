@@ -36,9 +36,9 @@ class Backend:
     # a GPU kernel: off a GPU it cannot run (gpu_only) or runs interpreted, for tests only,
     # so its speed and memory there say nothing (analyze compiles xla in its place)
     gpu_kernel: bool = False
-    # what the memory model reads (cost/activations.py): the plain-XLA flash attentions
-    # keep a copy of their output beside the one wo reads; tiled keeps no log-sum-exp;
-    # and each holds scores while it runs, per row group (tiled) or key block (blocked)
+    # what the memory model reads (cost/activations.py): tiled keeps a copy of its output
+    # beside the one wo reads, and no log-sum-exp; each holds scores while it runs, per
+    # row group (tiled) or key block (blocked)
     output_copy: bool = False
     lse: bool = True
     holds: str = ""  # "" | "row groups" | "key blocks"
@@ -54,7 +54,7 @@ BACKENDS = {
                 tiles=True, gpu_kernel=True),
         Backend("blocked", lambda q, k, v, seg=None: blocked_attention(q, k, v, seg),
                 False, True, False, True, "key blocks with an online softmax, plain XLA",
-                output_copy=True, holds="key blocks"),
+                holds="key blocks"),
         Backend("tiled", lambda q, k, v, seg=None: tiled_attention(q, k, v, seg),
                 False, True, False, True,
                 "causal query tiles, probabilities recomputed, plain XLA",
@@ -77,6 +77,17 @@ def resolve(name: str, platform: str, packed: bool, seq_len: int | None = None) 
     if platform == "gpu":
         return "pallas" if packed else "cudnn"
     return "tiled" if seq_len is not None and seq_len <= BLOCK else "blocked"
+
+
+def output_residual(name: str, platform: str, packed: bool, seq_len: int) -> str:
+    """What backend `name` keeps of its own output for its backward pass: "saved" (with
+    its log-sum-exp, under the name model/remat.py ATTN_SAVED or, cuDNN's, by its
+    primitive), "kept" (unnamed: tiled), "" (none: the plain attention, whose backward
+    reads its probabilities)."""
+    kind = BACKENDS[resolve(name, platform, packed, seq_len)]
+    if not kind.flash:
+        return ""
+    return "saved" if kind.lse else "kept"
 
 
 def problem(name: str, platform: str) -> str | None:
