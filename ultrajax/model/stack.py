@@ -1,6 +1,6 @@
 """The whole network as pure functions of the parameter dict: embedding, the layer
-stack applied with one `lax.scan` (any slice of it: a pipeline stage is one), final
-norm and LM head."""
+stack applied with one `lax.scan` or a Python loop (any slice of it: a pipeline stage
+is one), final norm and LM head."""
 
 from __future__ import annotations
 
@@ -50,9 +50,10 @@ def layers(
     gathered_over: str | None = None,
 ):
     """Apply every layer of `stack` (any slice of the stacked layers: a pipeline stage
-    is one) to the residual stream, with one `lax.scan`: (the stream, each MoE layer's
-    statistics stacked along a leading layer axis, {} for a dense model). Interleaved
-    dense and MoE layers are scanned a unit at a time (model/units.py).
+    is one) to the residual stream, with one `lax.scan` (model.scan_layers=false: a
+    Python loop, `_loop`): (the stream, each MoE layer's statistics stacked along a
+    leading layer axis, {} for a dense model). Interleaved dense and MoE layers are
+    scanned a unit at a time (model/units.py).
 
     `prepare(p) -> p`, if given, turns one layer's slice of `stack` (any pytree with a
     leading layer axis) into the weights `block` reads, inside the scan: the step uses
