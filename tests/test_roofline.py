@@ -60,3 +60,24 @@ def test_summary_names_each_kind_with_its_bound(found):
     assert float(memory_bound[4]) == pytest.approx(moved / 1e9 * 1e3, abs=0.05)
     top = text.split("moving the most:")[1].strip().splitlines()[2:]
     assert len(top) == 2 and float(top[0].split("|")[1]) >= float(top[1].split("|")[1])
+
+
+def test_collectives_are_a_row_of_their_own_without_an_hbm_bound():
+    """A psum over two devices: its all-reduce is counted apart from the memory-bound
+    kernels (its time is the links', cost/comms.py), with no bound of its own."""
+    mesh = jax.make_mesh((2,), ("d",), devices=jax.devices()[:2])
+    spec = jax.sharding.PartitionSpec("d")
+
+    @jax.jit
+    def f(x):
+        return jax.shard_map(lambda a: jax.lax.psum(a * 2.0, "d"), mesh=mesh, in_specs=spec,
+                             out_specs=jax.sharding.PartitionSpec())(x)  # fmt: skip
+
+    x = jax.ShapeDtypeStruct((2 * ROWS, COLS), jnp.float32,
+                             sharding=jax.sharding.NamedSharding(mesh, spec))  # fmt: skip
+    found = roofline.kernels(f.lower(x).compile().as_text())
+    reduce = [k for k in found if k.op.removesuffix("-start") == "all-reduce"]
+    assert len(reduce) == 1 and reduce[0].bytes == 2 * 0.5 * MIB  # operand and result
+    rows = roofline.summary(found, 1e9, 1e9).splitlines()
+    (row,) = [r for r in rows if r.startswith("| collectives")]
+    assert row.rstrip().endswith("| - |")

@@ -14,6 +14,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
+from ultrajax.cost.comms import KINDS
 from ultrajax.tools.hlo import _dims, multiplicities, parse_module, shape_bytes
 
 # instructions that launch no kernel (a loop's own work is in its body)
@@ -161,19 +162,22 @@ def summary(found: list[Kernel], bandwidth: float, matmul_rate: float, top: int 
             groups["matmuls"].append(k)
         elif k.op == "custom-call":
             groups[f"calls to {k.kind}"].append(k)
+        elif k.op.removesuffix("-start") in KINDS:  # bound by links (cost/comms.py), not HBM
+            groups["collectives (operands and results)"].append(k)
         else:
             groups["memory-bound (fusions, copies)"].append(k)
     lines = ["| kernels | runs a step | GiB moved | TFLOP | bound ms |", "|---|---|---|---|---|"]
     for label, ks in sorted(groups.items()):
         moved, flops = sum(k.bytes for k in ks), sum(k.flops for k in ks)
-        bound = max(moved / bandwidth, flops / matmul_rate)
+        bound = max(moved / bandwidth, flops / matmul_rate) * 1e3
+        shown = "-" if label.startswith("collectives") else f"{bound:,.1f}"  # links' time
         lines.append(
             f"| {label} | {sum(k.count for k in ks):,.0f} | {moved / 2**30:,.1f} |"
-            f" {flops / 1e12:,.1f} | {bound * 1e3:,.1f} |"
+            f" {flops / 1e12:,.1f} | {shown} |"
         )
     lines += ["", f"the {top} memory-bound kernels moving the most:", ""]
     lines += ["| GiB a step | runs | kernel | shape | from |", "|---|---|---|---|---|"]
-    rest = [k for k in found if not k.flops and k.op != "custom-call"]
+    rest = groups["memory-bound (fusions, copies)"]
     for k in sorted(rest, key=lambda k: -k.bytes)[:top]:
         source = "/".join(k.source.rsplit("/", 2)[-2:])
         lines.append(
