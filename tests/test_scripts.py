@@ -1,6 +1,7 @@
 """The benchmark scripts still run (they build the step as the trainer does, so a change of
 its signature breaks them first): one tiny size, one step, a table printed."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -183,6 +184,24 @@ def test_profile_step_reads_a_gpu_trace_off_the_device_streams():
     thread = NS(name="tf_XLAEigen", events=[event("while.1", 0, 100), event("dot.2", 10, 60)])
     cpu = dict(profile_step.op_times([NS(name="/host:CPU", lines=[thread])]))
     assert cpu == {"while.1": 40, "dot.2": 60}
+
+
+def test_gpu_compile_without_jaxs_cuda_plugin_says_how_to_get_it(capsys, monkeypatch):
+    """scripts/gpu_compile.py needs jax's CUDA plugin, never a dependency: without it, a
+    one-line error that names it (exit 2). What it sets in the environment is undone."""
+    import importlib.util
+
+    import gpu_compile
+
+    plugins = importlib.util.find_spec("jax_plugins")
+    if plugins and importlib.util.find_spec("jax_plugins.xla_cuda12"):
+        pytest.skip("jax's CUDA plugin is installed here")
+    for name in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    with pytest.raises(SystemExit) as e:
+        gpu_compile.main(["model.n_layers=1"])
+    assert e.value.code == 2
+    assert "jax's CUDA plugin" in capsys.readouterr().err
 
 
 def test_step_table_reports_the_runs_asked_for_with_their_ratios(tmp_path):
