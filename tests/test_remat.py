@@ -214,6 +214,14 @@ def test_offload_with_a_pipeline_is_refused_at_validation():
     harness.make("model.remat=selective", "mesh.pipeline=2", "train.grad_accum=4")
 
 
+def test_offload_with_the_layer_loop_is_refused_at_validation():
+    """Compiled for an H200 (scripts/gpu_compile.py), offload under the Python layer loop
+    moved 1.75 of the 11.5 GiB the scan moves to the host: validation refuses the pair."""
+    with pytest.raises(ConfigError, match="offload with model.scan_layers=false"):
+        harness.make("model.remat=offload", "model.scan_layers=false")
+    harness.make("model.remat=selective", "model.scan_layers=false")
+
+
 @pytest.mark.parametrize("attention", ["blocked", "pallas"])
 def test_selective_keeps_a_flash_attentions_residuals_and_runs_no_attention_forward_again(
     attention,

@@ -118,6 +118,13 @@ def _validate_model(m) -> None:
     )
     _check(m.norm_eps > 0, "model.norm_eps must be positive")
     _check(m.scan_unroll >= 1, f"model.scan_unroll must be >= 1, got {m.scan_unroll}")
+    _check(
+        not (m.remat == "offload" and not m.scan_layers),
+        "model.remat=offload with model.scan_layers=false: compiled for an H200, XLA then "
+        "moves 1.75 of the 11.5 GiB the 1B step offloads under the scan and keeps the rest "
+        "on the device (a 30.6 GiB peak against the scan's 22.7, docs/memory.md); keep "
+        "model.scan_layers=true, or use selective",
+    )
     _validate_fp8(m)
     if m.attention_blocks is not None:
         _check(
