@@ -51,9 +51,10 @@ step ultrajax-packed-docs4 data.cross_doc_mask=true --docs 4
 step ultrajax-packed-fused data.cross_doc_mask=true model.attention_backward=fused
 step ultrajax-whole-logits data.cross_doc_mask=false model.loss_chunk=0
 # by name only (gpu_check.sh's remat part): whole-layer recomputation, selective with the
-# matmul outputs kept in pinned host memory instead (model.remat=offload: never run)
+# matmul outputs kept in pinned host memory instead (model.remat=offload: never run; under
+# the scan, as validation refuses it with the 1B size's layer loop)
 step ultrajax-full data.cross_doc_mask=false model.remat=full
-step ultrajax-offload data.cross_doc_mask=false model.remat=offload
+step ultrajax-offload data.cross_doc_mask=false model.remat=offload model.scan_layers=true
 # and selective with the layers as one lax.scan (the 1B size runs them as a Python loop)
 step ultrajax-scanned data.cross_doc_mask=false model.remat=selective model.scan_layers=true
 # shellcheck disable=SC2086

@@ -24,7 +24,7 @@ LABELS = {  # output file: the row's label, in the table's order
     "ultrajax-packed-docs4": "ultrajax, packed, 4 documents a row (uneven)",
     "ultrajax-whole-logits": "ultrajax, causal, loss_chunk=0 (whole logits)",
     "ultrajax-full": "ultrajax, causal, model.remat=full",
-    "ultrajax-offload": "ultrajax, causal, model.remat=offload (saved to pinned host)",
+    "ultrajax-offload": "ultrajax, causal, model.remat=offload (saved to pinned host), one scan",
     "hf-eager": "transformers eager",
     "hf-compiled": "transformers + torch.compile",
 }
