@@ -5,6 +5,7 @@ FLOPs (ultrajax/tools/roofline.py).
     python scripts/gpu_compile.py                                  # 1B step, H200
     python scripts/gpu_compile.py --gpu h100 model.remat=full      # overrides as bench_step's
     python scripts/gpu_compile.py --hlo /tmp/step.hlo --top 30
+    python scripts/gpu_compile.py --config configs/llama-8b.yaml --gpu h100 --devices 8
 
 XLA compiles for the card described in a target config (deviceless AOT compilation,
 jax.experimental.topologies); the step is bench_step.py's (its --size, micro-batch 8 by
@@ -55,7 +56,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpu", choices=("h100", "h200"), default="h200")
     p.add_argument("--size", default="1b", help="a bench_step.py size (default 1b)")
+    p.add_argument("--config", help="a config file instead (its own batch and layout)")
     p.add_argument("--devices", type=int, default=1, help="GPUs of one host (mesh: overrides)")
+    p.add_argument("--memory", type=float, metavar="GIB",
+                   help="device memory XLA may plan for (default the card's): its scheduler "
+                        "spends room it is given on overlapping collectives")  # fmt: skip
     p.add_argument("--hlo", help="write the compiled module's text here")
     p.add_argument("--top", type=int, default=15, help="memory-bound kernels listed")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. model.remat=full")
@@ -76,7 +81,10 @@ def main(argv=None) -> int:
         p.error(f"unknown size {args.size!r}; choose from {', '.join(bench_step.SIZES)}")
     given = ["train.micro_batch_size=8", "data.cross_doc_mask=false", *args.overrides]
     try:
-        cfg = load(None, bench_step.size_overrides(args.size, "gpu", given))
+        if args.config:
+            cfg = load(args.config, args.overrides)
+        else:
+            cfg = load(None, bench_step.size_overrides(args.size, "gpu", given))
         overlap.apply(cfg.parallel)  # the GPU flags the train command sets, before jax starts
     except ConfigError as e:
         cli.fail(str(e))
@@ -88,7 +96,8 @@ def main(argv=None) -> int:
     from ultrajax.tools import analyze, roofline
 
     card = hardware.by_name(args.gpu)
-    target = TARGET.format(bandwidth=int(card.hbm_bw), memory=card.memory, name=args.gpu.upper())
+    memory_bytes = int(args.memory * 2**30) if args.memory else card.memory
+    target = TARGET.format(bandwidth=int(card.hbm_bw), memory=memory_bytes, name=args.gpu.upper())
     try:
         topology = topologies.get_topology_desc(
             platform="cuda", target_config=target, topology=f"1x1x{args.devices}"
@@ -109,7 +118,8 @@ def main(argv=None) -> int:
     mem = analyze.compiled_memory(compiled)
     predicted = memory.estimate(cfg, "gpu").peak
     gib = 2**30
-    print(f"{args.size} step for one {args.gpu.upper()} of {args.devices} (deviceless, "
+    name = args.config or args.size
+    print(f"{name} step for one {args.gpu.upper()} of {args.devices} (deviceless, "
           f"jax {jax.__version__}), compiled in {time.perf_counter() - t0:.0f} s: "
           f"{cfg.model.remat} recomputation, attention {cfg.model.attention}, "
           f"micro-batch {cfg.train.micro_batch_size} x {cfg.model.seq_len}, "
