@@ -68,14 +68,8 @@ def cross_entropy(logits, targets, tp):
         log_z = jax.nn.logsumexp(logits, axis=-1)
         target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
         return log_z - target
-    local_vocab = logits.shape[-1]
-    m = tp.max(jnp.max(logits, axis=-1))
-    sum_exp = tp.sum(jnp.sum(jnp.exp(logits - m[..., None]), axis=-1))
-    local = targets - tp.vocab_start(local_vocab)
-    mine = (local >= 0) & (local < local_vocab)
-    picked = jnp.take_along_axis(logits, jnp.clip(local, 0, local_vocab - 1)[..., None], -1)
-    target = tp.sum(jnp.where(mine, picked[..., 0], 0.0))
-    return jnp.log(sum_exp) + m - target
+    log_z, target, _ = _log_z_and_target(logits, targets, tp)
+    return log_z - target
 
 
 def cross_entropy_grad(logits, targets, mask, tp, dtype):
@@ -87,19 +81,26 @@ def cross_entropy_grad(logits, targets, mask, tp, dtype):
     the 1B step's chunked loss moved 59.1 GiB a step that way, 27.8 this way
     (docs/kernels.md). The same vocabulary sharding as `cross_entropy`; `tp` None: whole
     (or sharded by the partitioner)."""
+    log_z, target, local = _log_z_and_target(logits, targets, tp)
+    nll = jnp.sum((log_z - target) * mask)
+    vocab = jax.lax.broadcasted_iota(local.dtype, logits.shape, logits.ndim - 1)
+    p = jnp.exp(logits - log_z[..., None])
+    g = (p - (vocab == local[..., None])) * mask[..., None]
+    return nll, g.astype(dtype)
+
+
+def _log_z_and_target(logits, targets, tp):
+    """(log-sum-exp, target logit, the target's index in this device's slice) per token,
+    over the vocabulary `tp` shards (None or size 1: whole), reduced as scalars."""
     local_vocab = logits.shape[-1]
     sharded = tp is not None and tp.size > 1
-    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1))  # for stability only
     m = tp.max(m) if sharded else m
     sum_exp = jnp.sum(jnp.exp(logits - m[..., None]), axis=-1)
-    lse = jnp.log(tp.sum(sum_exp) if sharded else sum_exp) + m
     local = targets - (tp.vocab_start(local_vocab) if sharded else 0)
     mine = (local >= 0) & (local < local_vocab)
     picked = jnp.take_along_axis(logits, jnp.clip(local, 0, local_vocab - 1)[..., None], -1)
     target = jnp.where(mine, picked[..., 0], 0.0)
-    target = tp.sum(target) if sharded else target
-    nll = jnp.sum((lse - target) * mask)
-    vocab = jax.lax.broadcasted_iota(local.dtype, logits.shape, logits.ndim - 1)
-    p = jnp.exp(logits - lse[..., None])
-    g = (p - (vocab == local[..., None])) * mask[..., None]
-    return nll, g.astype(dtype)
+    if sharded:
+        sum_exp, target = tp.sum(sum_exp), tp.sum(target)
+    return jnp.log(sum_exp) + m, target, local
