@@ -9,7 +9,7 @@ import dataclasses
 from ultrajax.config.schema import Config, ModelConfig, ParallelConfig
 from ultrajax.model import units
 from ultrajax.model.attention import backends as attention
-from ultrajax.model.prefetch import MIN_LAYERS
+from ultrajax.parallel import zero
 
 
 def _moe_warnings(cfg: Config) -> list[str]:
@@ -35,25 +35,25 @@ def _moe_warnings(cfg: Config) -> list[str]:
     return out
 
 
-def _scans_kept(cfg: Config, regather: bool) -> list[str]:
+def _scans_kept(cfg: Config) -> list[str]:
     """What keeps the layer loop a lax.scan under model.scan_layers=false."""
     m, scans = cfg.model, []
     if cfg.mesh.pipeline > 1:
         scans.append("mesh.pipeline > 1 (each stage's layers)")
     if units.size(m) > 1:
         scans.append(f"model.moe_every={m.moe_every} (units of dense and MoE layers)")
-    elif regather and cfg.parallel.prefetch and units.count(m) >= MIN_LAYERS:
+    elif zero.prefetches(cfg):
         scans.append("ZeRO-3's prefetch (parallel.prefetch)")
     return scans
 
 
-def _loop_warnings(cfg: Config, regather: bool, platform: str | None) -> list[str]:
+def _loop_warnings(cfg: Config, platform: str | None) -> list[str]:
     """no_effect's lines about model.scan_layers=false: the layer loops that stay scans,
     and recomputation lost on a CPU."""
     m = cfg.model
     if m.scan_layers:
         return []
-    scans = _scans_kept(cfg, regather)
+    scans = _scans_kept(cfg)
     out = []
     if scans:
         out.append(
@@ -141,7 +141,7 @@ def no_effect(cfg: Config, platform: str | None = None) -> list[str]:
     m = cfg.model
     out += _kernel_warnings(cfg)
     regather = par.zero >= 3 and mesh.fsdp != 1
-    scanned = m.scan_layers or _scans_kept(cfg, regather)
+    scanned = m.scan_layers or _scans_kept(cfg)
     if m.scan_unroll > 1 and (m.remat != "none" or regather) and scanned:
         why = f"model.remat={m.remat}" if m.remat != "none" else "parallel.zero=3"
         out.append(
@@ -150,7 +150,7 @@ def no_effect(cfg: Config, platform: str | None = None) -> list[str]:
             "(and ZeRO-3's gathered weights), so the layers run one per loop iteration "
             "(model/remat.py): drop it, or set model.scan_unroll=1"
         )
-    out += _loop_warnings(cfg, regather, platform)
+    out += _loop_warnings(cfg, platform)
     out += _moe_warnings(cfg)
     default = ParallelConfig()
     axis_keys = {

@@ -525,8 +525,9 @@ def keeps_residuals(cfg: Config, platform: str | None = None) -> bool:
     `platform`: the backend `model.attention` is resolved for (default: this one)."""
     if cfg.mesh.sequence > 1:
         return True
-    kind = attention_lib.BACKENDS[concrete(cfg, platform).model.attention]
-    return kind.flash and kind.lse
+    return (
+        attention_lib.BACKENDS[concrete(cfg, platform).model.attention].output_residual == "saved"
+    )
 
 
 def _flash(cfg: Config) -> bool:

@@ -81,8 +81,7 @@ class AttentionBoundary:
 
     def output_residual(self, implementation: str, segment_ids, seq_len: int) -> str:
         """What the attention keeps of its output for its backward (backends.py)."""
-        packed = segment_ids is not None
-        return output_residual(implementation, jax.default_backend(), packed, seq_len)
+        return output_residual(implementation, segment_ids, seq_len)
 
 
 @dataclass(frozen=True)

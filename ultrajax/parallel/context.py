@@ -226,8 +226,7 @@ class Context:
         """What the attention keeps of its output for its backward: across devices, the
         ring's or the all-gather's output and log-sum-exp, named (model/remat.py)."""
         if self.size == 1:
-            packed = segment_ids is not None
-            return output_residual(implementation, jax.default_backend(), packed, seq_len)
+            return output_residual(implementation, segment_ids, seq_len)
         return "saved"
 
     def _pair_forward(self, q, k, v, qs, ks, causal):

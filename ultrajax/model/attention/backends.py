@@ -43,6 +43,16 @@ class Backend:
     lse: bool = True
     holds: str = ""  # "" | "row groups" | "key blocks"
 
+    @property
+    def output_residual(self) -> str:
+        """What it keeps of its own output for its backward pass: "saved" (with its
+        log-sum-exp, under the name model/remat.py ATTN_SAVED or, cuDNN's, by its
+        primitive), "kept" (unnamed: tiled), "" (none: the plain attention, whose
+        backward reads its probabilities)."""
+        if not self.flash:
+            return ""
+        return "saved" if self.lse else "kept"
+
 
 BACKENDS = {
     b.name: b
@@ -79,15 +89,11 @@ def resolve(name: str, platform: str, packed: bool, seq_len: int | None = None) 
     return "tiled" if seq_len is not None and seq_len <= BLOCK else "blocked"
 
 
-def output_residual(name: str, platform: str, packed: bool, seq_len: int) -> str:
-    """What backend `name` keeps of its own output for its backward pass: "saved" (with
-    its log-sum-exp, under the name model/remat.py ATTN_SAVED or, cuDNN's, by its
-    primitive), "kept" (unnamed: tiled), "" (none: the plain attention, whose backward
-    reads its probabilities)."""
-    kind = BACKENDS[resolve(name, platform, packed, seq_len)]
-    if not kind.flash:
-        return ""
-    return "saved" if kind.lse else "kept"
+def output_residual(name: str, segment_ids, seq_len: int) -> str:
+    """`Backend.output_residual` of the backend `name` means here, while tracing (`auto`
+    resolved for the platform compiling, as `attend` does)."""
+    packed = segment_ids is not None
+    return BACKENDS[resolve(name, jax.default_backend(), packed, seq_len)].output_residual
 
 
 def problem(name: str, platform: str) -> str | None:
