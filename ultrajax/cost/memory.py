@@ -61,6 +61,7 @@ from ultrajax.cost.sizes import dims, layer_weight_elements, param_elements
 from ultrajax.cost.units import dtype_bytes, fmt_bytes
 from ultrajax.model import llama
 from ultrajax.parallel.axes import FSDP
+from ultrajax.parallel.layout import splits_last
 from ultrajax.parallel.mesh import vocab_over_pipeline
 from ultrajax.parallel.zero import Zero, prefetches
 
@@ -290,7 +291,10 @@ def _gradients(cfg: Config) -> dict[str, float]:
     if not z.active:
         final = _whole(cfg, (llama.ATTENTION, llama.MLP, llama.NORM)) if accum else whole
     else:
-        final = 0 if accum and z.active >= 2 else stored
+        # ZeRO-2/3 accumulation scatters into the sum's shards, which are the gradients,
+        # but where a data axis' reduction waits for the last micro-batch: that one's
+        # reduced shards are a buffer beside the sum
+        final = 0 if accum and z.active >= 2 and not splits_last(cfg) else stored
     embed = _beyond_shard(cfg, llama.EMBEDDING, 4) if z.active >= 1 else 0.0
     if accum:
         embed = 4.0 * _whole(cfg, (llama.EMBEDDING,)) if z.active >= 2 else 0.0

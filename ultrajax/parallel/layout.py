@@ -27,7 +27,7 @@ from ultrajax.parallel.axes import (
 )
 from ultrajax.parallel.context import Context, pair_kernel
 from ultrajax.parallel.expert import Experts
-from ultrajax.parallel.grads import Gradients
+from ultrajax.parallel.grads import Gradients, deferred_axes
 from ultrajax.parallel.mesh import Rules, entry_axes, only_axes
 from ultrajax.parallel.partitioned import Partitioned
 from ultrajax.parallel.tensor import TensorParallel
@@ -48,6 +48,41 @@ def unsupported(cfg: Config, backend: str) -> str | None:
     return None
 
 
+def manual_axes(cfg: Config, sizes: dict, grads: bool = True) -> frozenset:
+    """The mesh axes (of `sizes`, the mesh's) the step's code is manual over: every axis
+    wider than one under explicit collectives; under gspmd only where accumulation defers
+    a data reduction: ZeRO-0/1 over the token axes, ZeRO-2/3 over `data` and `sequence`
+    when there are micro-batches to defer over (their fsdp reduce-scatter is due every
+    micro-batch: the partitioner's); elsewhere context parallelism goes manual over
+    `sequence` inside attention alone (Shardy rejects that nested shard_map inside one
+    manual over the data axes)."""
+    big = frozenset(a for a in AXES if sizes[a] > 1)
+    if cfg.parallel.collectives != "gspmd":
+        return big
+    if Zero(cfg.parallel.zero, sizes[FSDP]).active <= 1:
+        owed = frozenset(TOKEN_AXES) if big & set(DATA_AXES) else frozenset()
+    else:
+        # not with fsdp and tensor both left to the partitioner: XLA aborts on that
+        # partly manual program (spmd_partitioner_util.cc:497, jax 0.10); there the
+        # data reduction runs every micro-batch
+        many = cfg.train.grad_accum > 1 and DATA in big and not {FSDP, TENSOR} <= big
+        owed = frozenset(a for a in TOKEN_AXES if a != FSDP) if many else frozenset()
+    if EXPERT in big:  # expert parallelism's all-to-all runs per device (expert.py)
+        owed = frozenset(TOKEN_AXES)
+    needed = big & owed if grads or EXPERT in big else frozenset()
+    if sizes[PIPELINE] > 1:  # the schedule runs per device; its data reductions wait
+        needed = big & frozenset((*TOKEN_AXES, PIPELINE))
+    return needed
+
+
+def splits_last(cfg: Config) -> bool:
+    """`Gradients.splits_last` from the config alone (the memory model asks): whether the
+    last micro-batch reduces apart from the others, in a program of its own."""
+    sizes = cfg.mesh.sizes()
+    zero = Zero(cfg.parallel.zero, sizes[FSDP])
+    return cfg.train.grad_accum > 1 and bool(deferred_axes(zero, manual_axes(cfg, sizes)))
+
+
 def _is_names(x) -> bool:
     return isinstance(x, tuple)
 
@@ -61,28 +96,8 @@ class Layout:
         self.zero = Zero(cfg.parallel.zero, mesh.shape[FSDP])
         self.gspmd = cfg.parallel.collectives == "gspmd"
         self.replicas = grads and cfg.parallel.diloco_steps > 0  # DiLoCo's train step
-        big = frozenset(a for a in AXES if mesh.shape[a] > 1)
-        # gspmd: manual only where accumulation defers a data reduction: ZeRO-0/1 over
-        # the token axes, ZeRO-2/3 over `data` and `sequence` when there are micro-batches
-        # to defer over (their fsdp reduce-scatter is due every micro-batch: the
-        # partitioner's); elsewhere context parallelism goes manual over `sequence` inside
-        # attention alone (Shardy rejects that nested shard_map inside one manual over
-        # the data axes)
-        if self.zero.active <= 1:
-            owed = frozenset(TOKEN_AXES) if big & set(DATA_AXES) else frozenset()
-        else:
-            # not with fsdp and tensor both left to the partitioner: XLA aborts on that
-            # partly manual program (spmd_partitioner_util.cc:497, jax 0.10); there the
-            # data reduction runs every micro-batch
-            many = cfg.train.grad_accum > 1 and DATA in big and not {FSDP, TENSOR} <= big
-            owed = frozenset(a for a in TOKEN_AXES if a != FSDP) if many else frozenset()
-        if EXPERT in big:  # expert parallelism's all-to-all runs per device (expert.py)
-            owed = frozenset(TOKEN_AXES)
-        needed = big & owed if grads or EXPERT in big else frozenset()
         self.pipeline = mesh.shape[PIPELINE]
-        if self.pipeline > 1:  # the schedule runs per device; its data reductions wait
-            needed = big & frozenset((*TOKEN_AXES, PIPELINE))
-        self.manual = needed if self.gspmd else big
+        self.manual = manual_axes(cfg, dict(mesh.shape), grads=grads)
         self.cp = Context(
             mesh.shape[SEQUENCE_AXIS],
             cfg.parallel.context,
