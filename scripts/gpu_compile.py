@@ -28,6 +28,7 @@ never a dependency of the project):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -63,6 +64,12 @@ def main(argv=None) -> int:
                         "spends room it is given on overlapping collectives")  # fmt: skip
     p.add_argument("--hlo", help="write the compiled module's text here")
     p.add_argument("--top", type=int, default=15, help="memory-bound kernels listed")
+    p.add_argument(
+        "--record",
+        metavar="JSON",
+        help="append this step's compiled memory "
+        "here (tests/data/*_compiled.json: the memory model's GPU checks)",
+    )
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. model.remat=full")
     args = p.parse_args(argv)
     # a CPU host: no CUDA driver to check, and jax's default backend stays the CPU
@@ -72,19 +79,14 @@ def main(argv=None) -> int:
     import bench_step
 
     from ultrajax import cli
-    from ultrajax.config.parse import load
     from ultrajax.config.schema import ConfigError
     from ultrajax.cost import hardware, memory
     from ultrajax.train import overlap
 
     if args.size not in bench_step.SIZES:
         p.error(f"unknown size {args.size!r}; choose from {', '.join(bench_step.SIZES)}")
-    given = ["train.micro_batch_size=8", "data.cross_doc_mask=false", *args.overrides]
     try:
-        if args.config:
-            cfg = load(args.config, args.overrides)
-        else:
-            cfg = load(None, bench_step.size_overrides(args.size, "gpu", given))
+        cfg = step_config(args.size, args.config, args.overrides)
         overlap.apply(cfg.parallel)  # the GPU flags the train command sets, before jax starts
     except ConfigError as e:
         cli.fail(str(e))
@@ -131,7 +133,29 @@ def main(argv=None) -> int:
     print(f"bound: {card.hbm_bw / 1e12:.2f} TB/s, {rate / 1e12:.0f} TFLOP/s ({card.name}'s "
           "data sheet)\n")  # fmt: skip
     print(roofline.summary(roofline.kernels(text), card.hbm_bw, rate, args.top))
+    if args.record:
+        keys = ("gpu", "size", "config", "devices", "memory", "overrides")
+        step = {k: getattr(args, k) for k in keys}
+        step.update(argument=mem["argument"], peak=mem["peak"], jax=jax.__version__,
+                    date=time.strftime("%Y-%m-%d"))  # fmt: skip
+        path = Path(args.record)
+        data = json.loads(path.read_text()) if path.exists() else {"steps": []}
+        data["steps"].append(step)
+        path.write_text(json.dumps(data, indent=1) + "\n")
     return 0
+
+
+def step_config(size: str, config: str | None, overrides: list[str]):
+    """The step's config: a bench_step.py size (micro-batch 8, no cross-document mask,
+    then `overrides`) or a config file with `overrides`, mesh unresolved."""
+    import bench_step
+
+    from ultrajax.config.parse import load
+
+    if config:
+        return load(config, list(overrides))
+    given = ["train.micro_batch_size=8", "data.cross_doc_mask=false", *overrides]
+    return load(None, bench_step.size_overrides(size, "gpu", given))
 
 
 if __name__ == "__main__":
