@@ -265,7 +265,13 @@ class Gradients:
         with one earlier micro-batch the loop itself is inlined, so the index reads the
         embedding's sum, the last gradient the backward pass completes: its first value
         times zero, as an integer, is 0 whatever the value (XLA converts NaN to 0)."""
-        leaf = acc[self.after[0]] if self.after[0] in acc else jax.tree.leaves(acc)[0]
-        n = jax.tree.leaves(batch)[0].shape[0]
-        at = n - 1 + (leaf.ravel()[0] * 0).astype(jnp.int32)
+        rows = jax.tree.leaves(batch)[0]
+        want = vma(rows)  # a sum sharded over more (TP's vocabulary) would make the
+        # batch vary there: such a zero is summed over those axes, still 0
+        sums = [acc[k] for k in self.after if k in acc] + jax.tree.leaves(acc)
+        leaf = next((x for x in sums if vma(x) <= want), sums[0])
+        zero = (leaf.ravel()[0] * 0).astype(jnp.int32)
+        if extra := tuple(sorted(vma(zero) - want)):
+            zero = jax.lax.psum(zero, extra)
+        at = rows.shape[0] - 1 + zero
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, at, keepdims=False), batch)
