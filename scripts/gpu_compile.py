@@ -64,12 +64,9 @@ def main(argv=None) -> int:
                         "spends room it is given on overlapping collectives")  # fmt: skip
     p.add_argument("--hlo", help="write the compiled module's text here")
     p.add_argument("--top", type=int, default=15, help="memory-bound kernels listed")
-    p.add_argument(
-        "--record",
-        metavar="JSON",
-        help="append this step's compiled memory "
-        "here (tests/data/*_compiled.json: the memory model's GPU checks)",
-    )
+    p.add_argument("--record", metavar="JSON",
+                   help="append this step's compiled memory to this file "
+                        "(tests/data/*_compiled.json: the memory model's GPU checks)")  # fmt: skip
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. model.remat=full")
     args = p.parse_args(argv)
     # a CPU host: no CUDA driver to check, and jax's default backend stays the CPU

@@ -55,6 +55,12 @@ def deferred_axes(zero: Zero, manual) -> tuple[str, ...]:
     return tuple(a for a in axes if a in manual)
 
 
+def splits_last(grad_accum: int, zero: Zero, manual) -> bool:
+    """Whether the last of `grad_accum` micro-batches reduces apart from the others (a
+    program of its own, after their loop): some reduction waits for it."""
+    return grad_accum > 1 and bool(deferred_axes(zero, manual))
+
+
 @dataclass(frozen=True)
 class Gradients:
     """The gradient plan of one step: sinks, reductions and the micro-batch loop.
@@ -87,7 +93,7 @@ class Gradients:
     @property
     def splits_last(self) -> bool:
         """Whether the last micro-batch reduces differently from the others."""
-        return self.grad_accum > 1 and bool(self.deferred)
+        return splits_last(self.grad_accum, self.zero, self.manual)
 
     def adds_inside(self, last: bool) -> bool:
         """Whether the backward rules read the running sum and add it before a deferred
@@ -262,12 +268,14 @@ class Gradients:
         schedulers (CPU and GPU) ran it before their loop, its activations live all
         through it (on an H100 compile, HSDP 1B without recomputation: 48.8 GiB where one
         micro-batch's take 30.9). An optimization barrier is gone before scheduling, and
-        with one earlier micro-batch the loop itself is inlined, so the index reads the
-        embedding's sum, the last gradient the backward pass completes: its first value
-        times zero, as an integer, is 0 whatever the value (XLA converts NaN to 0)."""
+        with one earlier micro-batch the loop itself is inlined, so the index reads a
+        running sum, the embedding's where it can (the last gradient the backward pass
+        completes): its first value times zero, as an integer, is 0 whatever the value
+        (XLA converts NaN to 0). A sum varying over more axes than the batch (TP's
+        vocabulary split) would make the batch vary there too: that zero is summed over
+        them, a scalar all-reduce, where no sum qualifies."""
         rows = jax.tree.leaves(batch)[0]
-        want = vma(rows)  # a sum sharded over more (TP's vocabulary) would make the
-        # batch vary there: such a zero is summed over those axes, still 0
+        want = vma(rows)
         sums = [acc[k] for k in self.after if k in acc] + jax.tree.leaves(acc)
         leaf = next((x for x in sums if vma(x) <= want), sums[0])
         zero = (leaf.ravel()[0] * 0).astype(jnp.int32)

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ultrajax.config.schema import Config
 from ultrajax.model import fp8, remat
 from ultrajax.model.llama import fp8_weights, logical_axes
+from ultrajax.parallel import grads as grads_lib
 from ultrajax.parallel.axes import (
     AXES,
     DATA,
@@ -27,7 +28,7 @@ from ultrajax.parallel.axes import (
 )
 from ultrajax.parallel.context import Context, pair_kernel
 from ultrajax.parallel.expert import Experts
-from ultrajax.parallel.grads import Gradients, deferred_axes
+from ultrajax.parallel.grads import Gradients
 from ultrajax.parallel.mesh import Rules, entry_axes, only_axes
 from ultrajax.parallel.partitioned import Partitioned
 from ultrajax.parallel.tensor import TensorParallel
@@ -80,7 +81,7 @@ def splits_last(cfg: Config) -> bool:
     last micro-batch reduces apart from the others, in a program of its own."""
     sizes = cfg.mesh.sizes()
     zero = Zero(cfg.parallel.zero, sizes[FSDP])
-    return cfg.train.grad_accum > 1 and bool(deferred_axes(zero, manual_axes(cfg, sizes)))
+    return grads_lib.splits_last(cfg.train.grad_accum, zero, manual_axes(cfg, sizes))
 
 
 def _is_names(x) -> bool:
