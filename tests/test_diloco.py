@@ -289,16 +289,26 @@ def test_streaming_fragments_take_turns():
     assert order(4, 4) == [2, 3, 4, 1, 2, 3, 4, 1]
 
 
+def _synchronised(got, whole):
+    """As the whole sync left them, within a few roundings: another program computes the
+    same update (its fusions may round differently; 2 ulps seen)."""
+    atol = 8 * np.finfo(np.float32).eps * float(np.max(np.abs(whole)))
+    np.testing.assert_allclose(got, whole, rtol=0, atol=atol)
+
+
 def _fragment_rows(got, before, whole, f, axis, layered):
     """Fragment f of 2: its half of a layer stack's rows as the whole sync left them, the
-    other half as before; the rest moved by fragment 0 alone."""
+    other half exactly as before; the rest moved by fragment 0 alone."""
     if not layered:
-        np.testing.assert_array_equal(got, whole if f == 0 else before)
+        if f == 0:
+            _synchronised(got, whole)
+        else:
+            np.testing.assert_array_equal(got, before)
         return
     n = got.shape[axis] // 2
     mine = np.arange(f * n, (f + 1) * n)
     rest = np.setdiff1d(np.arange(2 * n), mine)
-    np.testing.assert_array_equal(np.take(got, mine, axis), np.take(whole, mine, axis))
+    _synchronised(np.take(got, mine, axis), np.take(whole, mine, axis))
     np.testing.assert_array_equal(np.take(got, rest, axis), np.take(before, rest, axis))
 
 

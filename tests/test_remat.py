@@ -53,10 +53,15 @@ def test_gradients_identical_across_policies(random_params):
             fn = jax.jit(jax.value_and_grad(lambda p, c=cfg: loss_sum(c, p, batch)[0]))
             grads[f"{remat}, scan_layers={scan}"] = fn(params)
     ref_loss, ref = grads["none, scan_layers=True"]
+    # the same arithmetic in other fusions: each element within a few roundings of its
+    # weight's largest gradient (2 ulps of it seen), where a wrong recomputation is off by
+    # a whole term
+    eps = np.finfo(np.float32).eps
     for remat, (loss, g) in grads.items():
         assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6), remat
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=remat)
+            atol = 16 * eps * float(np.max(np.abs(b)))
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=atol, err_msg=remat)
 
 
 @pytest.fixture(scope="module")
@@ -96,18 +101,19 @@ def test_recomputation_holds_with_every_layer_unrolled():
 def test_a_python_layer_loop_recomputes_what_each_policy_drops(compiled_policies):
     """model.scan_layers=false: each layer is checkpointed on its own with prevent_cse, so
     XLA cannot merge a recomputation back into the forward. Policy by policy, the compiled
-    dots are the scan's (forward, backward and the FLOPs model's recomputation), no loop
-    is left. Without recomputation the loop holds less than the scan (8.0 against 11.5
-    MiB of temporaries here): nothing is stacked, and XLA may fuse an elementwise
+    dots are the scan's (forward, backward and the FLOPs model's recomputation), and no
+    loop runs one. Without recomputation the loop holds less than the scan (8.0 against
+    11.5 MiB of temporaries here): nothing is stacked, and XLA may fuse an elementwise
     producer into its backward consumer where a scan must store its output."""
     temp = {}
     for remat, (_, scanned) in compiled_policies.items():
         cfg = make(f"model.remat={remat}", "model.scan_layers=false")
         looped = analyze.compile_step(cfg, jax.devices()[:1], FAST)
         text, temp[remat] = looped.as_text(), analyze.compiled_memory(looped)["temp"]
-        dots = hlo.matmul_flops(text)[0]
-        assert dots == pytest.approx(hlo.matmul_flops(scanned.as_text())[0], rel=1e-9), remat
-        assert " while(" not in text and " while(" in scanned.as_text(), remat
+        (dots, once), (scan_dots, scan_once) = map(hlo.matmul_flops, (text, scanned.as_text()))
+        assert dots == pytest.approx(scan_dots, rel=1e-9), remat
+        # every dot runs once: no loop is left that holds a matmul (a scatter may be a loop)
+        assert dots == once and scan_dots > scan_once, remat
     print({k: f"{v / 2**20:.2f} MiB" for k, v in temp.items()})
     assert temp["none"] < 0.8 * analyze.compiled_memory(compiled_policies["none"][1])["temp"]
 
