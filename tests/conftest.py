@@ -23,15 +23,21 @@ _FAST = "--xla_backend_optimization_level=0"
 # in 0.35-0.6 of the time (the suite: 765 -> 519 s, 2026-11-28). The programs' buffers
 # and collectives are the same (temporaries within a few hundred bytes); a fusion may
 # round differently, so tests comparing two programs allow a few ulps, and scatters
-# become loops. Tried in a child first: XLA aborts on a flag it does not know, and a
-# later jaxlib may drop this one.
+# become loops. Tried in a child first, on what the suite compiles that it can fail: XLA
+# aborts on a flag it does not know (a later jaxlib may drop this one), and on a CPU
+# without AVX (--xla_cpu_max_isa=SSE4_2) this code generation cannot link fp8 casts.
 _LEGACY = "--xla_cpu_use_fusion_emitters=false"
 _PROBED = "ULTRAJAX_TEST_XLA_FLAGS_PROBED"  # set for the workers and runs this process starts
 
 
 def _xla_accepts(flag: str) -> bool:
-    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
-    code = "import jax; jax.jit(lambda x: x + 1)(1.0).block_until_ready()"
+    env = dict(
+        os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}", JAX_PLATFORMS="cpu"
+    )
+    code = (
+        "import jax, jax.numpy as jnp; f8 = lambda x: x.astype(jnp.float8_e4m3fn).astype(x.dtype)"
+        "; jax.jit(f8)(jnp.ones(64)).block_until_ready()"
+    )
     argv = [sys.executable, "-c", code]
     try:
         run = subprocess.run(argv, env=env, capture_output=True, timeout=300)
