@@ -502,8 +502,8 @@ def test_accumulation_estimate_matches_the_gpu_compilers_steps():
     and HSDP (data 2 x fsdp 8) at ZeRO-1/2/3, and configs/llama-8b.yaml over 64. Where a
     data axis' reduction waits for the last micro-batch under ZeRO-2/3, that micro-batch's
     reduced shards are a buffer beside the running sum (`splits_last`): within 4% (the
-    8B recipe was 0.88 without them). ZeRO-0/1 hold more than the model counts there
-    (0.86-0.97: docs/memory.md), checked within 15%."""
+    8B recipe was 0.88 without them). Below ZeRO-2 the tied table's gradient, made by the
+    chunked loss, sits beside the whole sum: within 6% (0.86-0.97 without it)."""
     script = _script("gpu_compile")
     data = json.loads(
         (Path(__file__).parent / "data" / "accumulation_h100_compiled.json").read_text()
@@ -513,7 +513,7 @@ def test_accumulation_estimate_matches_the_gpu_compilers_steps():
         validate.resolve_mesh(cfg, step["devices"])
         est = memory.estimate(cfg, platform="gpu")
         assert est.arguments == pytest.approx(step["argument"], rel=1e-3), step
-        rel = 0.04 if cfg.parallel.zero >= 2 else 0.15
+        rel = 0.04 if cfg.parallel.zero >= 2 else 0.06
         assert est.peak == pytest.approx(step["peak"], rel=rel), (est.peak / step["peak"], step)
 
 

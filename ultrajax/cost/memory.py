@@ -298,11 +298,16 @@ def _gradients(cfg: Config) -> dict[str, float]:
     embed = _beyond_shard(cfg, llama.EMBEDDING, 4) if z.active >= 1 else 0.0
     if accum:
         embed = 4.0 * _whole(cfg, (llama.EMBEDDING,)) if z.active >= 2 else 0.0
-    if _loss_chunk(cfg) and not cfg.model.tie_embeddings and (z.active or accum):
-        # the chunked loss makes the head's gradient whole in the forward pass (the tied
-        # table's is the embedding's, above): held through the layer backward beside the
-        # reduced one, but where it is the gradient itself (no ZeRO, one micro-batch)
-        embed += 4.0 * _whole(cfg, (llama.HEAD,))
+    if _loss_chunk(cfg) and (z.active or accum):
+        # the chunked loss makes the head's gradient whole in the forward pass: held
+        # through the layer backward beside the reduced one, but where it is the gradient
+        # itself (no ZeRO, one micro-batch). Tied, it is the embedding's, counted above
+        # but below ZeRO-2 with accumulation, where it sits beside the whole sum until
+        # added to it (the GPU compiler's 1B steps, tests/data/accumulation_h100_compiled.json)
+        if not cfg.model.tie_embeddings:
+            embed += 4.0 * _whole(cfg, (llama.HEAD,))
+        elif accum and z.active <= 1:
+            embed += 4.0 * _whole(cfg, (llama.EMBEDDING,))
     acc_elems = stored if z.active >= 2 else whole
     return dict(
         gradients=4.0 * final,
