@@ -20,7 +20,7 @@ _TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
 # and buffers (what the tests read) for half the compile time (harness.FAST)
 _FAST = "--xla_backend_optimization_level=0"
 # ... and XLA:CPU's code generation from before its fusion emitters compiles each program
-# in 0.35-0.6 of the time (the suite: 765 -> 519 s, 2026-11-28). The programs' buffers
+# in 0.35-0.6 of the time (the suite: 765 -> 511 s, 2026-11-28). The programs' buffers
 # and collectives are the same (temporaries within a few hundred bytes); a fusion may
 # round differently, so tests comparing two programs allow a few ulps, and scatters
 # become loops. Tried in a child first, on what the suite compiles that it can fail: XLA

@@ -283,7 +283,8 @@ def _gradients(cfg: Config) -> dict[str, float]:
     every micro-batch into the sum's shards, which are the gradients. The embedding's
     gradient is a whole fp32 table through the backward pass (read twice when tied, it is
     reduced after it), beyond the shard kept under ZeRO >= 1, or whole from ZeRO-2 with
-    accumulation; ZeRO-0/1 accumulation adds it into the whole sum instead."""
+    accumulation; ZeRO-0/1 accumulation adds it into the whole sum instead, but for a
+    chunked loss's head gradient (tied: the table's), a whole table beside the sum first."""
     z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
     stored = param_elements(cfg, "stored")
     whole = param_elements(cfg, "compute", ignore=(FSDP,))
@@ -303,7 +304,7 @@ def _gradients(cfg: Config) -> dict[str, float]:
         # through the layer backward beside the reduced one, but where it is the gradient
         # itself (no ZeRO, one micro-batch). Tied, it is the embedding's, counted above
         # but below ZeRO-2 with accumulation, where it sits beside the whole sum until
-        # added to it (the GPU compiler's 1B steps, tests/data/accumulation_h100_compiled.json)
+        # added to it (XLA:CPU and the GPU compiler alike: tests/test_memory.py)
         if not cfg.model.tie_embeddings:
             embed += 4.0 * _whole(cfg, (llama.HEAD,))
         elif accum and z.active <= 1:
