@@ -647,11 +647,23 @@ def test_chunked_loss_matches_single_device(name, mode):
 def test_chunked_loss_computes_each_chunks_logits_once():
     """model.loss_chunk on trained weights: each chunk's logit gradient becomes the input's
     and the weight's gradients in the forward pass (model/loss.py), so the compiled step
-    has one logits matmul, not a second one recomputing them for the backward pass."""
+    has one logits matmul a chunk, not a second one recomputing them for the backward
+    pass: the dots giving fp32 logits, each run as often as its loops run it, are one a
+    micro-batch whole and one a chunk of each micro-batch chunked."""
 
-    def logits(chunk: int, text: str) -> int:  # dots giving fp32 logits (..., chunk, vocab)
-        return len(re.findall(rf"= f32\[(?:\d+,)*{chunk},{VOCAB}\]\{{[^}}]*\}} dot\(", text))
+    def logits(chunk: int, text: str) -> float:  # runs of dots giving (..., chunk, vocab)
+        mod = hlo.parse_module(text)
+        runs, _ = hlo.multiplicities(mod)
+        shape = re.compile(rf"f32\[(?:\d+,)*{chunk},{VOCAB}\]")
+        return sum(
+            runs.get(comp, 0)
+            for comp, instrs in mod.computations.items()
+            for _name, out, rest in instrs
+            if rest.startswith("dot(") and shape.match(out)
+        )
 
-    whole = logits(SEQ, run("fsdp8-zero1", "explicit")[3])
-    assert whole >= 1  # one per micro-batch loop body XLA compiled
-    assert logits(16, run("fsdp8-zero1", "explicit", "model.loss_chunk=16")[3]) == whole
+    whole = run("fsdp8-zero1", "explicit")
+    micro = whole[5].train.grad_accum
+    assert logits(SEQ, whole[3]) == micro
+    chunked = logits(16, run("fsdp8-zero1", "explicit", "model.loss_chunk=16")[3])
+    assert chunked == micro * SEQ // 16
