@@ -283,8 +283,7 @@ def _gradients(cfg: Config) -> dict[str, float]:
     every micro-batch into the sum's shards, which are the gradients. The embedding's
     gradient is a whole fp32 table through the backward pass (read twice when tied, it is
     reduced after it), beyond the shard kept under ZeRO >= 1, or whole from ZeRO-2 with
-    accumulation; ZeRO-0/1 accumulation adds it into the whole sum instead, but for a
-    chunked loss's head gradient (tied: the table's), a whole table beside the sum first."""
+    accumulation; ZeRO-0/1 accumulation adds it into the whole sum instead."""
     z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
     stored = param_elements(cfg, "stored")
     whole = param_elements(cfg, "compute", ignore=(FSDP,))
@@ -299,16 +298,14 @@ def _gradients(cfg: Config) -> dict[str, float]:
     embed = _beyond_shard(cfg, llama.EMBEDDING, 4) if z.active >= 1 else 0.0
     if accum:
         embed = 4.0 * _whole(cfg, (llama.EMBEDDING,)) if z.active >= 2 else 0.0
-    if _loss_chunk(cfg) and (z.active or accum):
-        # the chunked loss makes the head's gradient whole in the forward pass: held
-        # through the layer backward beside the reduced one, but where it is the gradient
-        # itself (no ZeRO, one micro-batch). Tied, it is the embedding's, counted above
-        # but below ZeRO-2 with accumulation, where it sits beside the whole sum until
-        # added to it (XLA:CPU and the GPU compiler alike: tests/test_memory.py)
-        if not cfg.model.tie_embeddings:
-            embed += 4.0 * _whole(cfg, (llama.HEAD,))
-        elif accum and z.active <= 1:
-            embed += 4.0 * _whole(cfg, (llama.EMBEDDING,))
+    if _loss_chunk(cfg) and not cfg.model.tie_embeddings and z.active >= (2 if accum else 1):
+        # the chunked loss makes the head's gradient whole in the forward pass (the tied
+        # table's is the embedding's, above): held through the layer backward beside the
+        # reduced one, but where it is the gradient itself (no ZeRO, one micro-batch) or is
+        # added into the whole running sum as soon as it is complete (ZeRO-0/1 with
+        # accumulation; its zeros are read off the activations, model/loss.py, so XLA
+        # cannot build them before the micro-batch loop and keep them through it)
+        embed += 4.0 * _whole(cfg, (llama.HEAD,))
     acc_elems = stored if z.active >= 2 else whole
     return dict(
         gradients=4.0 * final,

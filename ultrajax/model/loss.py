@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 
 from ultrajax.config.schema import Config
-from ultrajax.kernels.varying import vma, zeros
+from ultrajax.kernels.varying import vary, vma, zeros
 from ultrajax.model.boundaries import LOCAL, ONE_DEVICE, SINGLE
 from ultrajax.model.ops import Weight, dense_dw, finish, transposes
+from ultrajax.model.order import zero_after
 from ultrajax.model.stack import LOGITS, embed, final_norm, head_weight, layers, logits
 
 
@@ -101,7 +102,12 @@ def _scan(eq, c, tp, red, x, value, targets, mask, grads: bool):
         dxs = jnp.einsum(eq_dx, g, value.astype(xs.dtype)).astype(xs.dtype)
         return (total + nll, dw + dense_dw(eq, xs, g, red).astype(f32)), dxs
 
-    dw = zeros(value.shape, f32, vma(x) | vma(value)) if grads else None
+    dw = None
+    if grads:  # zeros read off x (model/order.py): a constant table XLA would build before
+        # the micro-batch loop, with the running sum's zeros, and keep through it (a whole
+        # fp32 embedding on the 1B size's DDP/ZeRO-1 steps with accumulation)
+        zero = jnp.broadcast_to(zero_after(x).astype(f32), value.shape)
+        dw = vary(zero, tuple(sorted(vma(x) | vma(value))))
     parts = (_split(x, c), _split(targets, c), _split(mask, c))
     (total, dw), dxs = jax.lax.scan(body, (zeros((), f32, vma(mask)), dw), parts)
     if not grads:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from ultrajax.kernels.varying import vary, vma, zeros, zeros32
 from ultrajax.model import fp8
 from ultrajax.model.ops import Reduce, Weight, finish
+from ultrajax.model.order import zero_after
 from ultrajax.model.prefetch import Prefetch
 from ultrajax.parallel.axes import FSDP, TOKEN_AXES  # the batch's tokens are split over these
 from ultrajax.parallel.zero import Zero
@@ -270,15 +271,14 @@ class Gradients:
         micro-batch's take 30.9). An optimization barrier is gone before scheduling, and
         with one earlier micro-batch the loop itself is inlined, so the index reads a
         running sum, the embedding's where it can (the last gradient the backward pass
-        completes): its first value times zero, as an integer, is 0 whatever the value
-        (XLA converts NaN to 0). A sum varying over more axes than the batch (TP's
-        vocabulary split) would make the batch vary there too: that zero is summed over
-        them, a scalar all-reduce, where no sum qualifies."""
+        completes), through model/order.py's `zero_after`. A sum varying over more axes
+        than the batch (TP's vocabulary split) would make the batch vary there too: that
+        zero is summed over them, a scalar all-reduce, where no sum qualifies."""
         rows = jax.tree.leaves(batch)[0]
         want = vma(rows)
         sums = [acc[k] for k in self.after if k in acc] + jax.tree.leaves(acc)
         leaf = next((x for x in sums if vma(x) <= want), sums[0])
-        zero = (leaf.ravel()[0] * 0).astype(jnp.int32)
+        zero = zero_after(leaf)
         if extra := tuple(sorted(vma(zero) - want)):
             zero = jax.lax.psum(zero, extra)
         at = rows.shape[0] - 1 + zero
