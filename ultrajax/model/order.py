@@ -5,7 +5,9 @@ a fixed index) wherever it suits them: before a loop it does not belong to, wher
 lives through the loop. An optimisation barrier is gone before scheduling. A zero read
 off the array it should follow is not a constant: XLA cannot fold `v * 0` for a float v
 (NaN, inf), and converting it to an integer gives 0 whatever v holds (XLA converts NaN
-to 0). Costs one scalar read and multiply.
+to 0). Costs one scalar read and multiply; where the partitioner splits x over devices
+(parallel.collectives=gspmd), also a scalar all-reduce to fetch that value, which adds
+latency but no bandwidth (4 bytes; explicit collectives read it locally).
 """
 
 from __future__ import annotations

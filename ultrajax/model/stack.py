@@ -89,8 +89,9 @@ def layers(
 
 def _loop(layer, policy, x, stack, n: int):
     """model.scan_layers=false: the layers as a Python loop over the stack's slices at
-    constant indices, each checkpointed on its own (prevent_cse: outside a scan XLA would otherwise
-    merge a layer's recomputation with its forward and keep what the policy drops).
+    constant indices, each checkpointed on its own (prevent_cse: outside a scan XLA would
+    otherwise merge a layer's recomputation with its forward and keep what the policy
+    drops).
 
     A scan copies each layer's saved activations into buffers stacked over the layers
     (zeroed first), and its backward zeroes and fills a stacked gradient; here they stay
