@@ -236,30 +236,40 @@ class Gradients:
             return g
         return dict(g, **{FP8: jax.tree.map(jnp.maximum, acc[FP8], g[FP8])})
 
-    def accumulate(self, micro, acc, batch, zero):
-        """Run `micro(acc, mb, last) -> (acc, aux)` over the micro-batches (axis 0) from
-        the zero running sum `acc`, summing the aux trees (the loss, statistics) from
-        `zero`; one micro-batch: `micro(None, ...)`, no sum at all."""
+    def accumulate(self, micro, acc, batch, zero, held=None):
+        """Run `micro(acc, mb, last, held) -> (acc, aux)` over the micro-batches (axis 0)
+        from the zero running sum `acc`, summing the aux trees (the loss, statistics) from
+        `zero`; one micro-batch: `micro(None, ...)`, no sum at all.
+
+        `held` (the gathered weights every micro-batch reads) goes through the loop as a
+        carry, and the last micro-batch reads the loop's: read after the loop as well,
+        XLA gives the loop a copy of its own (on a GPU, relaid out: the embedding table
+        gathered over fsdp comes transposed), and both live through it (the 1B size, HSDP
+        and ZeRO-1 on an H100 compile: a bf16 embedding table, 0.49 GiB). The barrier keeps
+        jax from turning the unchanged carry back into a constant of the loop (one per
+        array: one over all of them would type each as varying over every axis any varies
+        over)."""
         if jax.tree.leaves(batch)[0].shape[0] == 1:
-            return micro(None, jax.tree.map(lambda a: a[0], batch), True)
+            return micro(None, jax.tree.map(lambda a: a[0], batch), True, held)
 
         def add(a, b):
             return jax.tree.map(jnp.add, a, b)
 
         def body(last: bool):
             def one(carry, mb):
-                acc, total = carry
-                acc, part = micro(acc, mb, last)
-                return (acc, add(total, part)), None
+                acc, total, held = carry
+                acc, part = micro(acc, mb, last, held)
+                held = jax.tree.map(jax.lax.optimization_barrier, held)
+                return (acc, add(total, part), held), None
 
             return one
 
         if not self.splits_last:  # every micro-batch reduces alike
-            (acc, total), _ = jax.lax.scan(body(True), (acc, zero), batch)
+            (acc, total, _), _ = jax.lax.scan(body(True), (acc, zero, held), batch)
             return acc, total
         first = jax.tree.map(lambda a: a[:-1], batch)
-        (acc, total), _ = jax.lax.scan(body(False), (acc, zero), first)
-        acc, part = micro(acc, self._last(batch, acc), True)
+        (acc, total, held), _ = jax.lax.scan(body(False), (acc, zero, held), first)
+        acc, part = micro(acc, self._last(batch, acc), True, held)
         return acc, add(total, part)
 
     def _last(self, batch, acc):

@@ -102,7 +102,7 @@ def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
         n_targets = layout.psum(batch.loss_mask.sum())
         scale = 1.0 / jnp.maximum(n_targets, 1).astype(jnp.float32)
 
-        def micro(acc, mb, last):
+        def micro(acc, mb, last, cparams):
             def loss_fn(wrt, inside):
                 w, prepare = grad_plan.attach(cparams, wrt, inside, last, gather, seen)
                 total, _, stats = loss_and_stats(
@@ -117,7 +117,7 @@ def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
         acc0 = grad_plan.sinks(params, cparams, last=not grad_plan.splits_last)
         axes = vma(batch.inputs)
         zero = (zeros((), jnp.float32, axes), moe.zero_stats(cfg.model, axes))
-        grads, (loss, stats) = grad_plan.accumulate(micro, acc0, batch, zero)
+        grads, (loss, stats) = grad_plan.accumulate(micro, acc0, batch, zero, cparams)
         grads, amaxes = grad_plan.amaxes(grads)
         if amaxes is not None:
             grads = dict(grads, **{FP8: amaxes})
