@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from ultrajax.kernels.varying import vma, zeros
 from ultrajax.model import fp8, grouped
+from ultrajax.model.order import zero_after
 
 
 @dataclass(frozen=True)
@@ -430,8 +431,11 @@ def _lookup_fwd(idx, value, sink, acc, red):
 
 def _lookup_bwd(red, res, g):
     idx, acc = res
-    # the scatter-add accumulates in fp32 whatever the compute dtype
-    dw = jnp.zeros(red.shape, jnp.float32).at[idx].add(g.astype(jnp.float32))
+    # the scatter-add accumulates in fp32 whatever the compute dtype, into zeros read off
+    # g (model/order.py): a constant table XLA would build before the layers' backward
+    # and keep through it
+    zero = jnp.broadcast_to(zero_after(g).astype(jnp.float32), red.shape)
+    dw = zero.at[idx].add(g.astype(jnp.float32))
     return None, None, finish(dw, acc, red), None
 
 
