@@ -280,10 +280,14 @@ def _gradients(cfg: Config) -> dict[str, float]:
     micro-batch's layer scan reduces the layers' gradients into, which XLA materialises
     before the micro-batch loop (the embedding's and head's are reduced from the sum
     after it); ZeRO-1, the shards the last micro-batch scatters into; ZeRO-2/3 scatter
-    every micro-batch into the sum's shards, which are the gradients. The embedding's
-    gradient is a whole fp32 table through the backward pass (read twice when tied, it is
-    reduced after it), beyond the shard kept under ZeRO >= 1, or whole from ZeRO-2 with
-    accumulation; ZeRO-0/1 accumulation adds it into the whole sum instead."""
+    every micro-batch into the sum's shards, which are the gradients. A tied embedding's
+    gradient is a whole fp32 table through the backward pass (the LM head's share first,
+    the lookup's added after the layers; reduced after the backward), beyond the shard
+    kept under ZeRO >= 1, or whole from ZeRO-2 with accumulation; ZeRO-0/1 accumulation
+    adds it into the whole sum instead. An untied lookup's is made after the layers'
+    backward (explicit collectives: its zeros read off the cotangent, model/ops.py; the
+    partitioner, gspmd, places its scatter there too), so none is held through it
+    (XLA:CPU, d_model 1024: one fp32 table less at every ZeRO >= 1 peak since)."""
     z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
     stored = param_elements(cfg, "stored")
     whole = param_elements(cfg, "compute", ignore=(FSDP,))
@@ -298,7 +302,7 @@ def _gradients(cfg: Config) -> dict[str, float]:
     embed = _beyond_shard(cfg, llama.EMBEDDING, 4) if z.active >= 1 else 0.0
     if accum:
         embed = 4.0 * _whole(cfg, (llama.EMBEDDING,)) if z.active >= 2 else 0.0
-    if not cfg.model.tie_embeddings:  # the lookup's own: made after the layers' backward
+    if not cfg.model.tie_embeddings:  # the lookup's own, made after the layers' backward
         embed = 0.0
     if _loss_chunk(cfg) and not cfg.model.tie_embeddings and z.active >= (2 if accum else 1):
         # the chunked loss makes the head's gradient whole in the forward pass (the tied

@@ -433,9 +433,13 @@ def _lookup_bwd(red, res, g):
     idx, acc = res
     # the scatter-add accumulates in fp32 whatever the compute dtype, into zeros read off
     # g (model/order.py): a constant table XLA would build before the layers' backward
-    # and keep through it
-    zero = jnp.broadcast_to(zero_after(g).astype(jnp.float32), red.shape)
-    dw = zero.at[idx].add(g.astype(jnp.float32))
+    # and keep through it. Per device only: the partitioner (parallel.collectives=gspmd)
+    # splits a scatter into constant zeros along its updates, but all-gathers the updates
+    # (an activation) to scatter into anything else
+    f32 = jnp.float32
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    zero = zero_after(g).astype(f32) if manual else jnp.zeros((), f32)
+    dw = jnp.broadcast_to(zero, red.shape).at[idx].add(g.astype(f32))
     return None, None, finish(dw, acc, red), None
 
 
