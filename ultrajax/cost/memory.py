@@ -299,11 +299,11 @@ def _gradients(cfg: Config) -> dict[str, float]:
         # but where a data axis' reduction waits for the last micro-batch: that one's
         # reduced shards are a buffer beside the sum
         final = 0 if accum and z.active >= 2 and not splits_last(cfg) else stored
-    embed = _beyond_shard(cfg, llama.EMBEDDING, 4) if z.active >= 1 else 0.0
-    if accum:
-        embed = 4.0 * _whole(cfg, (llama.EMBEDDING,)) if z.active >= 2 else 0.0
-    if not cfg.model.tie_embeddings:  # the lookup's own, made after the layers' backward
-        embed = 0.0
+    embed = 0.0  # an untied lookup's own gradient is made after the layers' backward
+    if cfg.model.tie_embeddings and not accum:
+        embed = _beyond_shard(cfg, llama.EMBEDDING, 4) if z.active >= 1 else 0.0
+    elif cfg.model.tie_embeddings and z.active >= 2:
+        embed = 4.0 * _whole(cfg, (llama.EMBEDDING,))
     if _loss_chunk(cfg) and not cfg.model.tie_embeddings and z.active >= (2 if accum else 1):
         # the chunked loss makes the head's gradient whole in the forward pass (the tied
         # table's is the embedding's, above): held through the layer backward beside the

@@ -244,8 +244,8 @@ class Gradients:
         `held` (the gathered weights every micro-batch reads) goes through the loop as a
         carry, and the last micro-batch reads the loop's: read after the loop as well,
         XLA gives the loop a copy of its own (on a GPU, relaid out: the embedding table
-        gathered over fsdp comes transposed), and both live through it (the 1B size, HSDP
-        and ZeRO-1 on an H100 compile: a bf16 embedding table, 0.49 GiB). The barrier keeps
+        gathered over fsdp comes transposed), and both live through it (the 1B size at
+        ZeRO-1/2/3 on an H100 compile: a bf16 embedding table, 0.49 GiB). The barrier keeps
         jax from turning the unchanged carry back into a constant of the loop (one per
         array: one over all of them would type each as varying over every axis any varies
         over)."""

@@ -102,7 +102,7 @@ def make_gradients(cfg: Config, mesh=None, rules: Rules | None = None):
         n_targets = layout.psum(batch.loss_mask.sum())
         scale = 1.0 / jnp.maximum(n_targets, 1).astype(jnp.float32)
 
-        def micro(acc, mb, last, cparams):
+        def micro(acc, mb, last, cparams):  # the micro-batch loop's carried cparams
             def loss_fn(wrt, inside):
                 w, prepare = grad_plan.attach(cparams, wrt, inside, last, gather, seen)
                 total, _, stats = loss_and_stats(
