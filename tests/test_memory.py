@@ -539,8 +539,9 @@ def test_accumulation_estimate_matches_the_gpu_compilers_steps():
     kept through it (a whole fp32 embedding), is gone (model/loss.py; the model was
     0.86-0.97 then). ZeRO-2/3 may read up to 8% over: since the micro-batch loop no longer
     holds the gathered embedding twice (parallel/grads.py, accumulate: 0.49 GiB less), its
-    `full` steps compile to 0.93-0.96 of the model; the term that counts a table too many
-    there is not traced."""
+    `full` steps compile to 0.93-0.96 of the model: its peak phase, the head backward,
+    counts the head's working set as fitted on XLA:CPU (2.05 GiB), which the compiled step
+    never holds beside the rest (docs/memory.md)."""
     script = _script("gpu_compile")
     data = json.loads(
         (Path(__file__).parent / "data" / "accumulation_h100_compiled.json").read_text()
