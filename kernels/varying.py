@@ -24,6 +24,15 @@ def vma(x) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
+def partitioned_axes() -> tuple[str, ...]:
+    """The current mesh's axes (size > 1) that are not manual: those the partitioner
+    splits arrays over here. None on one device or inside a shard_map over all of them,
+    where the code is one device's own."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(n for n, size in zip(mesh.axis_names, mesh.axis_sizes, strict=True)
+                 if size > 1 and n not in mesh.manual_axes)  # fmt: skip
+
+
 def vary(x, axes):
     """x typed as varying over `axes` as well (no data moves)."""
     missing = tuple(a for a in axes if a not in vma(x))

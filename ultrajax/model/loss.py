@@ -16,7 +16,7 @@ from ultrajax.config.schema import Config
 from ultrajax.kernels.varying import vary, vma, zeros
 from ultrajax.model.boundaries import LOCAL, ONE_DEVICE, SINGLE
 from ultrajax.model.ops import Weight, dense_dw, finish, transposes
-from ultrajax.model.order import zero_after
+from ultrajax.model.order import zeros_after
 from ultrajax.model.stack import LOGITS, embed, final_norm, head_weight, layers, logits
 
 
@@ -106,8 +106,7 @@ def _scan(eq, c, tp, red, x, value, targets, mask, grads: bool):
     if grads:  # zeros read off x (model/order.py): a constant table XLA would build before
         # the micro-batch loop, with the running sum's zeros, and keep through it (a whole
         # fp32 embedding on the 1B size's DDP/ZeRO-1 steps with accumulation)
-        zero = jnp.broadcast_to(zero_after(x).astype(f32), value.shape)
-        dw = vary(zero, tuple(sorted(vma(x) | vma(value))))
+        dw = vary(zeros_after(x, value.shape), tuple(sorted(vma(x) | vma(value))))
     parts = (_split(x, c), _split(targets, c), _split(mask, c))
     (total, dw), dxs = jax.lax.scan(body, (zeros((), f32, vma(mask)), dw), parts)
     if not grads:

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
-from ultrajax.kernels.varying import vma, zeros
+from ultrajax.kernels.varying import partitioned_axes, vma, zeros
 from ultrajax.model import fp8, grouped
-from ultrajax.model.order import zero_after
+from ultrajax.model.order import zeros_after
 
 
 @dataclass(frozen=True)
@@ -433,13 +433,12 @@ def _lookup_bwd(red, res, g):
     idx, acc = res
     # the scatter-add accumulates in fp32 whatever the compute dtype, into zeros read off
     # g (model/order.py): a constant table XLA would build before the layers' backward
-    # and keep through it. Per device only: the partitioner (parallel.collectives=gspmd)
-    # splits a scatter into constant zeros along its updates, but all-gathers the updates
-    # (an activation) to scatter into anything else
-    f32 = jnp.float32
-    manual = jax.sharding.get_abstract_mesh().manual_axes
-    zero = zero_after(g).astype(f32) if manual else jnp.zeros((), f32)
-    dw = jnp.broadcast_to(zero, red.shape).at[idx].add(g.astype(f32))
+    # and keep through it. Only where the code is one device's own: the partitioner
+    # (parallel.collectives=gspmd) splits a scatter into constant zeros along its updates,
+    # but all-gathers the updates (an activation) to scatter into anything else
+    own = not partitioned_axes()
+    zero = zeros_after(g, red.shape) if own else jnp.zeros(red.shape, jnp.float32)
+    dw = zero.at[idx].add(g.astype(jnp.float32))
     return None, None, finish(dw, acc, red), None
 
 

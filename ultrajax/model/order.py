@@ -18,3 +18,8 @@ import jax.numpy as jnp
 def zero_after(x):
     """An int32 scalar 0 that XLA computes only once x is (its first value times zero)."""
     return (x.ravel()[0] * 0).astype(jnp.int32)
+
+
+def zeros_after(x, shape, dtype=jnp.float32):
+    """Zeros of `shape` that XLA builds only once x is: a table not made before its loop."""
+    return jnp.broadcast_to(zero_after(x).astype(dtype), shape)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ultrajax.kernels.varying import partitioned_axes
 from ultrajax.model.attention.xla import NEG_INF, mask
 
 QUERY_TILES = 4  # query tiles of the tiled attention: 10 of 16 score blocks are computed
@@ -15,10 +16,7 @@ def _tiled_rows(b: int) -> int:
     """Rows per loop iteration: TILE_ROWS where the batch is this device's own (one
     device, or inside shard_map), else all of them (a loop over rows the partitioner
     splits over devices would gather them)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    shared = [n for n, size in zip(mesh.axis_names, mesh.axis_sizes, strict=True)
-              if size > 1 and n not in mesh.manual_axes]  # fmt: skip
-    rows = b if shared else min(TILE_ROWS, b)
+    rows = b if partitioned_axes() else min(TILE_ROWS, b)
     return rows if b % rows == 0 else b
 
 
