@@ -285,9 +285,10 @@ def _gradients(cfg: Config) -> dict[str, float]:
     the lookup's added after the layers; reduced after the backward), beyond the shard
     kept under ZeRO >= 1, or whole from ZeRO-2 with accumulation; ZeRO-0/1 accumulation
     adds it into the whole sum instead. An untied lookup's is made after the layers'
-    backward (explicit collectives: its zeros read off the cotangent, model/ops.py; the
-    partitioner, gspmd, places its scatter there too), so none is held through it
-    (XLA:CPU, d_model 1024: one fp32 table less at every ZeRO >= 1 peak since)."""
+    backward (its zeros read off the cotangent, model/ops.py), so none is held through it
+    (XLA:CPU, d_model 1024: one fp32 table less at every ZeRO >= 1 peak since; not
+    counted either where the partitioner splits the lookup and its zeros stay a
+    constant, gspmd with TP or SP: not measured there)."""
     z = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
     stored = param_elements(cfg, "stored")
     whole = param_elements(cfg, "compute", ignore=(FSDP,))
