@@ -76,6 +76,14 @@ def manual_axes(cfg: Config, sizes: dict, grads: bool = True) -> frozenset:
     return needed
 
 
+def partitioned(cfg: Config) -> bool:
+    """Whether XLA's partitioner splits the step's arrays over some axis (gspmd with TP or
+    SP, ...): there the step's code is not each device's own (kernels/varying.py,
+    partitioned_axes, asks the same inside the trace)."""
+    sizes = cfg.mesh.sizes()
+    return not frozenset(a for a in AXES if sizes[a] > 1) <= manual_axes(cfg, sizes)
+
+
 def splits_last(cfg: Config) -> bool:
     """`Gradients.splits_last` from the config alone (the memory model asks): whether the
     last micro-batch reduces apart from the others, in a program of its own."""
