@@ -35,8 +35,9 @@ def _moe_warnings(cfg: Config) -> list[str]:
     return out
 
 
-def _scans_kept(cfg: Config) -> list[str]:
-    """What keeps the layer loop a lax.scan under model.scan_layers=false."""
+def scans_kept(cfg: Config) -> list[str]:
+    """What keeps the layer loop a lax.scan under model.scan_layers=false (model/stack.py:
+    the pipeline's stages, units of dense and MoE layers, ZeRO-3's prefetch)."""
     m, scans = cfg.model, []
     if cfg.mesh.pipeline > 1:
         scans.append("mesh.pipeline > 1 (each stage's layers)")
@@ -47,13 +48,19 @@ def _scans_kept(cfg: Config) -> list[str]:
     return scans
 
 
+def layer_loop(cfg: Config) -> bool:
+    """Whether the step runs its layers as a Python loop (model.scan_layers=false, and
+    nothing keeps the scan): the memory model counts what the loop keeps on a GPU."""
+    return not cfg.model.scan_layers and not scans_kept(cfg)
+
+
 def _loop_warnings(cfg: Config, platform: str | None) -> list[str]:
     """no_effect's lines about model.scan_layers=false: the layer loops that stay scans,
-    and recomputation lost on a CPU."""
+    and recomputation lost on a CPU, or under full recomputation on several GPUs."""
     m = cfg.model
     if m.scan_layers:
         return []
-    scans = _scans_kept(cfg)
+    scans = scans_kept(cfg)
     out = []
     if scans:
         out.append(
@@ -70,6 +77,16 @@ def _loop_warnings(cfg: Config, platform: str | None) -> list[str]:
             f"model.scan_layers=false with model.remat={m.remat} holds on a CPU about what "
             "no recomputation holds: XLA:CPU runs every layer's recomputation early "
             "(docs/memory.md); keep model.scan_layers=true on a CPU"
+        )
+    sizes = [getattr(cfg.mesh, f.name) for f in dataclasses.fields(cfg.mesh)]
+    several = any(isinstance(n, int) and n != 1 for n in sizes)
+    if not scans and platform == "gpu" and m.remat == "full" and several:
+        out.append(
+            "model.scan_layers=false with model.remat=full on more than one GPU holds far "
+            "more than the scan: XLA's GPU scheduler runs layers' recomputation early, "
+            "beside the gradients' collectives (the 1B step over data 8, compiled for an "
+            "H200: 34.0 GiB against the scan's 22.9; docs/memory.md); keep "
+            "model.scan_layers=true, or use model.remat=selective"
         )
     return out
 
@@ -141,7 +158,7 @@ def no_effect(cfg: Config, platform: str | None = None) -> list[str]:
     m = cfg.model
     out += _kernel_warnings(cfg)
     regather = par.zero >= 3 and mesh.fsdp != 1
-    scanned = m.scan_layers or _scans_kept(cfg)
+    scanned = m.scan_layers or scans_kept(cfg)
     if m.scan_unroll > 1 and (m.remat != "none" or regather) and scanned:
         why = f"model.remat={m.remat}" if m.remat != "none" else "parallel.zero=3"
         out.append(
