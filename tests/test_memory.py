@@ -542,11 +542,9 @@ def test_accumulation_estimate_matches_the_gpu_compilers_steps():
     4% under (the 8B recipe was 0.88 without them). Below ZeRO-2 within 7%: the chunked
     loss's zero head-gradient table, which XLA had built before the micro-batch loop and
     kept through it (a whole fp32 embedding), is gone (model/loss.py; the model was
-    0.86-0.97 then). ZeRO-2/3 may read up to 8% over: since the micro-batch loop no longer
-    holds the gathered embedding twice (parallel/grads.py, accumulate: 0.49 GiB less), its
-    `full` steps compile to 0.93-0.96 of the model: its peak phase, the head backward,
-    counts the head's working set as fitted on XLA:CPU (2.05 GiB), which the compiled step
-    never holds beside the rest (docs/memory.md)."""
+    0.86-0.97 then). ZeRO-2/3 within 4% both ways: the chunked loss's working set is its
+    chunk's fp32 logits and their gradient in the compute dtype (memory._fixed); counted
+    as two fp32 copies, as fitted on XLA:CPU, the ZeRO-2 `full` step read 1.08."""
     script = _script("gpu_compile")
     data = json.loads(
         (Path(__file__).parent / "data" / "accumulation_h100_compiled.json").read_text()
@@ -556,8 +554,36 @@ def test_accumulation_estimate_matches_the_gpu_compilers_steps():
         validate.resolve_mesh(cfg, step["devices"])
         est = memory.estimate(cfg, platform="gpu")
         assert est.arguments == pytest.approx(step["argument"], rel=1e-3), step
-        under, over = (0.04, 0.08) if cfg.parallel.zero >= 2 else (0.07, 0.07)
+        under, over = (0.04, 0.04) if cfg.parallel.zero >= 2 else (0.07, 0.07)
         assert 1 - under <= est.peak / step["peak"] <= 1 + over, (est.peak / step["peak"], step)
+
+
+def test_layer_loop_estimate_matches_the_gpu_compilers_steps():
+    """The layers as a Python loop (model.scan_layers=false, configs/llama-1b.yaml's
+    choice) compiled for an H200 by XLA's GPU compiler on this host
+    (tests/data/layer_loop_gpu_compiled.json, scripts/gpu_compile.py): 125m, 350m, 1B
+    and 8 layers of Llama 3 8B's width, every policy on one GPU, ZeRO-1/2/3 over fsdp 8,
+    data 8 and data 2 x fsdp 4 with accumulation, TP 2 with and without SP, packed
+    documents, and the recipe over 8 H100s. The estimate had counted the scan's stacked
+    buffers and read 1.45-1.72x these peaks without recomputation, 1.12-1.25x with it.
+    It now counts what the loop keeps (activations.fused_loop, memory._looped): never more
+    than 5% over; at most 12% under, the allocator's packing (selective ZeRO-1/2 over fsdp
+    8: the buffers live at the peak add up to the model's figure, the buffer assignment
+    to 12% more) and what XLA's scheduler holds beside the gradients' collectives. Full
+    recomputation in the loop on several GPUs is left out: the scheduler runs layers'
+    recomputation early there (no_effect warns; docs/memory.md)."""
+    script = _script("gpu_compile")
+    data = json.loads((Path(__file__).parent / "data" / "layer_loop_gpu_compiled.json").read_text())
+    ratios = []
+    for step in data["steps"]:
+        cfg = script.step_config(step["size"], step["config"], step["overrides"])
+        validate.resolve_mesh(cfg, step["devices"])
+        est = memory.estimate(cfg, platform="gpu")
+        assert est.arguments == pytest.approx(step["argument"], rel=1e-3), step
+        ratios.append(est.peak / step["peak"])
+        assert 0.88 <= ratios[-1] <= 1.05, (ratios[-1], step)
+    one_gpu = [r for r, s in zip(ratios, data["steps"], strict=True) if s["devices"] == 1]
+    assert max(abs(r - 1) for r in one_gpu) <= 0.05, one_gpu
 
 
 # --------------------------------------------------------------------------- pipeline

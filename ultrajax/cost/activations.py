@@ -9,6 +9,7 @@ import math
 
 import jax
 
+from ultrajax.config.no_effect import layer_loop
 from ultrajax.config.schema import Config, ModelConfig
 from ultrajax.cost.sizes import dims, layer_kinds, layer_weight_elements
 from ultrajax.model import grouped, llama, remat
@@ -83,12 +84,14 @@ def _policy(m: ModelConfig) -> str:
     return m.remat if isinstance(m.remat, str) else "list"
 
 
-def saved_per_layer(cfg: Config) -> dict[str, float]:
+def saved_per_layer(cfg: Config, platform: str | None = None) -> dict[str, float]:
     """Bytes one layer keeps for the backward pass, by part, per device: the mean over
-    the layers when dense and MoE layers interleave (sizes.layer_kinds)."""
+    the layers when dense and MoE layers interleave (sizes.layer_kinds). With `platform`
+    given, what the compiled step keeps there (`fused_loop`); else jax's residuals."""
     kinds = layer_kinds(cfg)
     if len(kinds) == 1:
-        return _saved_one(cfg)
+        out = _saved_one(cfg)
+        return fused_loop(cfg, out) if platform and loop_on_gpu(cfg, platform) else out
     out: dict[str, float] = {}
     for n, kind in kinds:
         for part, b in _saved_one(kind).items():
@@ -162,6 +165,32 @@ def _saved_one(cfg: Config) -> dict[str, float]:
         "mlp": mlp,
         "norms": block_input * (1 + (remat.RESIDUAL in names)),
     }
+
+
+def loop_on_gpu(cfg: Config, platform: str | None = None) -> bool:
+    """The layers as a Python loop (config/no_effect.py layer_loop) on a GPU: no buffers
+    stacked over the layers, each layer's gradient made as its backward runs, and XLA's
+    fusion free to recompute elementwise residuals (docs/memory.md, the layer loop). On a
+    CPU the estimate stays the scan's (XLA:CPU's schedule holds more: the train command
+    warns)."""
+    return layer_loop(cfg) and (platform or jax.default_backend()) == "gpu"
+
+
+def fused_loop(cfg: Config, parts: dict[str, float]) -> dict[str, float]:
+    """`_saved_one`'s parts as XLA's GPU compiler keeps them under the layer loop, where
+    it fuses elementwise producers into their backward consumers instead of storing them.
+    Without recomputation (a dense layer, not FP8), read off the 1B step's buffer
+    assignment (compiled for an H200, micro-batch 8): the MLP keeps gate, up and their
+    SwiGLU product (3·c·F, not jax's six arrays), the norms one fp32 copy of the residual
+    stream, the two normalised matmul inputs in the compute dtype and four fp32 statistics
+    per token (not two fp32 inputs and outputs). The attention's and every recomputing
+    policy's arrays are jax's own (what the policy names is stored as named)."""
+    m = cfg.model
+    if _policy(m) != "none" or m.moe or m.fp8 in ("tensorwise", "delayed"):
+        return parts
+    d = dims(cfg)
+    norms = 4 * d.X_res + 2 * d.c * d.X + 16 * d.N_res
+    return dict(parts, mlp=3 * d.c * d.F, norms=norms)
 
 
 def _fp8_saved(cfg: Config, parts: dict[str, float]) -> dict[str, float]:

@@ -50,6 +50,7 @@ from ultrajax.cost.activations import (
     concrete,
     invariant_activations,
     layer_work,
+    loop_on_gpu,
     offloaded_per_layer,
     pipeline_buffers,
     pipeline_plan,
@@ -173,12 +174,15 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
     if cfg.mesh.pipeline > 1:
         return _pipelined(cfg, fixed, platform)
     held = _gradients(cfg)
-    activations = {part: cfg.model.n_layers * b for part, b in saved_per_layer(cfg).items()}
+    per_layer = saved_per_layer(cfg, platform)
+    activations = {part: cfg.model.n_layers * b for part, b in per_layer.items()}
     activations["masks and rotary tables"] = invariant_activations(cfg)
     saved = sum(activations.values())
     work = layer_work(cfg, platform=platform)
     kept = fixed.copy + held["gradients"] + held["accumulators"] + held["embed_grad"]
     phases = _phases(cfg, saved, kept, work, fixed.head_work, fixed.head_copy)
+    if loop_on_gpu(cfg, platform):
+        phases = _looped(cfg, phases, saved, fixed.copy, held["gradients"])
     parts = Breakdown(
         **fixed.states,
         compute_copy=fixed.copy,
@@ -220,7 +224,12 @@ def _fixed(cfg: Config) -> _Fixed:
     arguments = pb * stored + moments + batch + 8  # + step counter and Adam's count
     copy, head_copy = _copies(cfg)
     c_loss = _loss_chunk(cfg)
-    head_work = HEAD_WORK_V * 4 * d.V * (c_loss / m.seq_len if c_loss else 1.0)
+    if c_loss and cfg.mesh.pipeline == 1:
+        # the chunked loss writes each chunk's logit gradient out in the compute dtype
+        # beside its fp32 logits (model/loss.py, nn.cross_entropy_grad)
+        head_work = (4 + c) * d.V * c_loss / m.seq_len
+    else:
+        head_work = HEAD_WORK_V * 4 * d.V * (c_loss / m.seq_len if c_loss else 1.0)
     head_work += HEAD_WORK_X * c * d.X
     return _Fixed(states, arguments, 4 * 4, copy, head_copy, head_work)
 
@@ -344,6 +353,43 @@ def _phases(cfg, saved, kept, work, head_work, head_copy) -> dict[Phase, float]:
     phases[Phase.HEAD_BACKWARD] = saved + kept - d.c * head_elems + head_work + head_copy
     phases[Phase.OPTIMIZER_UPDATE] = _update(param_elements(cfg, "stored"))
     return phases
+
+
+def _looped(cfg, phases, saved, copy, gradients) -> dict[Phase, float]:
+    """`_phases` for the layers as a Python loop on a GPU (activations.loop_on_gpu): each
+    layer's gradient is its own buffer, made as its backward runs (no stacked gradient
+    zeroed before the backward), and each layer's compute copy and saved activations are
+    freed once its backward is done. So the forward and the head hold none of the layers'
+    gradients, and the layer backward's peak is at one end of it: the first layer back
+    (every activation, no layer gradient) or the last (one layer's activations and copy,
+    every gradient). With accumulation the step's compute copy is one stacked array held
+    through the micro-batch loop (parallel/grads.py, `held`), and each layer's weights
+    are a slice copied out of it and kept for the backward: a second copy of the layers.
+    The update is one fusion over the layers' gradient buffers, in place: no temporaries
+    beyond the gradients (read off the compiled steps, docs/memory.md)."""
+    n = cfg.model.n_layers
+    layers = _layer_share(cfg)
+    grads = layers * gradients
+    slices = dims(cfg).c * _whole(cfg, (llama.ATTENTION, llama.MLP, llama.NORM))
+    twice = slices if cfg.train.grad_accum > 1 else 0.0
+    out = dict(phases)
+    for phase in (Phase.LAYER_FORWARD, Phase.HEAD_BACKWARD):
+        out[phase] += twice - grads
+    first = phases[Phase.LAYER_BACKWARD] + twice - grads
+    last = phases[Phase.LAYER_BACKWARD] - saved * (n - 1) / n
+    if not twice:  # the held copy is the slices themselves
+        last -= layers * copy * (n - 1) / n
+    out[Phase.LAYER_BACKWARD] = max(first, last)
+    out[Phase.OPTIMIZER_UPDATE] = 4.0 * param_elements(cfg, "stored")
+    return out
+
+
+def _layer_share(cfg: Config) -> float:
+    """The layers' share of the parameters this device holds."""
+    layers = (llama.ATTENTION, llama.MLP, llama.NORM)
+    return param_elements(cfg, "stored", where=lambda p: p.part in layers) / param_elements(
+        cfg, "stored"
+    )
 
 
 def _forward_work(cfg: Config) -> float:
