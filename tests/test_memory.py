@@ -560,18 +560,16 @@ def test_accumulation_estimate_matches_the_gpu_compilers_steps():
 
 def test_layer_loop_estimate_matches_the_gpu_compilers_steps():
     """The layers as a Python loop (model.scan_layers=false, configs/llama-1b.yaml's
-    choice) compiled for an H200 by XLA's GPU compiler on this host
+    choice) compiled by XLA's GPU compiler on this host for H200s
     (tests/data/layer_loop_gpu_compiled.json, scripts/gpu_compile.py): 125m, 350m, 1B
     and 8 layers of Llama 3 8B's width, every policy on one GPU, ZeRO-1/2/3 over fsdp 8,
-    data 8 and data 2 x fsdp 4 with accumulation, TP 2 with and without SP, packed
-    documents, and the recipe over 8 H100s. The estimate had counted the scan's stacked
-    buffers and read 1.45-1.72x these peaks without recomputation, 1.12-1.25x with it.
-    It now counts what the loop keeps (activations.fused_loop, memory._looped): never more
-    than 5% over; at most 12% under, the allocator's packing (selective ZeRO-1/2 over fsdp
-    8: the buffers live at the peak add up to the model's figure, the buffer assignment
-    to 12% more) and what XLA's scheduler holds beside the gradients' collectives. Full
-    recomputation in the loop on several GPUs is left out: the scheduler runs layers'
-    recomputation early there (no_effect warns; docs/memory.md)."""
+    data 8, data 2 x fsdp 4 and data 4 with accumulation, TP 2 with and without SP,
+    packed documents, and the recipe over 8 H100s. The estimate had counted the scan's
+    stacked buffers and read 1.45-1.72x these peaks without recomputation, 1.12-1.25x
+    with it. It now counts what the loop keeps (activations.fused_loop, memory._looped):
+    on one GPU within 5%; over several never more than 7% over, at most 12% under where
+    selective recomputation leaves the weight gradients unordered (parallel/layout.py:
+    XLA's scheduler makes them late; docs/memory.md)."""
     script = _script("gpu_compile")
     data = json.loads((Path(__file__).parent / "data" / "layer_loop_gpu_compiled.json").read_text())
     ratios = []
@@ -581,7 +579,7 @@ def test_layer_loop_estimate_matches_the_gpu_compilers_steps():
         est = memory.estimate(cfg, platform="gpu")
         assert est.arguments == pytest.approx(step["argument"], rel=1e-3), step
         ratios.append(est.peak / step["peak"])
-        assert 0.88 <= ratios[-1] <= 1.05, (ratios[-1], step)
+        assert 0.88 <= ratios[-1] <= 1.07, (ratios[-1], step)
     one_gpu = [r for r, s in zip(ratios, data["steps"], strict=True) if s["devices"] == 1]
     assert max(abs(r - 1) for r in one_gpu) <= 0.05, one_gpu
 

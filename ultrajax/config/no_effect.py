@@ -50,13 +50,15 @@ def scans_kept(cfg: Config) -> list[str]:
 
 def layer_loop(cfg: Config) -> bool:
     """Whether the step runs its layers as a Python loop (model.scan_layers=false, and
-    nothing keeps the scan): the memory model counts what the loop keeps on a GPU."""
+    nothing keeps the scan): the step then orders each layer's weight gradients on
+    several devices (parallel/layout.py), and the memory model counts what the loop keeps
+    on a GPU (cost/activations.py)."""
     return not cfg.model.scan_layers and not scans_kept(cfg)
 
 
 def _loop_warnings(cfg: Config, platform: str | None) -> list[str]:
     """no_effect's lines about model.scan_layers=false: the layer loops that stay scans,
-    and recomputation lost on a CPU, or under full recomputation on several GPUs."""
+    and recomputation lost on a CPU."""
     m = cfg.model
     if m.scan_layers:
         return []
@@ -77,16 +79,6 @@ def _loop_warnings(cfg: Config, platform: str | None) -> list[str]:
             f"model.scan_layers=false with model.remat={m.remat} holds on a CPU about what "
             "no recomputation holds: XLA:CPU runs every layer's recomputation early "
             "(docs/memory.md); keep model.scan_layers=true on a CPU"
-        )
-    sizes = [getattr(cfg.mesh, f.name) for f in dataclasses.fields(cfg.mesh)]
-    several = any(isinstance(n, int) and n != 1 for n in sizes)
-    if not scans and platform == "gpu" and m.remat == "full" and several:
-        out.append(
-            "model.scan_layers=false with model.remat=full on more than one GPU holds far "
-            "more than the scan: XLA's GPU scheduler runs layers' recomputation early, "
-            "beside the gradients' collectives (the 1B step over data 8, compiled for an "
-            "H200: 34.0 GiB against the scan's 22.9; docs/memory.md); keep "
-            "model.scan_layers=true, or use model.remat=selective"
         )
     return out
 

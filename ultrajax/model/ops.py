@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
-from ultrajax.kernels.varying import partitioned_axes, vma, zeros
+from ultrajax.kernels.varying import partitioned_axes, vary, vma, zeros
 from ultrajax.model import fp8, grouped
 from ultrajax.model.order import zeros_after
 
@@ -54,6 +54,8 @@ class Reduce:
     varying: frozenset = frozenset()  # the sink's varying axes: where the result may vary
     shape: tuple = ()  # the sink's shape
     defer: Deferred | None = None  # zero bubble: hand out (input, cotangent), see Deferred
+    # the reduced gradient made before the input's gradient leaves (`ordered`)
+    ordered: bool = False
 
 
 class Deferred:
@@ -198,7 +200,23 @@ def _dense_bwd(eq, out_dtype, red, res, g):
     dx = jnp.einsum(eq_dx, g, value).astype(x.dtype)
     if red.defer is not None:
         return dx, None, None, (x, g)
-    return dx, None, finish(dense_dw(eq, x, g, red), acc, red), None
+    dx, dw = ordered(dx, finish(dense_dw(eq, x, g, red), acc, red), red)
+    return dx, None, dw, None
+
+
+def ordered(dx, dw, red: Reduce):
+    """(dx, dw), dx available only once the reduced weight gradient(s) dw are, where
+    `red.ordered`: the layers as a Python loop on several devices, where nothing else
+    made a layer's weight gradients and their collectives before the next layer's
+    backward, as a scan's iteration does. XLA's GPU scheduler put them after the whole
+    backward, holding every layer's inputs to them and their unreduced fp32 gradients
+    (compiled for an H200 under full recomputation: the 1B step over data 8 34.04 GiB,
+    19.95 with this; docs/memory.md). The barrier's own copy of dw is dropped: dw keeps
+    its type, and where it varies over an axis dx does not, nothing is ordered."""
+    axes = vma(dx)
+    if red.ordered and all(vma(d) <= axes for d in jax.tree.leaves(dw)):
+        dx, _ = jax.lax.optimization_barrier((dx, jax.tree.map(lambda d: vary(d, axes), dw)))
+    return dx, dw
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
@@ -225,7 +243,8 @@ def _dense_fp8_bwd(eq, recipe, out_dtype, x_dtype, red, res, g):
         dx = fp8.input_gradient(eq, value, g, recipe)
         return dx.astype(x_dtype), None, None, (x, g.astype(x.dtype))
     dx, dw = fp8.backward(eq, res, g, recipe)
-    return dx.astype(x_dtype), None, finish(dw, acc, red), None
+    dx, dw = ordered(dx, finish(dw, acc, red), red)
+    return dx.astype(x_dtype), None, dw, None
 
 
 _dense_fp8.defvjp(_dense_fp8_fwd, _dense_fp8_bwd)
@@ -254,7 +273,8 @@ def _dense_delayed_bwd(eq, out_dtype, x_dtype, red, axes, res, g):
         pair, dw = (x, g.astype(x.dtype), seen), None
     else:
         dx, dw, ag = fp8.delayed_backward(eq, res, g, seen)
-        pair, dw = None, finish(dw, acc, red)
+        dx, dw = ordered(dx, finish(dw, acc, red), red)
+        pair = None
     amaxes = jnp.concatenate([amaxes, ag[None]])
     missing = tuple(sorted(axes - vma(amaxes)))
     amaxes = jax.lax.pcast(amaxes, missing, to="varying") if missing else amaxes
@@ -326,8 +346,10 @@ def _dense_joined_bwd(eq, shapes, axis, out_dtype, reds, res, g):
     out_axis = x.ndim - 1 + axis - 1
     cuts = list(itertools.accumulate(s[axis] for s in shapes))[:-1]
     parts = jnp.split(g, cuts, out_axis)
-    each = zip(parts, values, accs, reds, strict=True)
-    grads = tuple(finish(dense_dw(eq, x, gi, r).reshape(v.shape), a, r) for gi, v, a, r in each)
+    each = zip(parts, values, reds, strict=True)
+    local = [dense_dw(eq, x, gi, r).reshape(v.shape) for gi, v, r in each]
+    grads = tuple(finish(d, a, r) for d, a, r in zip(local, accs, reds, strict=True))
+    dx, grads = ordered(dx, grads, reds[0])
     return dx, None, grads, None
 
 

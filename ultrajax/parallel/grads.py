@@ -85,6 +85,9 @@ class Gradients:
     # manual axes whose ranks keep their own (DiLoCo's replicas over `data`)
     fp8: tuple[str, ...] = ()
     fp8_apart: frozenset = frozenset()
+    # the layers' reduced weight gradients made before their input's leaves (the layers
+    # as a Python loop on several devices: parallel/layout.py, model/ops.py `ordered`)
+    ordered: bool = False
 
     @property
     def deferred(self) -> tuple[str, ...]:
@@ -107,7 +110,8 @@ class Gradients:
         scatter = self.zero.scatter(names, last)
         if scatter is not None and scatter[0] not in self.manual:
             scatter = None  # the partitioner scatters (to `spec`)
-        return Reduce(self.dtype, scatter, spec)
+        ordered = self.ordered and path.startswith("layers/")
+        return Reduce(self.dtype, scatter, spec, ordered=ordered)
 
     def sinks(self, params, cparams, last: bool) -> dict:
         """fp32 zeros shaped and typed as this phase's gradients (ZeRO >= 1: the stored
