@@ -567,9 +567,10 @@ def test_layer_loop_estimate_matches_the_gpu_compilers_steps():
     packed documents, and the recipe over 8 H100s. The estimate had counted the scan's
     stacked buffers and read 1.45-1.72x these peaks without recomputation, 1.12-1.25x
     with it. It now counts what the loop keeps (activations.fused_loop, memory._looped):
-    on one GPU within 5%; over several never more than 7% over, at most 12% under where
-    selective recomputation leaves the weight gradients unordered (parallel/layout.py:
-    XLA's scheduler makes them late; docs/memory.md)."""
+    on one GPU within 5%; over several 0.90-1.07, with each layer's weight gradients
+    reduced before the next layer's backward (parallel/layout.py; without that, under
+    full recomputation over data 8, the step held 34.04 GiB against the model's 21.26:
+    docs/memory.md)."""
     script = _script("gpu_compile")
     data = json.loads((Path(__file__).parent / "data" / "layer_loop_gpu_compiled.json").read_text())
     ratios = []
@@ -579,7 +580,7 @@ def test_layer_loop_estimate_matches_the_gpu_compilers_steps():
         est = memory.estimate(cfg, platform="gpu")
         assert est.arguments == pytest.approx(step["argument"], rel=1e-3), step
         ratios.append(est.peak / step["peak"])
-        assert 0.88 <= ratios[-1] <= 1.07, (ratios[-1], step)
+        assert 0.9 <= ratios[-1] <= 1.07, (ratios[-1], step)
     one_gpu = [r for r, s in zip(ratios, data["steps"], strict=True) if s["devices"] == 1]
     assert max(abs(r - 1) for r in one_gpu) <= 0.05, one_gpu
 

@@ -140,6 +140,12 @@ def test_a_python_layer_loop_on_several_devices_makes_weight_gradients_in_order(
     matmuls = 7  # wq, wk, wv, wo, gate, up, down
     assert loop - one == matmuls * cfg.model.n_layers, (loop, one, scan)
     assert loop - scan >= matmuls * cfg.model.n_layers, (loop, one, scan)
+    # selective keeps the MLP's inputs: its down projection is left out (its barrier would
+    # split the SwiGLU's recomputation from its backward, parallel/layout.py)
+    kept = ("model.remat=selective", "model.attention=xla", "model.scan_layers=false")
+    _, loop = barriers(*kept, "mesh.data=2")
+    _, one = barriers(*kept)
+    assert loop - one == (matmuls - 1) * cfg.model.n_layers, (loop, one)
 
 
 def test_hfu_exceeds_mfu_by_exactly_the_recomputed_flops(compiled_policies):

@@ -85,9 +85,9 @@ class Gradients:
     # manual axes whose ranks keep their own (DiLoCo's replicas over `data`)
     fp8: tuple[str, ...] = ()
     fp8_apart: frozenset = frozenset()
-    # the layers' reduced weight gradients made before their input's leaves (the layers
-    # as a Python loop on several devices: parallel/layout.py, model/ops.py `ordered`)
-    ordered: bool = False
+    # the layer weights whose reduced gradients are made before their input's leaves (the
+    # layers as a Python loop on several devices: parallel/layout.py, model/ops.py)
+    ordered: frozenset = frozenset()
 
     @property
     def deferred(self) -> tuple[str, ...]:
@@ -110,7 +110,7 @@ class Gradients:
         scatter = self.zero.scatter(names, last)
         if scatter is not None and scatter[0] not in self.manual:
             scatter = None  # the partitioner scatters (to `spec`)
-        ordered = self.ordered and path.startswith("layers/")
+        ordered = path.startswith("layers/") and path.split("/", 1)[1] in self.ordered
         return Reduce(self.dtype, scatter, spec, ordered=ordered)
 
     def sinks(self, params, cparams, last: bool) -> dict:

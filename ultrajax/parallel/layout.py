@@ -97,17 +97,19 @@ def _is_names(x) -> bool:
     return isinstance(x, tuple)
 
 
-def _orders_weight_gradients(cfg: Config, mesh) -> bool:
-    """Whether each layer's reduced weight gradients are made before its input's gradient
-    leaves (model/ops.py `ordered`): the layers as a Python loop on several devices,
-    unless the policy keeps the MLP's inputs and recomputes only their SwiGLU. Compiled
-    for an H200, the 1B step over data 8: full recomputation 34.04 -> 19.95 GiB, none
-    the same peak and 9 GiB a step less moved; selective 33.59 -> 31.29 GiB, but the
-    barrier splits the SwiGLU's recomputation from its backward, 10.9 GiB a step more,
-    and 6.7% more on configs/llama-1b.yaml's step for no memory (docs/memory.md)."""
+def _ordered_weights(cfg: Config, mesh, names: dict) -> frozenset:
+    """The layer weights whose reduced gradients are made before their input's gradient
+    leaves (model/ops.py `ordered`): every one when the layers run as a Python loop on
+    several devices, but the MLP's down projection under a policy that keeps the MLP's
+    inputs, whose barrier would split the SwiGLU's recomputation from its backward.
+    Compiled for an H200, the 1B step over data 8: full recomputation 34.04 -> 19.95 GiB,
+    none the same peak and 9 GiB a step less moved, selective 33.59 -> 31.29 GiB for 2.9
+    GiB a step more (10.9 with the down projection ordered too; docs/memory.md)."""
     if not layer_loop(cfg) or math.prod(mesh.shape.values()) == 1:
-        return False
-    return cfg.model.remat == "none" or remat.MLP_IN not in remat.kept_tags(cfg.model.remat)
+        return frozenset()
+    m = cfg.model
+    split = m.remat != "none" and remat.MLP_IN in remat.kept_tags(m.remat)
+    return frozenset(names["layers"]) - ({"w_down"} if split else set())
 
 
 class Layout:
@@ -172,7 +174,7 @@ class Layout:
             # DiLoCo's replicas keep their own; each pipeline stage has its own layers' rows
             fp8_apart=frozenset({DATA} if self.replicas else ())
             | frozenset({PIPELINE} if self.pipeline > 1 else ()),
-            ordered=_orders_weight_gradients(cfg, mesh),
+            ordered=_ordered_weights(cfg, mesh, self.names),
         )
 
     def _specs(self, kind, drop=None):
