@@ -12,6 +12,7 @@ import pytest
 from ultrajax.config import parse
 from ultrajax.config import schema as config
 from ultrajax.config.schema import ModelConfig
+from ultrajax.model import nn
 from ultrajax.model.llama import (
     NORMS,
     init_params,
@@ -345,3 +346,34 @@ def test_tied_head_is_the_transposed_embedding(params, fwd):
         rtol=1e-6,
         atol=1e-6,
     )
+
+
+@pytest.mark.parametrize("scale", [1.0, 40.0])
+def test_cross_entropy_grad_is_autodiff_of_the_loss_in_one_pass(scale):
+    """nn.cross_entropy_grad (the chunked loss's): the NLL and its logit gradient against
+    autodiff of the two-pass cross entropy, on fresh fp32 logits with a wide spread and
+    a row whose first half is -inf (masked vocabulary). Its max and sum of exponentials
+    come from one reduction (`_max_and_sum_exp`), summed in another order. Tolerances
+    from the computation: each log-sum-exp may differ by the rounding of m + log(s),
+    a few ulps of |m| and of the V-term sum; each probability (and so each gradient
+    entry) by that much relative, at most that much absolute; the NLL by their sum."""
+    logits = jax.random.normal(jax.random.key(7), (3, 5, 257), jnp.float32) * scale
+    logits = logits.at[0, 1, :128].set(-jnp.inf)
+    targets = jax.random.randint(jax.random.key(8), (3, 5), 128, 257)
+    mask = (jax.random.uniform(jax.random.key(9), (3, 5)) > 0.2).astype(jnp.float32)
+
+    def loss(lg):
+        return jnp.sum(nn.cross_entropy(lg, targets, None) * mask)
+
+    want, want_g = jax.value_and_grad(loss)(logits)
+    one_pass = jax.jit(lambda lg: nn.cross_entropy_grad(lg, targets, mask, None, jnp.float32))
+    got, got_g = one_pass(logits)
+    assert np.isfinite(got) and np.all(np.isfinite(got_g))
+    eps, top = np.finfo(np.float32).eps, float(np.abs(logits.max(-1)).max())
+    log_z = 4 * eps * (top + math.log2(logits.shape[-1]))
+    np.testing.assert_allclose(got, want, rtol=0, atol=float(mask.sum()) * log_z + eps * abs(want))
+    np.testing.assert_allclose(got_g, want_g, rtol=0, atol=log_z + eps)
+    m, s = nn._max_and_sum_exp(logits)
+    np.testing.assert_array_equal(m, logits.max(-1))
+    ref = jnp.exp(logits - logits.max(-1)[..., None]).sum(-1)
+    np.testing.assert_allclose(s, ref, rtol=4 * eps * math.log2(logits.shape[-1]))
