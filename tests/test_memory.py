@@ -585,6 +585,19 @@ def test_layer_loop_estimate_matches_the_gpu_compilers_steps():
     assert max(abs(r - 1) for r in one_gpu) <= 0.05, one_gpu
 
 
+def test_layer_loop_estimate_on_a_gpu_host_needs_no_platform(monkeypatch):
+    """On a GPU host `estimate(cfg)` (the train summary's) is `estimate(cfg, "gpu")`: the
+    loop's saved activations and its phases both follow the platform resolved once (the
+    saved activations had read jax's residuals when none was given, the phases the
+    loop's)."""
+    cfg, _ = make("model.scan_layers=false", "model.remat=none")
+    want = memory.estimate(cfg, platform="gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    got = memory.estimate(cfg)
+    assert got.peak == want.peak and got.activations == want.activations
+    assert got.peak < memory.estimate(cfg, platform="cpu").peak
+
+
 # --------------------------------------------------------------------------- pipeline
 
 # p = 4 stages of one layer, m = 8 micro-batches: 1F1B holds 4 (+1 spare) residual slots,

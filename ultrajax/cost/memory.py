@@ -38,6 +38,8 @@ import copy
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
+import jax
+
 from ultrajax.config.schema import Config
 from ultrajax.config.validate import auto_loss_chunk
 from ultrajax.cost.activations import (
@@ -169,6 +171,7 @@ class Estimate:
 def estimate(cfg: Config, platform: str | None = None) -> Estimate:
     """The analytic memory of one train step per device (see the module docstring), for
     the attention `model.attention` means on `platform` (default: this backend)."""
+    platform = platform or jax.default_backend()
     cfg = concrete(cfg, platform)
     fixed = _fixed(cfg)
     if cfg.mesh.pipeline > 1:
@@ -368,9 +371,13 @@ def _looped(cfg, phases, saved, copy, gradients) -> dict[Phase, float]:
     The update is one fusion over the layers' gradient buffers, in place: no temporaries
     beyond the gradients (read off the compiled steps, docs/memory.md)."""
     n = cfg.model.n_layers
-    layers = _layer_share(cfg)
+
+    def layered(p):
+        return p.layered
+
+    layers = param_elements(cfg, "stored", where=layered) / param_elements(cfg, "stored")
     grads = layers * gradients
-    slices = dims(cfg).c * _whole(cfg, (llama.ATTENTION, llama.MLP, llama.NORM))
+    slices = dims(cfg).c * param_elements(cfg, "compute", ignore=(FSDP,), where=layered)
     twice = slices if cfg.train.grad_accum > 1 else 0.0
     out = dict(phases)
     for phase in (Phase.LAYER_FORWARD, Phase.HEAD_BACKWARD):
@@ -382,14 +389,6 @@ def _looped(cfg, phases, saved, copy, gradients) -> dict[Phase, float]:
     out[Phase.LAYER_BACKWARD] = max(first, last)
     out[Phase.OPTIMIZER_UPDATE] = 4.0 * param_elements(cfg, "stored")
     return out
-
-
-def _layer_share(cfg: Config) -> float:
-    """The layers' share of the parameters this device holds."""
-    layers = (llama.ATTENTION, llama.MLP, llama.NORM)
-    return param_elements(cfg, "stored", where=lambda p: p.part in layers) / param_elements(
-        cfg, "stored"
-    )
 
 
 def _forward_work(cfg: Config) -> float:
