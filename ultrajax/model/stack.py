@@ -4,6 +4,9 @@ is one), final norm and LM head."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 
@@ -24,6 +27,22 @@ from ultrajax.model.prefetch import Prefetch
 from ultrajax.model.remat import all_but_gathered_weights, layers_per_iteration, remat_policy
 
 LOGITS = ("batch", "length", "vocab")  # the LM head's output, by logical axis
+
+
+@dataclass(frozen=True)
+class Held:
+    """A `prepare` (a layer's slice of the stack -> the weights `block` reads) whose
+    `key` part of the stack is never differentiated and lives through the whole step
+    anyway: the compute copy of the weights that gradient accumulation holds across
+    its micro-batches (parallel/grads.py). The layer loop then slices it inside each
+    layer's checkpoint, so the backward slices it again rather than keep every layer's
+    slice from the forward pass, a second copy of the layers' weights (`_loop`)."""
+
+    fn: Callable
+    key: str
+
+    def __call__(self, p):
+        return self.fn(p)
 
 
 def cast(p, dtype):
@@ -80,14 +99,15 @@ def layers(
 
     n = jax.tree.leaves(stack)[0].shape[0]
     if not cfg.scan_layers:
-        return _loop(layer, policy, x, stack, n)
+        held = prepare.key if isinstance(prepare, Held) else None
+        return _loop(layer, policy, x, stack, n, held)
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     unroll = layers_per_iteration(cfg.scan_unroll, n, recomputes=policy is not None)
     return jax.lax.scan(lambda x, p: layer(p, x), x, stack, unroll=unroll)
 
 
-def _loop(layer, policy, x, stack, n: int):
+def _loop(layer, policy, x, stack, n: int, held: str | None = None):
     """model.scan_layers=false: the layers as a Python loop over the stack's slices at
     constant indices, each checkpointed on its own (prevent_cse: outside a scan XLA would
     otherwise merge a layer's recomputation with its forward and keep what the policy
@@ -99,14 +119,32 @@ def _loop(layer, policy, x, stack, n: int):
     for an H200 (scripts/gpu_compile.py), the 1B step under selective recomputation moves
     150.5 GiB a step in its memory-bound kernels instead of 209.5, at a 31.3 GiB peak
     instead of 34.1; compile time grows with depth. XLA:CPU runs every layer's
-    recomputation early instead, so on a CPU this holds what no recomputation holds."""
-    if policy is not None:
-        layer = jax.checkpoint(layer, policy=policy, prevent_cse=True)
+    recomputation early instead, so on a CPU this holds what no recomputation holds.
+
+    `held`: the stack's key (`Held`) sliced inside the checkpoint, when there is one.
+    Compiled for 8 H100s, configs/llama-1b.yaml's step then holds 17.77 GiB, not 19.26.
+    Without gradient accumulation the weights' compute copy is not held, and slicing
+    inside raised the 1B step's peak under full recomputation (one H200: 20.34 -> 21.66
+    GiB); without recomputation there is no checkpoint to slice in."""
+    held = held if policy is not None else None
+
+    def at(tree, i):
+        # a dynamic slice (at a constant): its transpose adds into a Ref, a slice's cannot
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), tree)
+
     outs = []
     for i in range(n):
-        # a dynamic slice (at a constant): its transpose adds into a Ref, a slice's cannot
-        p = jax.tree.map(lambda a, i=i: jax.lax.dynamic_index_in_dim(a, i, 0, False), stack)
-        x, out = layer(p, x)
+
+        def sliced(p, whole, x, i=i):
+            return layer(p if whole is None else dict(p, **at(whole, i)), x)
+
+        if policy is not None:
+            sliced = jax.checkpoint(sliced, policy=policy, prevent_cse=True)
+        if held is None:
+            x, out = sliced(at(stack, i), None, x)
+        else:
+            rest = {k: v for k, v in stack.items() if k != held}
+            x, out = sliced(at(rest, i), {held: stack[held]}, x)
         outs.append(out)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 

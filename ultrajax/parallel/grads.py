@@ -35,6 +35,7 @@ from ultrajax.model import fp8
 from ultrajax.model.ops import Reduce, Weight, finish
 from ultrajax.model.order import zero_after
 from ultrajax.model.prefetch import Prefetch
+from ultrajax.model.stack import Held
 from ultrajax.parallel.axes import FSDP, TOKEN_AXES  # the batch's tokens are split over these
 from ultrajax.parallel.zero import Zero
 
@@ -191,12 +192,18 @@ class Gradients:
         # rules' saved weights are its own inputs, so every forward pass would stack a
         # copy of all the layers' weights
         if gather is None:
-            return w, lambda p: bind(p, p["w"])
+            return w, self._held(lambda p: bind(p, p["w"]))
         if not self.prefetch:
-            return w, lambda p: bind(p, {k: gather(v, k) for k, v in p["w"].items()})
+            return w, self._held(lambda p: bind(p, {k: gather(v, k) for k, v in p["w"].items()}))
         # ZeRO-3: the gathers can run a layer ahead (model/prefetch.py)
         fetch = lambda p: {k: gather(v, k) for k, v in p["w"].items()}  # noqa: E731
         return w, Prefetch(fetch, bind, wrt="sink", source="w")
+
+    def _held(self, prepare):
+        """`prepare` as the layer loop's `Held` when the micro-batch loop holds the
+        weights' compute copy (accumulation): their slices are then taken again in the
+        backward, not kept from the forward (model/stack.py)."""
+        return Held(prepare, "w") if self.grad_accum > 1 else prepare
 
     def finish(self, g: dict, acc, sinks, last: bool) -> dict:
         """Reduce the gradients of `after` (see `attach`); `acc` their running sum or None."""
