@@ -394,8 +394,12 @@ def _looped(cfg, phases, saved, copy, held) -> dict[Phase, float]:
     if not twice:  # the held copy is the slices themselves
         last -= layers * copy * (n - 1) / n
     out[Phase.LAYER_BACKWARD] = max(first, last)
-    if cfg.train.grad_accum > 1:  # an earlier micro-batch's end: its gradients unadded
-        late = 4.0 * param_elements(cfg, "compute", ignore=(FSDP,), where=layered)
+    if cfg.train.grad_accum > 1:  # an earlier micro-batch's end: its gradients unadded,
+        # as the rules return them (ZeRO-2/3: scattered over fsdp every micro-batch)
+        if Zero(cfg.parallel.zero, cfg.mesh.fsdp).shards_grads:
+            late = 4.0 * param_elements(cfg, "stored", where=layered)
+        else:
+            late = 4.0 * param_elements(cfg, "compute", ignore=(FSDP,), where=layered)
         kept = copy + held["accumulators"] + held["embed_grad"] + late
         out[Phase.LAYER_BACKWARD] = max(out[Phase.LAYER_BACKWARD], kept)
     out[Phase.OPTIMIZER_UPDATE] = 4.0 * param_elements(cfg, "stored")
