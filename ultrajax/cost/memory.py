@@ -384,19 +384,20 @@ def _looped(cfg, phases, saved, copy, held) -> dict[Phase, float]:
     layers = param_elements(cfg, "stored", where=layered) / param_elements(cfg, "stored")
     grads = layers * held["gradients"]
     slices = dims(cfg).c * param_elements(cfg, "compute", ignore=(FSDP,), where=layered)
-    checkpointed = cfg.model.remat != "none" or Zero(cfg.parallel.zero, cfg.mesh.fsdp).active >= 3
-    twice = slices if cfg.train.grad_accum > 1 and not checkpointed else 0.0
+    z, accum = Zero(cfg.parallel.zero, cfg.mesh.fsdp), cfg.train.grad_accum > 1
+    checkpointed = cfg.model.remat != "none" or z.active >= 3
+    twice = slices if accum and not checkpointed else 0.0
     out = dict(phases)
     for phase in (Phase.LAYER_FORWARD, Phase.HEAD_BACKWARD):
         out[phase] += twice - grads
     first = phases[Phase.LAYER_BACKWARD] + twice - grads
     last = phases[Phase.LAYER_BACKWARD] - saved * (n - 1) / n
-    if not twice:  # the held copy is the slices themselves
+    if not accum:  # the compute copy is the slices themselves, each freed after its layer
         last -= layers * copy * (n - 1) / n
     out[Phase.LAYER_BACKWARD] = max(first, last)
-    if cfg.train.grad_accum > 1:  # an earlier micro-batch's end: its gradients unadded,
-        # as the rules return them (ZeRO-2/3: scattered over fsdp every micro-batch)
-        if Zero(cfg.parallel.zero, cfg.mesh.fsdp).shards_grads:
+    if accum:  # an earlier micro-batch's end: its gradients unadded, as the rules return
+        # them (ZeRO-2/3: scattered over fsdp every micro-batch)
+        if z.shards_grads:
             late = 4.0 * param_elements(cfg, "stored", where=layered)
         else:
             late = 4.0 * param_elements(cfg, "compute", ignore=(FSDP,), where=layered)
