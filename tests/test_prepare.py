@@ -434,3 +434,26 @@ def test_command_prints_the_summary_line(tmp_path):
         "prepared 1,234 documents, 5,678,901 tokens in 3 shards (uint32, 22.7 MB) from "
         "12.3 MB in 2.1 s (2.7M tokens/s, 2 workers) -> DIR"
     )  # fmt: skip
+
+
+def test_bench_fills_a_mesh_size_from_devices_and_refuses_bad_numbers(capsys):
+    """`data bench` times the feed of a config whose mesh fills a size (-1) only when told
+    the run's devices (the global batch depends on them), and says so in one line when not;
+    a count below 1 is one line too (it was a ZeroDivisionError, or a negative rate)."""
+    base = ["--config", str(REPO / "configs" / "tiny.yaml"), "mesh.data=-1", "--steps", "1"]
+
+    def fails(*args):
+        with pytest.raises(SystemExit) as e:
+            command.bench([*base, *args])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        return err
+
+    assert "--devices N" in fails()
+    for bad in (["--steps", "0"], ["--processes", "0"], ["--devices", "0"]):
+        assert ">= 1" in fails("--devices", "4", *bad)
+    # configs/tiny.yaml: micro-batches of 8 rows, 2 of them a step; 3 devices' worth
+    assert command.bench([*base, "--devices", "3", "--processes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 of 2 | 24 / 24 of 48 |" in out, out

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from ultrajax import cli
 from ultrajax.config.schema import ConfigError
+from ultrajax.config.validate import resolve_mesh
 from ultrajax.data import prepare
 from ultrajax.data import streams as streams_lib
 from ultrajax.data.loader import build
@@ -21,18 +22,36 @@ from ultrajax.train.ramp import Ramp
 
 
 def bench(argv: list[str]) -> int:
-    """`python -m ultrajax.data bench --config FILE [--steps N] [--processes P] [overrides]`:
-    the pipeline alone (no model, no devices), as one process of P data-parallel ones."""
+    """Time the data pipeline alone (no model, no devices), as one of P data-parallel processes.
+
+    `python -m ultrajax.data bench --config FILE [--steps N] [--processes P] [--devices N]
+    [overrides]`."""
 
     p = cli.parser("python -m ultrajax.data bench", bench.__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20, help="timed batches (default 20)")
     p.add_argument(
         "--processes", type=int, default=1, help="pack the rows of 1 of P processes (default 1)"
     )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the run's devices (GPUs), to fill a mesh size of -1: the global batch depends on it",
+    )
     args = p.parse_args(argv)
+    if args.steps < 1 or args.processes < 1 or (args.devices is not None and args.devices < 1):
+        p.error("--steps, --processes and --devices must be >= 1")
     cfg = cli.load_config(args)
-    if any(v == -1 for v in cfg.mesh.sizes().values()):
-        cli.fail("data bench needs concrete mesh sizes (the global batch depends on them)")
+    fill = [k for k, v in cfg.mesh.sizes().items() if v == -1]
+    if fill and args.devices is None:
+        cli.fail(
+            f"mesh.{fill[0]}=-1 is filled from the run's device count, which the global batch "
+            f"depends on: give --devices N (e.g. --devices {8 * args.processes} for "
+            f"{args.processes} process(es) of 8 GPUs) or mesh.{fill[0]}=N"
+        )
+    if args.devices is not None:
+        resolve_mesh(cfg, args.devices)
     b, t = cfg.global_batch, cfg.train
     rows = streams_lib.data_parallel_rows(0, args.processes, b, t.grad_accum)
     t0 = time.perf_counter()
