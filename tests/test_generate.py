@@ -94,7 +94,7 @@ def test_sampling_filters(params):
     assert draws == {0, 1}  # 0.5 + 0.3 reaches 0.7: the two most likely tokens only
 
 
-def test_cli_on_a_checkpoint(params, tmp_path, capsys):
+def test_cli_on_a_checkpoint(params, tmp_path, capsys, monkeypatch):
     cfg = Config(model=CFG)
     checkpoint.write_params(tmp_path / "ck", params, cfg)
     argv = ["--checkpoint", str(tmp_path / "ck"), "--max-new-tokens", "6", "--temperature", "0"]
@@ -103,6 +103,15 @@ def test_cli_on_a_checkpoint(params, tmp_path, capsys):
     assert ids == generate.generate(CFG, params, [256, 100, 101], 6, eos=257)
     assert generate.main(argv + ["--prompt", "def "]) == 0
     assert capsys.readouterr().out.startswith("def ")
+    # ids in and out stop at the tokenizer's end-of-text as text does (they ran on, eos None)
+    seen = []
+    real = generate.generate
+    monkeypatch.setattr(
+        generate, "generate", lambda *a, **k: seen.append(k["eos"]) or real(*a, **k)
+    )
+    assert generate.main(argv + ["--prompt-ids", "256,100", "--ids"]) == 0
+    assert seen == [257]  # the bytes tokenizer's
+    capsys.readouterr()
     with pytest.raises(ConfigError, match="not in the vocabulary"):
         generate.main(argv + ["--prompt-ids", "1,999"])
     with pytest.raises(ConfigError, match="exceed model.seq_len"):

@@ -136,9 +136,14 @@ def main(argv=None) -> int:
         )
     cfg = checkpoint_lib.read_config(args.checkpoint)
     m = cfg.model
-    tokenizer = None
-    if args.prompt is not None or not args.ids:
+    try:  # ids in and out need it too: its end-of-text token ends the generation
         tokenizer = sources.make_tokenizer(cfg.data)
+    except ConfigError as e:
+        if args.prompt is not None or not args.ids:
+            raise
+        tokenizer = None
+        print(f"warning: {e}: generating {args.max_new_tokens} tokens, not stopping at an "
+              "end-of-text token", file=sys.stderr)  # fmt: skip
     if args.prompt is not None:
         bos = [tokenizer.BOS] if tokenizer.BOS is not None else []
         prompt = bos + [int(i) for i in tokenizer.encode(args.prompt)]
