@@ -503,3 +503,23 @@ def test_qwen3_and_qwen3_moe_both_ways_match_transformers(kind, tmp_path, capsys
     capsys.readouterr()
     assert convert.main(["verify", "--hf", str(back), "--checkpoint", str(ck)]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("PASS: ")
+
+
+def test_a_model_without_tokenizer_json_is_not_given_the_byte_tokenizer(converted, capsys):
+    """Without a tokenizer.json, hf-to-orbax warns and names where the model's belongs: the
+    config once kept `bytes`, so text became byte ids (BOS 256) that mean nothing to the
+    model, and orbax-to-hf then wrote a byte tokenizer back as the model's own."""
+    from ultrajax.data import sources
+
+    root, _, _ = converted
+    assert not (root / "hf" / "tokenizer.json").exists()
+    out = root / "ck_warned"
+    assert convert.main(["hf-to-orbax", "--hf", str(root / "hf"), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "no tokenizer.json" in err and str(out) in err, err
+    cfg = parse.load(out / "config.yaml")
+    assert cfg.data.tokenizer == str(out / "tokenizer.json")
+    with pytest.raises(config.ConfigError, match="does not exist"):
+        sources.make_tokenizer(cfg.data)
+    convert.byte_tokenizer_json().save(str(out / "tokenizer.json"))  # put in place: used
+    assert sources.make_tokenizer(cfg.data).encode("a").tolist() == [ord("a")]

@@ -230,9 +230,17 @@ def hf_to_orbax(hf_dir: str | Path, out: str | Path, param_dtype: str = "auto") 
 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = hf_dir / "tokenizer.json"
+    # the model's ids are its tokenizer's: without one, name where it belongs (an error
+    # when text is read) rather than the default bytes, whose ids mean nothing to it
+    cfg.data.tokenizer = str(out / "tokenizer.json")
     if tokenizer.is_file():
         shutil.copy(tokenizer, out / "tokenizer.json")
-        cfg.data.tokenizer = str(out / "tokenizer.json")
+    else:
+        print(
+            f"warning: {hf_dir} has no tokenizer.json: copy the model's to {out}/ before "
+            "training or generating from text (config.yaml's data.tokenizer names it there)",
+            file=sys.stderr,
+        )
     cfg.checkpoint.init_from = str(out)
     cfg.train.run_dir = f"runs/{hf_dir.absolute().name}"
     checkpoint_lib.write_params(out, params, cfg)
