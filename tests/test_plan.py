@@ -330,6 +330,15 @@ def test_a_wide_area_link_prices_data_parallelism_and_diloco_across_sites(tmp_pa
         (["--gpus", "7", "--tokens-per-step", str(3 * 2048)], "no layout of 7 GPUs"),
         (["--gpus", "8", "model.nope=1"], "model.nope"),
         (["--gpus", "8", "--gpus-per-node", "0"], "--gpus-per-node must be >= 1"),
+        # 0 was taken as "the config's batch"; the link flags without sites were ignored;
+        # a batch that splits into part sequences over sites named each site's share
+        (["--gpus", "8", "--tokens-per-step", "0"], "--tokens-per-step must be >= 1, got 0"),
+        (["--gpus", "16", "--wan-gbps", "400"], "add --sites N"),
+        (["--gpus", "16", "--wan-km", "100"], "add --sites N"),
+        (
+            ["--gpus", "16", "--sites", "2", "--wan-gbps", "9", "--tokens-per-step", str(2048)],
+            "--tokens-per-step (2048) must be a multiple of --sites x model.seq_len (2 x 2048)",
+        ),
     ],
 )
 def test_plan_errors_are_one_line(tmp_path, capsys, args, words):

@@ -140,11 +140,18 @@ def plan(args) -> dict:
         raise ConfigError(f"--gpus-per-node must be >= 1, got {gpn}")
     link = _wan(args)
     base = cli.load_config(args)
-    tokens = args.tokens_per_step or candidates.tokens_per_step(base, args.gpus)
-    if tokens < 1:
+    tokens = args.tokens_per_step
+    if tokens is None:
+        tokens = candidates.tokens_per_step(base, args.gpus)
+    elif tokens < 1:  # 0 included: it was taken as "the config's"
         raise ConfigError(f"--tokens-per-step must be >= 1, got {tokens}")
     # with sites, each runs the layout on its share of the GPUs and of the batch
     gpus, site_tokens = args.gpus // args.sites, tokens // args.sites
+    if args.sites > 1 and tokens % (args.sites * base.model.seq_len):
+        raise ConfigError(
+            f"--tokens-per-step ({tokens}) must be a multiple of --sites x model.seq_len "
+            f"({args.sites} x {base.model.seq_len}): each site's batch is whole sequences"
+        )
     start = time.perf_counter()
     evaluated = candidates.evaluate(base, gpus, acc, gpn, site_tokens)
     if not evaluated:
@@ -180,6 +187,8 @@ def _wan(args) -> wan.Wan | None:
     if args.sites < 1:
         raise ConfigError(f"--sites must be >= 1, got {args.sites}")
     if args.sites == 1:
+        if args.wan_gbps is not None or args.wan_km:
+            raise ConfigError("--wan-gbps and --wan-km price the link between sites: add --sites N")
         return None
     if args.gpus % args.sites:
         raise ConfigError(f"--gpus ({args.gpus}) must divide by --sites ({args.sites})")
