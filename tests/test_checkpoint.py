@@ -355,13 +355,52 @@ def test_mismatched_checkpoints_name_what_differs(reference, tmp_path):
     assert "model.d_model=32 in the checkpoint, 64 in the config" in str(e.value)
     assert "model.n_layers=2 in the checkpoint, 3 in the config" in str(e.value)
     assert "train.run_dir=" in str(e.value) and "\n" not in str(e.value)  # the ways out
-    # an optimizer of another structure (no clipping) is named too
-    cfg = load(tmp_path, *LAYOUT_A, "optim.clip_norm=0")
+    # an optimizer of another structure (no clipping), the change asked for, is named too
+    cfg = load(tmp_path, *LAYOUT_A, "optim.clip_norm=0", "checkpoint.resume_changed=true")
     with pytest.raises(ConfigError, match=r"lacks optimizer/opt_state/0/.* \(the optim\.\*"):
         resume.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg))
     # parameters only: the config must agree too
     with pytest.raises(ConfigError, match="model.d_model=32 in the checkpoint, 64"):
         checkpoint.load_params(source, load(tmp_path, "model.d_model=64").model)
+
+
+def test_a_resume_that_changes_what_the_run_is_is_refused_or_named(reference, tmp_path):
+    """The optimizer, the seed, the data's split, the dtypes: changed on resume into the same
+    run directory they were taken without a word (a learning rate 50x, an eval split that
+    now holds trained-on documents, fp32 masters cast to bf16). Refused, each named, unless
+    checkpoint.resume_changed=true, which names them as the run goes on."""
+    source = reference[0] / "checkpoints" / "10"
+    changed = ["optim.lr=0.05", "train.seed=9", "data.eval_fraction=0.5", "optim.schedule=wsd"]
+    cfg = load(tmp_path, *LAYOUT_A, *changed, "model.param_dtype=bfloat16")
+    with pytest.raises(ConfigError) as e:
+        resume.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg))
+    msg = str(e.value)
+    ref = load(tmp_path)
+    for key in ("optim.lr", "train.seed", "data.eval_fraction", "optim.schedule"):
+        section, name = key.split(".")
+        was = getattr(getattr(ref, section), name)
+        assert f"{key} {was} -> " in msg, (key, msg)
+    assert "model.param_dtype float32 -> bfloat16" in msg
+    assert "checkpoint.resume_changed=true" in msg and "\n" not in msg
+    lines = []
+    cfg = load(tmp_path, *LAYOUT_A, "optim.lr=0.05", "checkpoint.resume_changed=true")
+    _, step = resume.restore_train(
+        source, cfg, _target(cfg, jax.devices()), _data(cfg), warn=lines.append
+    )
+    assert step == 10 and lines == [
+        f"note: resuming {source} with changed settings: optim.lr {ref.optim.lr} -> 0.05"
+    ]
+    # a finished run trains nothing, so nothing is refused: fewer steps (a cosine over 15
+    # instead of 20: its learning rate differs) or changed settings, it is simply done
+    finished = (reference[0] / "checkpoints", 20)
+    for extra in (["train.steps=15"], ["train.steps=15", *changed]):
+        cfg = load(tmp_path, *LAYOUT_A, *extra)
+        assert resume.check_resume(cfg, finished, warn=lines.append).done
+    # what does not change the run goes through without a word: layout, logging, steps
+    lines = []
+    cfg = load(tmp_path, *LAYOUT_A, "train.log_every=3", "optim.schedule_steps=20")
+    resume.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg), warn=lines.append)
+    assert lines == []
 
 
 def test_a_changed_schedule_length_on_resume_is_refused_or_rescheduled(reference, tmp_path):

@@ -189,6 +189,31 @@ def run_identity(cfg: Config) -> str:
     (a checkpoint restores onto any layout; more steps are asked for on purpose). Nor how
     the step computes the same model (attention backend, recomputation, loss chunks, the
     layer loop and its unrolling): a run may resume with another."""
+    text = json.dumps(_identity(cfg), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:6]
+
+
+def identity_changes(old: Config, new: Config) -> list[tuple[str, Any, Any]]:
+    """(key, old value, new value) of each setting of the run's identity that differs: what
+    a resume would change about the run (train/resume.py)."""
+    a, b = _flatten(_identity(old)), _flatten(_identity(new))
+    named = {"seed": "train.seed", "diloco.replicas": "mesh.data"}
+    out = []
+    for key in sorted(a.keys() | b.keys()):
+        if a.get(key) != b.get(key):
+            name = named.get(key, key.replace("diloco.", "parallel.", 1))
+            out.append((name, _get(old, name), _get(new, name)))
+    return out
+
+
+def _get(cfg: Config, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _identity(cfg: Config) -> dict:
+    """The settings `run_identity` hashes, as a tree of sections."""
     tree = {k: dataclasses.asdict(getattr(cfg, k)) for k in IDENTITY}
     for how in HOW:
         tree["model"].pop(how)
@@ -216,8 +241,7 @@ def run_identity(cfg: Config) -> str:
     tree["optim"].pop("schedule_steps")  # checked on resume, like train.steps
     tree["data"].pop("prefetch")  # how far ahead batches are made, not which
     tree["data"].pop("strict")  # the same documents, or no run at all
-    text = json.dumps(tree, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:6]
+    return tree
 
 
 def default_run_dir(cfg: Config, path: str | Path | None) -> str:

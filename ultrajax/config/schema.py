@@ -240,6 +240,9 @@ class CheckpointConfig:
     every: int = 0
     keep: int = 3
     resume: str = "auto"  # auto | never | must | a checkpoint path
+    # resume with changed model, data or optimizer settings or seed (each one is named);
+    # without it such a resume is refused: those settings make the run what it is
+    resume_changed: bool = False
     init_from: str | None = None  # a checkpoint to load parameters only from (fine-tuning)
 
 

@@ -9,11 +9,14 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from ultrajax.config import parse
 from ultrajax.config.schema import Config, ConfigError
 from ultrajax.config.validate import resolve_mesh
+from ultrajax.model import llama
 from ultrajax.parallel import diloco
 from ultrajax.train import distributed, optim
 from ultrajax.train.checkpoint import (
+    NUMERIC_KEYS,
     Checkpoints,
     _check_tree,
     _item_metadata,
@@ -34,8 +37,16 @@ from ultrajax.train.ramp import Ramp
 
 
 def check_config(root: Path, step: int, cfg: Config, warn=print) -> Config:
-    """The checkpoint's kind, model and schedule against `cfg` (its small JSON items only):
-    its config, or a one-line refusal naming the way out."""
+    """The checkpoint's kind, model, settings and schedule against `cfg` (its small JSON
+    items only): its config, or a one-line refusal naming the way out."""
+    saved = _saved(root, step, cfg, warn)
+    check_changes(saved, cfg, _where(root, step), warn)
+    check_schedule(saved, cfg, _where(root, step), step, warn)
+    return saved
+
+
+def _saved(root: Path, step: int, cfg: Config, warn=print) -> Config:
+    """The checkpoint's config, if it is a training checkpoint of the model `cfg` has."""
     where = _where(root, step)
     meta = _read_json_item(root, step, "meta")
     if meta.get("kind") != "train":
@@ -52,8 +63,28 @@ def check_config(root: Path, step: int, cfg: Config, warn=print) -> Config:
             f"(train.run_dir=..., or leave train.run_dir unset: each config then gets its "
             f"own), or delete {root} to start over; to continue that run, use its config"
         ) from None
-    check_schedule(saved, cfg, where, step, warn)
     return saved
+
+
+def check_changes(saved: Config, cfg: Config, where: str, warn=print) -> None:
+    """A resume must not change what the run is behind the user's back: its data, its
+    optimizer, its seed, its dtypes (the run identity's settings). Refused, naming each,
+    unless asked for with checkpoint.resume_changed=true; then each is named as it starts.
+    The model's shape is check_model's (refused); its numeric keys are noted there."""
+    reported = {f"model.{k}" for k in (*llama.SHAPE_KEYS, *NUMERIC_KEYS)}
+    changes = [c for c in parse.identity_changes(saved, cfg) if c[0] not in reported]
+    if not changes:
+        return
+    said = ", ".join(f"{k} {old} -> {new}" for k, old, new in changes)
+    if cfg.checkpoint.resume_changed:
+        warn(f"note: resuming {where} with changed settings: {said}")
+        return
+    raise ConfigError(
+        f"resuming {where} would change the run mid-way: {said}. Add "
+        "checkpoint.resume_changed=true to continue it with them; or train them as a run of "
+        "their own (another train.run_dir, or none: each config then gets its own); or "
+        "resume with the run's values"
+    )
 
 
 def restore_train(
@@ -108,11 +139,15 @@ def check_resume(cfg: Config, source: tuple[Path, int], warn=print) -> Ramp:
     trained its token budget, whatever the batch now (the caller then writes nothing).
     Resolves a -1 mesh size from the devices, as build_run would."""
     root, step = source
-    saved = check_config(root, step, cfg, warn)
+    saved = _saved(root, step, cfg, warn)
     distributed.check_local_devices()
     resolve_mesh(cfg, jax.device_count())
     progress = _read_json_item(root, step, "data").get("progress") or {}
-    return check_batch(saved, cfg, progress.get("ramp"), step, _where(root, step))
+    ramp = check_batch(saved, cfg, progress.get("ramp"), step, _where(root, step))
+    if not ramp.done:  # a finished run trains nothing: what would have changed does not matter
+        check_changes(saved, cfg, _where(root, step), warn)
+        check_schedule(saved, cfg, _where(root, step), step, warn)
+    return ramp
 
 
 def check_batch(saved: Config, cfg: Config, ramp_state, step: int, where: str) -> Ramp:
