@@ -343,6 +343,9 @@ BAD = {
     "odd-head-dim": (["--config", TINY, "model.d_model=100", "model.n_heads=4"], "head_dim"),
     "path-without-files": (["--config", TINY, "data.path=corpus.txt"], "data.source=files"),
     "mesh-fill": (["--config", TINY, "mesh.data=-1", "mesh.tensor=8"], "--cpu-devices 8"),
+    # a directory that cannot be made: a traceback once the model was built
+    "dir-is-a-file": (["--config", TINY, f"checkpoint.dir={TINY}"], "is a file, not a directory"),
+    "dir-unmakeable": (["--config", TINY, f"checkpoint.dir={TINY}/ck"], "cannot make the"),
 }
 
 

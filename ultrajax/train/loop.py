@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ultrajax.config.parse import dump
-from ultrajax.config.schema import Config
+from ultrajax.config.schema import Config, ConfigError
 from ultrajax.cost import units
 from ultrajax.train import metrics as metrics_lib
 from ultrajax.train import preemption, report
@@ -78,6 +78,7 @@ def begin(cfg: Config, say) -> Training | None:
     """Check the resume, build, announce and find the start point: the run in progress, or
     None when the run has already trained its budget. That is said in one line, before
     anything is built or written (config.yaml, metrics, checkpoints stay as they were)."""
+    _make_dirs(cfg)  # a run directory that cannot be made fails before anything is built
     resume = resume_lib.resume_source(cfg)  # checked first: a refused resume fails fast
     ramp = None
     if resume is not None:  # refused here (one line) when the batch changed mid-run
@@ -99,6 +100,19 @@ def begin(cfg: Config, say) -> Training | None:
 
 def _quiet(*args, **kwargs) -> None:
     """`say` on processes other than 0: one log per run, however many hosts."""
+
+
+def _make_dirs(cfg: Config) -> None:
+    """train.run_dir and checkpoint.dir made (or found), or a one-line error naming the key."""
+    for key, path in (("train.run_dir", cfg.train.run_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if path is None:
+            continue
+        if Path(path).exists() and not Path(path).is_dir():
+            raise ConfigError(f"{key}: {path} is a file, not a directory")
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file above it, no permission, a read-only or odd filesystem
+            raise ConfigError(f"{key}: cannot make the directory {path} ({e.strerror})") from None
 
 
 def open_run_dir(cfg: Config) -> Path:
