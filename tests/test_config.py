@@ -218,6 +218,8 @@ def test_override_without_equals_sign():
         (["train.steps=0"], "train.steps"),
         (["optim.warmup_steps=400", "train.steps=300"], "optim.warmup_steps"),
         (["optim.min_lr=1.0", "optim.lr=0.1"], "optim.min_lr"),
+        (["optim.lr=inf"], "optim.lr must be positive and finite"),  # a nan lr from step 1
+        (["train.steps=3", "optim.warmup_steps=1", "train.profile_steps=[1, 3]"], "ends at 2"),
         (["data.source=files"], "data.path"),
         (["data.eval_fraction=1.0"], "data.eval_fraction"),
         (["mesh.data=-1", "mesh.fsdp=-1"], "-1"),
@@ -398,8 +400,17 @@ def test_data_path_without_the_files_source_is_an_error():
             ["model.fp8=tensorwise", "parallel.fp8_gather=true", "mesh.fsdp=2", "parallel.zero=2"],
             "parallel.fp8_gather",
         ),  # fmt: skip
+        # settings nothing else set reads (they were silent; rope_factor even named the run)
+        (["model.rope_factor=4.0"], "model.rope_factor=4.0 has no effect with model.rope_sc"),
+        (["model.rope_scaling=linear", "model.rope_factor=2.0", "model.rope_low_freq_factor=2.0"],
+         "model.rope_low_freq_factor=2.0 has no effect with model.rope_scaling=linear"),
+        (["optim.decay_fraction=0.5"], "optim.decay_fraction=0.5 has no effect with optim.sch"),
+        (["optim.schedule=constant", "optim.min_lr=1e-4"], "optim.min_lr=0.0001 has no effect"),
+        (["optim.name=sgd", "optim.b1=0.8", "optim.eps=1e-6"], "optim.b1=0.8, optim.eps=1e-06"),
+        (["parallel.diloco_outer_lr=0.1"], "parallel.diloco_outer_lr=0.1 has no effect with par"),
+        (["data.eval_fraction=0", "train.eval_batches=2"], "train.eval_batches=2 has no effect"),
     ],
-)
+)  # fmt: skip
 def test_settings_without_effect_are_named_once(overrides, key):
     lines = no_effect(load(None, overrides))
     assert len(lines) == 1 and lines[0].startswith(key) and "\n" not in lines[0], lines
@@ -420,6 +431,13 @@ def test_settings_with_effect_give_no_warning():
     # the loop's recomputation holds on a GPU, not on a CPU (docs/memory.md)
     loop = load(None, ["model.scan_layers=false", "model.remat=selective"])
     assert no_effect(loop, "gpu") == [] and no_effect(loop) == []
+    # the settings that read them: llama3 scaling, wsd, adamw, DiLoCo, a held-out split
+    rope = ["model.rope_scaling=llama3", "model.rope_factor=8.0", "model.rope_low_freq_factor=2.0"]
+    read = [*rope, "optim.schedule=wsd", "optim.decay_fraction=0.5", "optim.b1=0.8",
+            "mesh.data=2", "parallel.diloco_steps=4", "parallel.diloco_outer_lr=0.1"]  # fmt: skip
+    assert no_effect(load(None, read)) == []
+    # a constant schedule does not read optim.min_lr, so it need not sit below optim.lr
+    assert no_effect(load(None, ["optim.schedule=constant", "optim.lr=1e-4"])) == []
     (line,) = no_effect(loop, "cpu")
     assert line.startswith("model.scan_layers=false with model.remat=selective holds on a CPU")
 

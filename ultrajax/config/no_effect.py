@@ -103,6 +103,51 @@ def _kernel_warnings(cfg: Config) -> list[str]:
     ]
 
 
+def _unread(cfg: Config, section: str, keys: tuple[str, ...], when: str) -> list[str]:
+    """One line for the keys of `section` set away from their defaults that `when` leaves
+    unread."""
+    obj = getattr(cfg, section)
+    default = type(obj)()
+    changed = [
+        f"{section}.{k}={getattr(obj, k)}" for k in keys if getattr(obj, k) != getattr(default, k)
+    ]
+    if not changed:
+        return []
+    one = len(changed) == 1
+    return [
+        f"{', '.join(changed)} {'has' if one else 'have'} no effect with {when}: drop "
+        f"{'it' if one else 'them'}"
+    ]
+
+
+def _reading_warnings(cfg: Config) -> list[str]:
+    """Settings that what else is set never reads: the rope scaling's numbers, the
+    schedule's, Adam's with plain SGD, DiLoCo's without DiLoCo, evaluation without a held-out
+    split. (Some of them name the run: rope_factor changes train.run_dir's default.)"""
+    m, o, par, t = cfg.model, cfg.optim, cfg.parallel, cfg.train
+    llama3 = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
+    out = []
+    if m.rope_scaling != "llama3":
+        keys = llama3 if m.rope_scaling == "linear" else ("rope_factor", *llama3)
+        out += _unread(cfg, "model", keys, f"model.rope_scaling={m.rope_scaling}")
+    if o.schedule != "wsd":
+        out += _unread(cfg, "optim", ("decay_fraction",), f"optim.schedule={o.schedule}")
+    if o.schedule == "constant":
+        out += _unread(cfg, "optim", ("min_lr",), "optim.schedule=constant")
+    if o.name == "sgd":
+        out += _unread(cfg, "optim", ("b1", "b2", "eps"), "optim.name=sgd (no moments)")
+    if not par.diloco_steps:
+        keys = ("diloco_outer_lr", "diloco_outer_momentum", "diloco_fragments", "diloco_dtype")
+        out += _unread(cfg, "parallel", keys, "parallel.diloco_steps=0 (no DiLoCo)")
+    if cfg.data.eval_fraction == 0 and t.eval_batches:
+        out.append(
+            f"train.eval_batches={t.eval_batches} has no effect with data.eval_fraction=0 (no "
+            "document is held out, so nothing is evaluated): set data.eval_fraction > 0, or "
+            "train.eval_batches=0"
+        )
+    return out
+
+
 def no_effect(cfg: Config, platform: str | None = None) -> list[str]:
     """Settings that do nothing in this layout (or cost far more than they should), one
     line each saying what to change: valid, so not errors (a recipe may be meant for a
@@ -161,6 +206,7 @@ def no_effect(cfg: Config, platform: str | None = None) -> list[str]:
         )
     out += _loop_warnings(cfg, platform)
     out += _moe_warnings(cfg)
+    out += _reading_warnings(cfg)
     default = ParallelConfig()
     axis_keys = {
         "pipeline": ("pipeline_schedule", "virtual_stages"),

@@ -208,8 +208,17 @@ def _validate_training(t, o) -> None:
             len(t.profile_steps) == 2 and 0 <= t.profile_steps[0] <= t.profile_steps[1],
             "train.profile_steps must be [first, last] with 0 <= first <= last",
         )
-    _check(o.lr > 0, "optim.lr must be positive")
-    _check(0 <= o.min_lr <= o.lr, "optim.min_lr must be between 0 and optim.lr")
+        _check(
+            t.profile_steps[1] < t.steps,
+            f"train.profile_steps {list(t.profile_steps)} ends after the run's last step "
+            f"(steps are numbered from 0: train.steps={t.steps} ends at {t.steps - 1}), so "
+            "the trace would never be written",
+        )
+    _check(0 < o.lr < math.inf, f"optim.lr must be positive and finite, got {o.lr}")
+    _check(
+        o.schedule == "constant" or 0 <= o.min_lr <= o.lr,
+        "optim.min_lr must be between 0 and optim.lr",
+    )
     _check(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
     _check(
         o.warmup_steps < t.steps,
