@@ -265,6 +265,17 @@ def test_unsupported_and_mismatched_inputs(converted, tmp_path, capsys):
         err = _error(["hf-to-orbax", "--hf", str(d), "--out", str(tmp_path / f"o{i}")], capsys)
         assert message in err, err
         assert not (tmp_path / f"o{i}").exists()  # nothing half-written
+    # a truncated shard (a download cut short): a traceback from safetensors before
+    d = tmp_path / "cut"
+    d.mkdir()
+    shards = sorted((root / "hf").glob("*.safetensors"))
+    for f in (root / "hf").iterdir():
+        if f != shards[-1]:
+            (d / f.name).symlink_to(f)
+    (d / shards[-1].name).write_bytes(shards[-1].read_bytes()[:1000])
+    err = _error(["hf-to-orbax", "--hf", str(d), "--out", str(tmp_path / "o_cut")], capsys)
+    assert f"{d / shards[-1].name} is not a readable safetensors file" in err, err
+    assert not (tmp_path / "o_cut").exists()
     # the --out directory is never overwritten
     assert "not empty" in _error(
         ["hf-to-orbax", "--hf", str(root / "hf"), "--out", str(root / "ck")], capsys

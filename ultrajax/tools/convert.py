@@ -167,9 +167,44 @@ def _weight_files(hf_dir: Path) -> list[Path]:
 # --------------------------------------------------------------------------- hf -> orbax
 
 
+def _read_shard(path: Path, f, names: dict, tied: set, params: dict, seen: set, m) -> None:
+    """Every tensor of one open safetensors file into its place in `params` (one in memory
+    at a time), its name added to `seen`."""
+    for name in f.keys():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer some versions saved: recomputed from rope_theta
+        if name in tied:
+            continue
+        if name not in names:
+            raise ConfigError(
+                f"{path.name}: tensor {name!r} has no place in a "
+                f"{ARCHITECTURES[family(m)]} with "
+                f"this config.json (n_layers={m.n_layers})"
+            )
+        key, layer, to_ours = names[name]
+        dest = params["layers"][key] if layer is not None else params[key]
+        want = dest[layer].shape if layer is not None else dest.shape
+        w = f.get_tensor(name)  # one tensor in memory at a time
+        try:
+            value = to_ours(w)
+        except ValueError:
+            value = None
+        if value is None or value.shape != want:
+            raise ConfigError(
+                f"{path.name}: tensor {name!r} has shape {tuple(w.shape)}, which does "
+                f"not fit {key} {tuple(want)} as config.json describes it"
+            )
+        if layer is None:
+            dest[...] = value
+        else:
+            dest[layer] = value
+        seen.add(name)
+        del w, value
+
+
 def hf_to_orbax(hf_dir: str | Path, out: str | Path, param_dtype: str = "auto") -> Path:
     """Write an ultrajax checkpoint (step 0, parameters only) plus out/config.yaml."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     hf_dir, out = Path(hf_dir), Path(out).absolute()
     hf = read_hf_config(hf_dir)
@@ -193,37 +228,13 @@ def hf_to_orbax(hf_dir: str | Path, out: str | Path, param_dtype: str = "auto") 
     tied = {p.hf for p in llama.PARAMS if not p.present(m)}  # the embedding is the head
     seen = set()
     for path in files:
-        with safe_open(str(path), framework="numpy") as f:
-            for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue  # a buffer some versions saved: recomputed from rope_theta
-                if name in tied:
-                    continue
-                if name not in names:
-                    raise ConfigError(
-                        f"{path.name}: tensor {name!r} has no place in a "
-                        f"{ARCHITECTURES[family(m)]} with "
-                        f"this config.json (n_layers={m.n_layers})"
-                    )
-                key, layer, to_ours = names[name]
-                dest = params["layers"][key] if layer is not None else params[key]
-                want = dest[layer].shape if layer is not None else dest.shape
-                w = f.get_tensor(name)  # one tensor in memory at a time
-                try:
-                    value = to_ours(w)
-                except ValueError:
-                    value = None
-                if value is None or value.shape != want:
-                    raise ConfigError(
-                        f"{path.name}: tensor {name!r} has shape {tuple(w.shape)}, which does "
-                        f"not fit {key} {tuple(want)} as config.json describes it"
-                    )
-                if layer is None:
-                    dest[...] = value
-                else:
-                    dest[layer] = value
-                seen.add(name)
-                del w, value
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                _read_shard(path, f, names, tied, params, seen, m)
+        except SafetensorError as e:  # a truncated or corrupt file: its header or its data
+            raise ConfigError(
+                f"--hf: {path} is not a readable safetensors file ({e}); download it again"
+            ) from None
     missing = [n for n in names if n not in seen]
     if missing:
         raise ConfigError(f"--hf: {hf_dir} lacks the tensor {missing[0]!r}")
