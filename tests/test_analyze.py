@@ -443,6 +443,7 @@ def test_cli_into_a_closed_pipe_exits_quietly():
         (("model.d_modle=3",), "did you mean model.d_model"),
         (("mesh.fsdp=4",), "--cpu-devices 4 simulates"),
         (("--plot", "out.txt"), "should end in .png"),
+        (("--plot-sweep", "nowhere/s.png"), "--plot-sweep: the directory nowhere does not exist"),
         # tiny.yaml unrolls its layers, which recomputation undoes (a warning of its own)
         (("model.remat=offload", "model.scan_unroll=1", "--compile"), "model.remat=offload needs"),
         (("--plot-schedule", "s.png"), "mesh.pipeline=1, so there is no pipeline schedule"),

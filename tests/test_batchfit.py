@@ -181,6 +181,9 @@ def test_plot_writes_a_png(runs, tmp_path, capsys):
     png = tmp_path / "fit.png"
     assert batchfit.main([*map(str, runs), "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a directory that is not there: said before the fit (it was a traceback after it)
+    err = fails(capsys, [*runs, "--plot", tmp_path / "nowhere" / "fit.png"])
+    assert f"--plot: the directory {tmp_path / 'nowhere'} does not exist" in err
 
 
 def test_plot_without_matplotlib_says_how_to_install(runs, tmp_path, capsys, monkeypatch):

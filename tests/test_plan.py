@@ -334,6 +334,7 @@ def test_a_wide_area_link_prices_data_parallelism_and_diloco_across_sites(tmp_pa
         # a batch that splits into part sequences over sites named each site's share
         (["--gpus", "8", "--tokens-per-step", "0"], "--tokens-per-step must be >= 1, got 0"),
         (["--gpus", "16", "--wan-gbps", "400"], "add --sites N"),
+        (["--gpus", "8", "--plot", "nowhere/p.png"], "--plot: the directory nowhere does not"),
         (["--gpus", "16", "--wan-km", "100"], "add --sites N"),
         (
             ["--gpus", "16", "--sites", "2", "--wan-gbps", "9", "--tokens-per-step", str(2048)],

@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 import jax
@@ -107,6 +108,18 @@ def device_count(args: argparse.Namespace) -> tuple[int | None, str]:
         return None, f"a {joining.num_processes}-process run ({joining.source}), not joined"
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     return jax.device_count(), jax.default_backend()
+
+
+def check_picture(path: str | None, flag: str) -> None:
+    """A picture a command writes at its end (matplotlib, in the format its suffix names):
+    an image suffix and a directory that exists, checked before the work, not found
+    missing after it."""
+    if path is None:
+        return
+    if not path.lower().endswith((".png", ".pdf", ".svg")):
+        raise config_lib.ConfigError(f"{flag}: {path!r} should end in .png, .pdf or .svg")
+    if not Path(path).parent.is_dir():
+        raise config_lib.ConfigError(f"{flag}: the directory {Path(path).parent} does not exist")
 
 
 def load_config(args) -> config_lib.Config:

@@ -455,12 +455,9 @@ def _device_memory(size: str | None) -> int | None:
 
 
 def _check_plot_paths(args) -> None:
-    """Each picture's path ends in an image suffix (matplotlib writes the format it
-    names), checked before any device starts."""
+    """Each picture's path, checked before any device starts."""
     for flag in ("plot", "plot_sweep", "plot_schedule"):
-        path = getattr(args, flag)
-        if path is not None and not path.lower().endswith((".png", ".pdf", ".svg")):
-            raise ConfigError(f"--{flag.replace('_', '-')}: {path!r} should end in .png")
+        cli.check_picture(getattr(args, flag), f"--{flag.replace('_', '-')}")
 
 
 def _load_config(args) -> Config:

@@ -294,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
+        cli.check_picture(args.plot, "--plot")
         if args.doublings < 1:
             raise ConfigError(f"--doublings must be >= 1, got {args.doublings}")
         runs = read_runs(args.runs, args.min_tokens)

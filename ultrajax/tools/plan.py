@@ -529,6 +529,7 @@ def plot(r: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    cli.check_picture(args.plot, "--plot")
     r = plan(args)
     if args.plot:
         plot(r, args.plot)
