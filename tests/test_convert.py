@@ -223,10 +223,14 @@ def test_verify_verdict_and_exit_code(converted, scaled, capsys):
     assert e.value.code == 1
     out = capsys.readouterr().out
     assert f"note: model.rope_scaling is none in {root / 'ck'}, {kind} in" in out
+    assert "using the config's" not in out  # each difference said once, as it is used
+    assert len([line for line in out.splitlines() if "model.rope_scaling" in line]) == 1
     verdict = out.splitlines()[-1]
     assert verdict.startswith("FAIL: ") and verdict.endswith("> tol 0.0001"), verdict
     assert convert.main(argv + ["--tol", "1e9"]) == 0  # a looser bound passes
     assert capsys.readouterr().out.splitlines()[-1].startswith("PASS: ")
+    # more tokens than the model's length were cut to it, and the verdict said nothing
+    assert "--tokens must be in 1..64" in _error(argv + ["--tokens", "65"], capsys)
 
 
 def _error(argv, capsys) -> str:

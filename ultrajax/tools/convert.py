@@ -70,7 +70,6 @@ from ultrajax.model import llama
 from ultrajax.model.stack import forward
 from ultrajax.tools.hf_config import (
     ARCHITECTURES,
-    ROPE_KEYS,
     check_expressible,
     family,
     hf_config,
@@ -411,16 +410,17 @@ def verify(hf_dir, checkpoint, tokens: int = 32, batch: int = 2, seed: int = 0) 
     cfg = checkpoint_lib.read_config(checkpoint)
     m = cfg.model
     hf_m = model_config_from_hf(read_hf_config(hf_dir), str(hf_dir / "config.json"))
-    checkpoint_lib.check_model(m, hf_m, f"{checkpoint} vs {hf_dir}")
-    for k in ROPE_KEYS:  # not among check_model's keys; a likely cause of a FAIL below
+    checkpoint_lib.check_model(m, hf_m, f"{checkpoint} vs {hf_dir}", warn=lambda s: None)
+    for k in checkpoint_lib.NUMERIC_KEYS:  # each side computes with its own: a likely FAIL
         saved, want = getattr(m, k), getattr(hf_m, k)
         if saved != want:
             print(f"note: model.{k} is {saved} in {checkpoint}, {want} in {hf_dir}")
+    if not 1 <= tokens <= m.seq_len:
+        raise ConfigError(f"--tokens must be in 1..{m.seq_len} (the checkpoint's model.seq_len)")
     m.dtype, m.param_dtype = "float32", "float32"
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     params = checkpoint_lib.load_params(checkpoint, m, cpu, warn=lambda s: None)
-    length = min(tokens, m.seq_len)
-    ids = np.random.default_rng(seed).integers(0, m.vocab_size, (batch, length))
+    ids = np.random.default_rng(seed).integers(0, m.vocab_size, (batch, tokens))
 
     with jax.default_device(jax.devices("cpu")[0]), jax.default_matmul_precision("highest"):
         ours = np.asarray(jax.jit(lambda p, t: forward(m, p, t))(params, ids))

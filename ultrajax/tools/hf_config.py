@@ -30,13 +30,6 @@ FAMILY_NAMES = {
 }
 # transformers rope_type values we compute exactly; "dynamic" depends on the run-time length
 ROPE_TYPES = ("default", "linear", "llama3")
-ROPE_KEYS = (
-    "rope_scaling",
-    "rope_factor",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-    "rope_original_max_len",
-)
 
 
 def family(m: ModelConfig) -> str:
