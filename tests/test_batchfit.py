@@ -192,3 +192,23 @@ def test_plot_without_matplotlib_says_how_to_install(runs, tmp_path, capsys, mon
     err = fails(capsys, [*runs, "--plot", tmp_path / "fit.png"])
     assert 'pip install -e ".[plot]"' in err
     assert not (tmp_path / "fit.png").exists()
+
+
+def test_entries_the_runs_layout_refuses_are_noted(runs, capsys):
+    """A schedule from --start-tokens 100000 in a run of 8 rows x 1 dp x 1024 tokens: its
+    entries (200,000, 400,000) are no multiples of 8,192, which train.batch_schedule refuses
+    in that layout. Printed as ready to paste before; now a note says so. From 98,304
+    (12 x 8,192) the entries are ones the layout takes: no note."""
+    from ultrajax.config import parse
+
+    cfg = parse.load(None, ["train.micro_batch_size=8", "model.seq_len=1024", "mesh.data=1"])
+    (runs[0] / "config.yaml").write_text(parse.dump(cfg))
+    argv = [str(runs[0]), "--doublings", "2", "--start-tokens"]
+    assert batchfit.main([*argv, "100000"]) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if "not a multiple" in line]
+    assert len(notes) == 1 and "200,000, 400,000 tokens per step are" in notes[0], out
+    assert "= 8,192 tokens in" in notes[0]
+    assert batchfit.main([*argv, str(12 * 8192)]) == 0
+    out = capsys.readouterr().out
+    assert "tokens_per_step: 196608" in out and "not a multiple" not in out, out

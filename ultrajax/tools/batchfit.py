@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ultrajax import cli
+from ultrajax.config import parse
 from ultrajax.config.schema import ConfigError
 
 PROG = "python -m ultrajax.batchfit"
@@ -199,6 +200,29 @@ def schedule(
     return entries, notes
 
 
+def _unit_notes(entries: Sequence[dict], run_dir: Path) -> list[str]:
+    """A note when the entries are batches the trainer refuses in the run's own layout:
+    train.batch_schedule grows the batch by accumulation, so each must be a multiple of
+    micro_batch_size x dp x seq_len of its config.yaml (the resolved one, mesh filled).
+    A note, not an error: the schedule may be meant for another layout."""
+    try:
+        cfg = parse.load(run_dir / "config.yaml")
+    except (ConfigError, OSError):  # no config.yaml (metrics copied alone), or unreadable
+        return []
+    if -1 in cfg.mesh.sizes().values():
+        return []
+    unit = cfg.train.micro_batch_size * cfg.dp * cfg.model.seq_len
+    off = [e["tokens_per_step"] for e in entries if e["tokens_per_step"] % unit]
+    if not off:
+        return []
+    return [
+        f"{', '.join(f'{t:,}' for t in off)} tokens per step {'is' if len(off) == 1 else 'are'} "
+        f"not a multiple of micro_batch_size x dp x seq_len = {unit:,} tokens in "
+        f"{run_dir}/config.yaml: that layout refuses such a train.batch_schedule entry "
+        "(choose --start-tokens as a multiple of it)"
+    ]
+
+
 def override(entries: Sequence[dict]) -> str:
     """The entries as a ready-to-paste key=value override, YAML flow style."""
     items = ", ".join(
@@ -317,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         losses = thresholds(f, start, args.doublings)
         seen = [r["max_loss"] for r in runs if r["max_loss"] is not None]
         entries, notes = schedule(losses, int(start), max(seen) if seen else None)
+        notes += _unit_notes(entries, Path(runs[0]["dir"]))
         if args.plot:
             _plot(runs, f, entries, args.plot)
     except ConfigError as e:
