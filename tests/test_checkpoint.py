@@ -550,3 +550,41 @@ def test_delayed_fp8_histories_are_saved_and_restored_exactly(tmp_path, monkeypa
     assert losses(broken) == losses(whole)
     params = checkpoint.load_params(broken / "checkpoints" / "6", cfg.model)
     assert "fp8" not in params and set(params) == set(state["params"])
+
+
+def test_a_failed_save_is_one_line_naming_the_directory(tmp_path, monkeypatch, capsys):
+    """Orbax reports a full disk as a page of RESOURCE_EXHAUSTED tracebacks from its threads,
+    raised again wherever the run next waits or saves. Both become SaveFailed: one line
+    naming the directory, the cause and the way on; the command exits with status 1."""
+    from types import SimpleNamespace
+
+    from ultrajax.tools import train as command
+
+    cfg = load(tmp_path)
+    ck = checkpoint.Checkpoints(cfg)
+    ck.close()
+    full = ValueError('RESOURCE_EXHAUSTED: Error writing "params" ... Failed to write 2625536\n'
+                      "bytes to file 8: No space left on device [os_error_code='28']")  # fmt: skip
+
+    def fails(*args, **kwargs):
+        raise full
+
+    ck._mngr = SimpleNamespace(wait_until_finished=fails, save=fails, close=lambda: None)
+    for call in (ck.wait, ck.close, lambda: ck.save(1, {"params": {}}, {})):
+        with pytest.raises(checkpoint.SaveFailed) as e:
+            call()
+        msg = str(e.value)
+        assert msg.startswith(f"could not save a checkpoint in {ck.dir}: no space left on device")
+        assert "run the same command again" in msg and "\n" not in msg
+
+    def train(cfg):
+        raise checkpoint.SaveFailed("could not save a checkpoint in X: no space left on device")
+
+    monkeypatch.setattr(command, "train", train)
+    with pytest.raises(SystemExit) as e:
+        command.main(["--config", str(TINY), "train.steps=2", "optim.warmup_steps=1"])
+    assert e.value.code == 1
+    assert (
+        capsys.readouterr().err
+        == "error: could not save a checkpoint in X: no space left on device\n"
+    )

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
 from ultrajax import cli
@@ -11,6 +12,7 @@ from ultrajax.config.parse import dump
 from ultrajax.config.schema import Config, ConfigError
 from ultrajax.config.validate import resolve_mesh
 from ultrajax.train import overlap
+from ultrajax.train.checkpoint import SaveFailed
 from ultrajax.train.loop import Diverged, train
 
 
@@ -54,6 +56,13 @@ def print_config(cfg: Config, devices: int | None, backend: str) -> None:
     print("\n".join(lines))
 
 
+def _one_line_orbax_errors(record: logging.LogRecord) -> bool:
+    """Keep an Orbax thread's error record, less its traceback."""
+    if record.levelno >= logging.ERROR and "orbax" in record.pathname:
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
 def main(argv=None) -> int:
     p = cli.parser("ultrajax.train", "Train a Llama-style model.")
     p.add_argument(
@@ -69,7 +78,12 @@ def main(argv=None) -> int:
     cli.setup_devices(args)  # simulated devices; joins a multi-process run if started as one
     cfg = cli.load_config(args)
     overlap.apply(cfg.parallel)  # before the backend starts
+    # Orbax's writer threads log a failed save with its whole traceback (a page per
+    # thread); the failure is said once, in one line, when the run waits for it
+    logging.getLogger("absl").addFilter(_one_line_orbax_errors)
     try:
         return train(cfg)
-    except Diverged as e:
+    except (Diverged, SaveFailed) as e:
+        if isinstance(e, SaveFailed):  # its writes' futures, said again as they are collected
+            logging.getLogger("asyncio").addFilter(lambda r: "never retrieved" not in r.msg)
         cli.fail(str(e), code=1)

@@ -245,6 +245,23 @@ def _item_metadata(mngr: ocp.CheckpointManager, step: int, item: str, root: Path
 # --------------------------------------------------------------------------- writing
 
 
+class SaveFailed(Exception):
+    """A checkpoint could not be written (a full disk, a lost mount): the run stops with
+    one line, status 1. The checkpoints before it are whole; the next start removes the
+    unfinished one and resumes from the last of them."""
+
+
+def _save_failed(directory: Path, e: Exception) -> SaveFailed:
+    text = str(e)
+    reason = "no space left on device" if "No space left on device" in text else text
+    reason = " ".join(reason.split())[:300]  # Orbax's messages run to a page
+    return SaveFailed(
+        f"could not save a checkpoint in {directory}: {reason}. Free space (or set another "
+        "checkpoint.dir) and run the same command again: it resumes from the last whole "
+        "checkpoint"
+    )
+
+
 class Checkpoints:
     """The run's CheckpointManager: asynchronous saves, the last `keep` kept."""
 
@@ -275,17 +292,23 @@ class Checkpoints:
             config=ocp.args.JsonSave(self._config),
             meta=ocp.args.JsonSave({"step": step, "seed": self._seed, "kind": "train"}),
         )
-        self._mngr.save(step, args=args, force=True)
+        try:  # an earlier save's failure shows here too
+            self._mngr.save(step, args=args, force=True)
+        except Exception as e:
+            raise _save_failed(self.dir, e) from None
 
     def reached_preemption(self, step: int) -> bool:
         """Multi-process runs: JAX's pre-emption notice, agreed on by every process."""
         return self._mngr.reached_preemption(step)
 
     def wait(self) -> None:
-        self._mngr.wait_until_finished()
+        try:
+            self._mngr.wait_until_finished()
+        except Exception as e:
+            raise _save_failed(self.dir, e) from None
 
     def close(self) -> None:
-        self._mngr.wait_until_finished()
+        self.wait()
         self._mngr.close()
 
 
