@@ -109,6 +109,25 @@ def test_two_inner_adamw_steps_equal_the_replicas_run_one_after_the_other():
             )
 
 
+def test_the_runs_last_step_synchronises_whatever_h():
+    """A 3-step run at H = 4: its last step syncs (averaging), so the model it ends with
+    holds all three steps, and every replica is that model again. It ended with the
+    initial parameters before (steps % H inner steps never reached the outer model)."""
+    avg = ("parallel.diloco_outer_lr=1", "parallel.diloco_outer_momentum=0")
+    got = _run(LAYOUT, "parallel.diloco_steps=4", "train.steps=3", *avg)
+    first, last = got[2][1]["params"], got[2][-1]
+
+    def gap(a, b):
+        pairs = zip(*map(jax.tree.leaves, (a, b)), strict=True)
+        return max(float(np.max(np.abs(x - y))) for x, y in pairs)
+
+    assert gap(first, got[2][0]["params"]) == 0  # step 2: no sync yet
+    assert gap(last["params"], first) > 1e-4  # step 3, the run's last: synced
+    for r in range(R):
+        mine = jax.tree.map(lambda a, r=r: a[r], last["opt_state"]["replicas"])
+        assert gap(mine, last["params"]) == 0
+
+
 def test_the_step_reduces_over_data_only_when_it_synchronises():
     """H = 4: the one collective over `data` (the 2-device groups here; fsdp's are 4
     wide) is the pseudo-gradients' fp32 all-reduce, of the parameters' size on this
@@ -287,6 +306,10 @@ def test_streaming_fragments_take_turns():
     assert order(4, 1) == [0, 0, 0, 1, 0, 0, 0, 1]
     assert order(4, 2) == [0, 2, 0, 1, 0, 2, 0, 1]
     assert order(4, 4) == [2, 3, 4, 1, 2, 3, 4, 1]
+    # the run's last step syncs everything, whatever H: a 6-step run at H = 4 kept steps
+    # 5-6 out of its final model (at H > steps, the model it ended with was the initial one)
+    assert [int(diloco.due(c, 4, 1, last=6)) for c in range(1, 7)] == [0, 0, 0, 1, 0, 1]
+    assert [int(diloco.due(c, 4, 2, last=7)) for c in range(1, 8)] == [0, 2, 0, 1, 0, 2, 3]
 
 
 def _synchronised(got, whole):
@@ -317,7 +340,8 @@ def test_a_fragment_synchronises_its_own_layers_only():
     stack's rows (outer, momentum, replicas) as the whole sync would, and nothing else;
     fragment 0's moves the first half and the embedding, final norm and LM head. The
     compiled step holds one all-reduce over `data` per fragment, in the switch's
-    branches, together the whole sync's bytes (the formula's per step, unchanged)."""
+    branches, together the whole sync's bytes (the formula's per step, unchanged), and
+    one of all of them at once in a branch of its own: the run's last step."""
     from ultrajax.parallel import diloco
     from ultrajax.parallel.layout import Layout
 
@@ -337,11 +361,13 @@ def test_a_fragment_synchronises_its_own_layers_only():
                     _fragment_rows(a, b, w, f, axis, k == "layers")
     text = _run(LAYOUT, "parallel.diloco_steps=4", "parallel.diloco_fragments=2")[3]
     found, _ = hlo.collectives(text, branch=1 / 4)
-    over_data = [c for c in found if c.group == R]
-    assert [c.kind for c in over_data] == ["all-reduce"] * 2
-    assert len({c.computation for c in over_data}) == 2
+    over_data = sorted((c for c in found if c.group == R), key=lambda c: c.traffic)
+    assert [c.kind for c in over_data] == ["all-reduce"] * 3
+    assert len({c.computation for c in over_data}) == 3
     (term,) = [t for t in comms.expected(cfg) if t.axis == "data"]
-    assert sum(c.traffic * c.count for c in over_data) == pytest.approx(term.traffic, rel=1e-6)
+    *fragments, last = [c.traffic * c.count for c in over_data]
+    assert sum(fragments) == pytest.approx(term.traffic, rel=1e-6)
+    assert last == pytest.approx(term.traffic, rel=1e-6)  # the whole sync, once a run
 
 
 def test_fp8_pseudo_gradients_travel_as_one_byte_and_a_scale():

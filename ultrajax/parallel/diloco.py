@@ -104,12 +104,17 @@ def per_replica(layout, per_device, out_specs, batch_spec):
     return lambda params, batch, seen=None: sharded(params, batch, seen)
 
 
-def due(count, h: int, fragments: int):
-    """Which synchronisation runs after the `count`-th step: 0 none, f + 1 fragment f.
-    Fragment f syncs at the steps where count / (H / F) = f (mod F): every H steps each,
-    one every H / F steps in turn (streaming DiLoCo); F = 1: all at every H-th step."""
+def due(count, h: int, fragments: int, last: int | None = None):
+    """Which synchronisation runs after the `count`-th step: 0 none, f + 1 fragment f,
+    F + 1 all fragments at once. Fragment f syncs at the steps where count / (H / F) = f
+    (mod F): every H steps each, one every H / F steps in turn (streaming DiLoCo); F = 1:
+    all at every H-th step. The run's `last` step syncs everything, whatever H: the model
+    it ends with holds every step (its last steps % H inner steps were lost before)."""
     every = h // fragments
-    return jnp.where(count % every == 0, (count // every) % fragments + 1, 0)
+    regular = jnp.where(count % every == 0, (count // every) % fragments + 1, 0)
+    if last is None:
+        return regular
+    return jnp.where(count == last, 1 if fragments == 1 else fragments + 1, regular)
 
 
 def _rows(layered: bool, fragment: int | None, fragments: int):
@@ -187,8 +192,9 @@ def make_update(cfg: Config, tx, gradients, syncs, scale, update_bias):
     """update(state, batch, lr) -> (state, loss, grad norm, targets, MoE statistics) under
     DiLoCo: every replica one inner step (`gradients` with a leading replica axis, the
     optimizer vmapped over it: clipping and Adam per replica), then the synchronisation
-    `due` (`syncs`: one `synchronise` per fragment) as a branch of a switch whose other
-    branch does nothing: the compiled program reduces over `data` only there.
+    `due` (`syncs`: one `synchronise` per fragment, and when streaming one of all of them
+    last, for the run's last step) as a branch of a switch whose other branch does
+    nothing: the compiled program reduces over `data` only there.
     `scale(updates, lr)` and `update_bias` are the plain step's (train/step.py)."""
     h = cfg.parallel.diloco_steps
 
@@ -209,8 +215,10 @@ def make_update(cfg: Config, tx, gradients, syncs, scale, update_bias):
             replicas = dict(replicas, layers=dict(layers, router_bias=bias))
         count = state["step"] + 1
         branches = [lambda a: a] + [lambda a, sync=sync: sync(*a) for sync in syncs]
+        fragments = max(len(syncs) - 1, 1)  # streaming: the fragments', then all at once
+        at = due(count, h, fragments, cfg.train.steps)
         outer, momentum, replicas = jax.lax.switch(
-            due(count, h, len(syncs)), branches, (state["params"], opt["momentum"], replicas)
+            at, branches, (state["params"], opt["momentum"], replicas)
         )
         opt = {"inner": inner_state, "replicas": replicas, "momentum": momentum}
         new = {"step": count, "params": outer, "opt_state": opt}

@@ -193,6 +193,7 @@ def make_train_step(cfg: Config, tx, schedule, mesh=None, rules: Rules | None = 
         layout = Layout(cfg, *_mesh_rules(cfg, mesh, rules))
         f = cfg.parallel.diloco_fragments
         syncs = [diloco.synchronise(cfg, layout, i if f > 1 else None) for i in range(f)]
+        syncs += [diloco.synchronise(cfg, layout, None)] * (f > 1)  # all at once: the last step
         update = diloco.make_update(cfg, tx, gradients, syncs, optim.scale, moe.update_bias)
 
     def train_step(state, batch, position=None):
