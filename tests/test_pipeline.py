@@ -208,6 +208,8 @@ def test_layer_order_puts_each_devices_chunks_together():
         (["mesh.pipeline=2", "mesh.sequence=2", "train.grad_accum=2"], "context parallelism"),
         (["mesh.pipeline=2", "mesh.fsdp=2", "parallel.zero=3", "train.grad_accum=2"], "ZeRO-3"),
         (["parallel.virtual_stages=2"], "needs parallel.pipeline_schedule=interleaved"),
+        # one chunk a device is 1F1B: it ran as such without a word
+        (["mesh.pipeline=2", "parallel.pipeline_schedule=interleaved"], "is 1F1B"),
         (
             [
                 "mesh.pipeline=2",

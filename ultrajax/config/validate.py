@@ -473,6 +473,12 @@ def _validate_pipeline(cfg: Config, build_schedule: bool = True) -> None:
     )
     if p == 1:
         return
+    _check(
+        v > 1 or not schedule.SCHEDULES[par.pipeline_schedule].chunks,
+        f"parallel.pipeline_schedule={par.pipeline_schedule} with parallel.virtual_stages=1 "
+        "is 1F1B (one chunk a device), not what was asked: set parallel.virtual_stages >= 2, "
+        "or parallel.pipeline_schedule=1f1b",
+    )
     n = cfg.model.n_layers
     _check(
         n % (p * v) == 0,
