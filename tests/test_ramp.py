@@ -79,6 +79,12 @@ def r_ema(*losses, decay=0.9):
             "{tokens_per_step: 512, from_loss: 3.0}, {tokens_per_step: 1024, from_loss: 3.5}",
             r"\[1\].from_loss \(3.5\) must be positive and below",
         ),  # noqa: E501
+        # a smaller batch, or the same: trained without a word before
+        ("{tokens_per_step: 256, from_tokens: 512}", r"larger than the config's batch \(256"),
+        (
+            "{tokens_per_step: 1024, from_tokens: 512}, {tokens_per_step: 512, from_tokens: 2048}",
+            r"\[1\].tokens_per_step \(512\) must be larger than the previous stage's batch",
+        ),  # noqa: E501
     ],
 )
 def test_bad_schedules_are_one_line_errors_naming_the_entry(entry, message):

@@ -432,6 +432,7 @@ def _validate_ramp(cfg: Config) -> None:
     )
     unit = t.micro_batch_size * cfg.dp * cfg.model.seq_len
     last_tokens, last_loss = 0, math.inf
+    batch = ("the config's", t.micro_batch_size * t.grad_accum * cfg.dp * cfg.model.seq_len)
     for i, stage in enumerate(t.batch_schedule):
         where = f"train.batch_schedule[{i}]"
         _check(
@@ -440,6 +441,12 @@ def _validate_ramp(cfg: Config) -> None:
             f"micro_batch_size x dp x seq_len = {t.micro_batch_size} x {cfg.dp} x "
             f"{cfg.model.seq_len} = {unit} tokens (the batch grows by gradient accumulation)",
         )
+        _check(  # a ramp grows the batch; a smaller one also leaves noise_every unmeasured
+            stage.tokens_per_step > batch[1],
+            f"{where}.tokens_per_step ({stage.tokens_per_step}) must be larger than "
+            f"{batch[0]} batch ({batch[1]} tokens): a ramp's stages grow the batch",
+        )
+        batch = ("the previous stage's", stage.tokens_per_step)
         _check(
             (stage.from_tokens is None) != (stage.from_loss is None),
             f"{where} needs exactly one of from_tokens or from_loss",
