@@ -86,3 +86,18 @@ def test_prepared_data_brings_its_tokenizer_and_errors_say_what_to_do(tmp_path):
         parse.load(None, ["data.source=prepared", "data.path=x", "data.mixture=[{path: y}]"])
     with pytest.raises(ConfigError, match=r"data.mixture\[0\].weight must be positive"):
         parse.load(None, ["data.source=prepared", "data.mixture=[{path: y, weight: 0}]"])
+
+
+def test_a_prepared_directory_read_as_text_is_refused_and_mixture_entries_named(tmp_path):
+    """data.source=files on a prepared directory trained on its shard files' bytes (and
+    its manifest) as if they were text; now one line says to read it as prepared. A
+    mixture entry's error names the entry, not data.path."""
+    _, out = _prepared(tmp_path)
+    with pytest.raises(ConfigError, match=rf"{out} is a prepared directory .* data.source=prepared"):
+        _build(DataConfig(source="files", path=str(out)))
+    with pytest.raises(ConfigError, match="is a prepared directory"):  # in a glob, in a mixture
+        _build(DataConfig(source="files", path=f"{tmp_path}/**/*"))
+    mixture = [f"data.mixture=[{{path: {out}, weight: 3}}, {{path: {tmp_path}/no, weight: 1}}]"]
+    cfg = parse.load(None, ["data.source=prepared", *mixture])
+    with pytest.raises(ConfigError, match=r"^data.mixture\[1\].path='.*/no' is not a prepared"):
+        _build(cfg.data)

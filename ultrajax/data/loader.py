@@ -14,6 +14,7 @@ text on every machine, nothing downloaded.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ultrajax.config.schema import ConfigError, DataConfig
@@ -110,32 +111,46 @@ def _sources(cfg: DataConfig, tokenizer, problems: Problems) -> tuple[list, list
     weights = [m.weight for m in cfg.mixture] if cfg.mixture else [1.0]
     train, evals, names = [], [], []
     first = None
-    for path, weight in zip(data_paths(cfg), weights, strict=True):
-        if cfg.source == "prepared":
-            corpus = PreparedCorpus(path)
-            info = {k: corpus.tokenizer.get(k) for k in ("kind", "sha256", "size")}
-            first = first or (path, info)
-            if info != first[1]:
-                raise ConfigError(
-                    f"data.mixture: {path} was prepared with another tokenizer than {first[0]} "
-                    f"({info} vs {first[1]}); prepare both with the same one"
-                )
-            t, e = split_indices(len(corpus), cfg.eval_fraction)
-            read, size = corpus.__getitem__, f"{corpus.tokens:,} tokens"
-        else:
-            docs = load_docs(cfg, path, problems)
-            t, e = split_ids([d.key for d in docs], cfg.eval_fraction)
-            read, size = TextReader(docs, tokenizer), "tokenized as read"
-        name = path or cfg.source
-        train.append(streams_lib.Source(t, read, weight, name))
-        evals.append(streams_lib.Source(e, read, weight, name))
-        share = f", weight {weight:g}" if cfg.mixture else ""
-        names.append(f"{name} ({len(t):,} train / {len(e):,} eval documents, {size}{share})")
+    for i, (path, weight) in enumerate(zip(data_paths(cfg), weights, strict=True)):
+        try:
+            train_i, eval_i, name_i, first = _source(cfg, path, weight, tokenizer, problems, first)
+        except ConfigError as e:  # a mixture's entry is named as such, not as data.path
+            if not cfg.mixture:
+                raise
+            raise ConfigError(str(e).replace("data.path", f"data.mixture[{i}].path", 1)) from None
+        train.append(train_i)
+        evals.append(eval_i)
+        names.append(name_i)
     if all(not len(e.ids) for e in evals):
         evals = []
     else:
         evals = [e for e in evals if len(e.ids)]
     return train, evals, names
+
+
+def _source(cfg: DataConfig, path, weight, tokenizer, problems: Problems, first):
+    """One corpus of `_sources`: (train source, eval source, its description, the first
+    prepared corpus's (path, tokenizer), which every other must share)."""
+    if cfg.source == "prepared":
+        corpus = PreparedCorpus(path)
+        info = {k: corpus.tokenizer.get(k) for k in ("kind", "sha256", "size")}
+        first = first or (path, info)
+        if info != first[1]:
+            raise ConfigError(
+                f"data.mixture: {path} was prepared with another tokenizer than {first[0]} "
+                f"({info} vs {first[1]}); prepare both with the same one"
+            )
+        t, e = split_indices(len(corpus), cfg.eval_fraction)
+        read, size = corpus.__getitem__, f"{corpus.tokens:,} tokens"
+    else:
+        docs = load_docs(cfg, path, problems)
+        t, e = split_ids([d.key for d in docs], cfg.eval_fraction)
+        read, size = TextReader(docs, tokenizer), "tokenized as read"
+    name = path or cfg.source
+    share = f", weight {weight:g}" if cfg.mixture else ""
+    described = f"{name} ({len(t):,} train / {len(e):,} eval documents, {size}{share})"
+    source = functools.partial(streams_lib.Source, read=read, weight=weight, name=name)
+    return source(t), source(e), described, first
 
 
 def build(

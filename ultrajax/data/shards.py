@@ -91,6 +91,14 @@ class Shard:
     offsets: np.ndarray  # int64, documents + 1 (small: 8 bytes a document)
 
 
+def prepared_manifest(path: str | Path) -> bool:
+    """Whether the file at `path` is the manifest of a prepared directory."""
+    try:
+        return json.loads(Path(path).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object
+        return False
+
+
 class PreparedCorpus:
     """The documents of a prepared directory, by global index, as int32 token arrays."""
 

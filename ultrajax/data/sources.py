@@ -15,7 +15,7 @@ import numpy as np
 
 from ultrajax.config.schema import ConfigError, DataConfig
 from ultrajax.data import records
-from ultrajax.data.shards import PreparedCorpus
+from ultrajax.data.shards import MANIFEST, PreparedCorpus, prepared_manifest
 from ultrajax.data.tokenizer import ByteTokenizer, HFTokenizer, document, padded_vocab  # noqa: F401
 
 
@@ -140,6 +140,12 @@ def file_docs(pattern: str, problems: Problems | None = None) -> list[Doc]:
         paths = [pattern]
     else:
         raise ConfigError(f"data.path: {pattern!r} does not exist")
+    for p in paths:  # token shards read as text would train on their bytes
+        if Path(p).name == MANIFEST and prepared_manifest(p):
+            raise ConfigError(
+                f"data.path: {Path(p).parent} is a prepared directory (python -m ultrajax.data "
+                "prepare made it), not text: read it with data.source=prepared"
+            )
     docs = []
     for p in paths:
         if p.endswith(".jsonl"):
