@@ -108,7 +108,34 @@ def test_dcn_checked_after_the_fill():
         resolve_mesh(cfg, 8)
 
 
+def test_processes_with_unequal_devices_are_one_line():
+    """Two processes of 2 and 1 devices (--cpu-devices 2 and 1) made a 3-device mesh, and
+    the run failed at its first save in Orbax's reshape. Refused where the mesh is made,
+    naming each process's count."""
+    from types import SimpleNamespace
+
+    cfg = load(None, ["mesh.data=3"])
+    devices = [SimpleNamespace(process_index=p, id=i) for i, p in enumerate((0, 0, 1))]
+    with pytest.raises(ConfigError) as info:
+        mesh_lib.make_mesh(cfg, devices)
+    assert "(process 0: 2, process 1: 1)" in str(info.value) and "\n" not in str(info.value)
+
+
 # --------------------------------------------------------------------------- joining a run
+
+
+def test_a_coordinator_port_in_use_is_one_line():
+    """Process 0 serves the coordinator: a port another program listens on crashed it
+    (SIGSEGV inside JAX's service); now one line names the port and the way out."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"port {port} .* another program holds it"):
+            distributed._check_port_free(f"127.0.0.1:{port}")
+    distributed._check_port_free(f"127.0.0.1:{port}")  # free again
 
 
 def test_single_process_needs_nothing():

@@ -8,6 +8,7 @@ model code.
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass
 
@@ -49,6 +50,13 @@ def make_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
     and pipeline span hosts (the slow DCN links), everything else stays inside one."""
     sizes = tuple(getattr(cfg.mesh, a) for a in AXES)
     devices = jax.devices() if devices is None else devices
+    held = collections.Counter(d.process_index for d in devices)
+    if len(set(held.values())) > 1:  # the checkpoint writer's reshape failed on it later
+        by = ", ".join(f"process {p}: {n}" for p, n in sorted(held.items()))
+        raise ConfigError(
+            f"the processes hold different numbers of devices ({by}): give every process the "
+            "same (--cpu-devices N, or the same GPUs per host)"
+        )
     types = (AxisType.Auto,) * len(AXES)
     dcn = dcn_shape(cfg)
     if all(f == 1 for f in dcn):

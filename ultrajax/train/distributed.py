@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -147,6 +148,8 @@ def initialize(args: argparse.Namespace | None = None, env: Mapping[str, str] | 
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except AttributeError:  # a JAX without the option: its default is what there is
         pass
+    if how.process_id == 0 and how.coordinator:  # the coordinator's port, taken: XLA segfaults
+        _check_port_free(how.coordinator)
     try:
         jax.distributed.initialize(
             coordinator_address=how.coordinator,
@@ -162,6 +165,24 @@ def initialize(args: argparse.Namespace | None = None, env: Mapping[str, str] | 
             f"{first[:300]}{hint}"
         ) from None
     return how
+
+
+def _check_port_free(coordinator: str) -> None:
+    """Process 0 serves the coordinator on its port (all interfaces). A port another
+    program listens on made JAX's service fail to bind and the process crash (SIGSEGV)."""
+    port = coordinator.rpartition(":")[2]
+    if not port.isdigit():
+        return  # JAX names the problem
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT port is free
+        try:
+            s.bind(("", int(port)))
+        except OSError as e:
+            raise ConfigError(
+                f"the coordinator's port {port} ({coordinator}) cannot be served here "
+                f"({e.strerror}): another program holds it; give another port (--coordinator "
+                "HOST:PORT, or JAX_COORDINATOR_PORT under SLURM)"
+            ) from None
 
 
 def check_local_devices(env: Mapping[str, str] | None = None) -> None:
