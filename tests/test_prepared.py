@@ -93,7 +93,7 @@ def test_a_prepared_directory_read_as_text_is_refused_and_mixture_entries_named(
     its manifest) as if they were text; now one line says to read it as prepared. A
     mixture entry's error names the entry, not data.path."""
     _, out = _prepared(tmp_path)
-    with pytest.raises(ConfigError, match=rf"{out} is a prepared directory .* source=prepared"):
+    with pytest.raises(ConfigError, match=rf"{out} is a prepared directory .*source=prepared"):
         _build(DataConfig(source="files", path=str(out)))
     with pytest.raises(ConfigError, match="is a prepared directory"):  # in a glob, in a mixture
         _build(DataConfig(source="files", path=f"{tmp_path}/**/*"))
