@@ -302,6 +302,9 @@ def test_sbatch_command_line():
     cfg = load(ROOT / args.config, args.overrides)
     resolve_mesh(cfg, 2 * 8)
     assert cfg.mesh.dcn.data == 2
+    # a coordinator of the user's own is kept (the doc says so; it was overwritten)
+    out = _sbatch(*user, JAX_COORDINATOR_ADDRESS="myhost:1234")
+    assert "JAX_COORDINATOR_ADDRESS=myhost:1234" in out.stdout.splitlines()[0], out.stdout
 
 
 def test_sbatch_refuses_several_tasks_per_node():
