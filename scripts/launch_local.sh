@@ -39,6 +39,9 @@ p = argparse.ArgumentParser(add_help=False)
 p.add_argument("--config")
 known, rest = p.parse_known_args(sys.argv[1:])
 overrides = [a for a in rest if "=" in a and not a.startswith("-")]
+if known.config is None:  # the train command's own requirement, before any process starts
+    print("error: --config FILE is required (python -m ultrajax.train's)", file=sys.stderr)
+    sys.exit(2)
 try:
     print(load(known.config, overrides).train.run_dir)
 except ConfigError as e:

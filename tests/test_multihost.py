@@ -345,6 +345,8 @@ def test_launcher_rejects_bad_input():
     assert out.stderr.strip() == (
         "error: unknown config key 'train.stepz'; did you mean train.steps?"
     )
+    out = _launch(2, "train.steps=3")  # no --config: it started both, each then failed
+    assert out.returncode == 2 and out.stderr.strip().startswith("error: --config FILE")
 
 
 def test_a_run_that_cannot_join_says_why():
