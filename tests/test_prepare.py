@@ -453,7 +453,11 @@ def test_bench_fills_a_mesh_size_from_devices_and_refuses_bad_numbers(capsys):
     assert "--devices N" in fails()
     for bad in (["--steps", "0"], ["--processes", "0"], ["--devices", "0"]):
         assert ">= 1" in fails("--devices", "4", *bad)
-    # configs/tiny.yaml: micro-batches of 8 rows, 2 of them a step; 3 devices' worth
-    assert command.bench([*base, "--devices", "3", "--processes", "2"]) == 0
+    # processes that cannot share the devices (it printed a figure for 8 processes of 1)
+    assert "--processes 8 does not divide the mesh's 4 device(s)" in fails(
+        "--devices", "4", "--processes", "8"
+    )
+    # configs/tiny.yaml: micro-batches of 8 rows, 2 of them a step; 4 devices' worth
+    assert command.bench([*base, "--devices", "4", "--processes", "2"]) == 0
     out = capsys.readouterr().out
-    assert "| 1 of 2 | 24 / 24 of 48 |" in out, out
+    assert "| 1 of 2 | 32 / 32 of 64 |" in out, out

@@ -4,6 +4,7 @@ feed."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -52,6 +53,12 @@ def bench(argv: list[str]) -> int:
         )
     if args.devices is not None:
         resolve_mesh(cfg, args.devices)
+    devices = math.prod(cfg.mesh.sizes().values())
+    if devices % args.processes:  # each process holds the same number of devices
+        cli.fail(
+            f"--processes {args.processes} does not divide the mesh's {devices} device(s) "
+            f"({' x '.join(f'{k}={v}' for k, v in cfg.mesh.sizes().items() if v > 1) or '1'})"
+        )
     b, t = cfg.global_batch, cfg.train
     rows = streams_lib.data_parallel_rows(0, args.processes, b, t.grad_accum)
     t0 = time.perf_counter()
