@@ -140,11 +140,12 @@ def _data_terms(cfg: Config, grads: float, psi: int) -> list[Term]:
     experts, grads = grads * share, grads * (1 - share)
     if zero == 0:
         terms = []
+        axes = "fsdp" if cfg.parallel.diloco_steps else "data x fsdp"  # DiLoCo: data = replicas
         if dp_d * fs > 1:
-            terms.append(Term("all-reduce", "gradients over data x fsdp" + over, "2Ψ(N-1)/N",
+            terms.append(Term("all-reduce", f"gradients over {axes}" + over, "2Ψ(N-1)/N",
                               _ring(grads, dp_d * fs, 2.0), "data", "hidden"))  # fmt: skip
         if experts and dp_d // n_e * fs > 1:
-            terms.append(_expert_reduction(experts, dp_d // n_e * fs, "data x fsdp"))
+            terms.append(_expert_reduction(experts, dp_d // n_e * fs, axes))
         return terms
     rs_times = cfg.train.grad_accum if zero >= 2 else 1
     terms = [
