@@ -236,6 +236,10 @@ def test_override_without_equals_sign():
         (["model.fp8_layers=[wq]"], "model.fp8_layers"),  # model.fp8=none: for nothing
         (["model.fp8=rowwise", "model.fp8_layers=[wq, lm_head]"], "model.fp8_layers"),
         (["model.fp8=rowwise", "model.fp8_layers=[]"], "model.fp8_layers"),
+        (  # an MoE layer in every layer: no dense MLP (it ran without FP8, silently)
+            ["model.moe_experts=4", "model.fp8=rowwise", "model.fp8_layers=[wq, w_up]"],
+            "model.fp8_layers: w_up is not in this model",
+        ),
         (["model.fp8=rowwise", "parallel.fp8_gather=true"], "parallel.fp8_gather"),
         (["parallel.fp8_gather=true"], "parallel.fp8_gather"),  # model.fp8=none
         (["model.attention_blocks=[64, 64, 48, 64]"], "model.attention_blocks"),

@@ -7,7 +7,7 @@ import dataclasses
 import math
 
 from ultrajax.config.schema import Config, ConfigError
-from ultrajax.model import fp8, remat
+from ultrajax.model import fp8, llama, remat
 from ultrajax.model.attention import backends as attention
 from ultrajax.parallel.pipeline import schedules as schedule
 
@@ -75,6 +75,14 @@ def _validate_fp8(m) -> None:
         bool(m.fp8_layers) and not unknown,
         f"model.fp8_layers: {unknown or 'an empty list'} is not a list of weights from "
         f"{', '.join(fp8.WEIGHTS)} (for none, set model.fp8=none)",
+    )
+    has = {p.key for p in llama.params_of(m)}
+    absent = [k for k in m.fp8_layers if k not in has]
+    _check(  # they ran in bf16 without a word
+        not absent,
+        f"model.fp8_layers: {', '.join(absent)} {'is' if len(absent) == 1 else 'are'} not in "
+        "this model (an MoE layer in every layer has no dense MLP; its experts' matmuls do "
+        "not take FP8): drop them",
     )
 
 
