@@ -34,14 +34,14 @@ def main(argv=None) -> int:
     p.add_argument("--plot", default=None, metavar="FILE.png", help="the eval curves")
     p.add_argument(
         "--seeds", default="0", help="train.seed values, comma-separated: each its own runs "
-        "(in --runs/seed-N when more than one), then each recipe's gap over them"
+        "(in --runs/seed-N but for seed 0 alone), then each recipe's gap over them"
     )  # fmt: skip
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     gaps: dict[str, list[float]] = {}
     first = None
     for seed in seeds:
-        runs = Path(args.runs) if len(seeds) == 1 else Path(args.runs) / f"seed-{seed}"
+        runs = Path(args.runs) if seeds == [0] else Path(args.runs) / f"seed-{seed}"
         common = COMMON + ([f"train.seed={seed}"] if seed else [])
         curves = tiny_runs.compare(runs, common, RUNS, "bf16")
         first = first or curves

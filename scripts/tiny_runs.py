@@ -17,6 +17,22 @@ def run_dir(runs: Path, name: str) -> Path:
     return runs / re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+def _check_kept(where: Path, args: list[str]) -> None:
+    """A run kept in `where` must be the one `args` would train (the same run identity:
+    model, data, optimizer, seed); another (a seed of another call) is an error, not read."""
+    from ultrajax.config import parse
+
+    config = args[args.index("--config") + 1]
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    want = parse.run_identity(parse.load(config, overrides))
+    have = parse.run_identity(parse.load(where / "config.yaml"))
+    if want != have:
+        raise SystemExit(
+            f"error: {where} holds a run of other settings (identity {have}, asked for "
+            f"{want}): remove it, or give another --runs"
+        )
+
+
 def evals(run: Path) -> list[tuple[int, float]]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
     return [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
@@ -29,7 +45,9 @@ def compare(runs: Path, common: list[str], table: dict[str, list[str]], base: st
     curves = {}
     for name, extra in table.items():
         where = run_dir(runs, name)
-        if not (where / "metrics.jsonl").is_file():
+        if (where / "metrics.jsonl").is_file():
+            _check_kept(where, [*common, *extra])
+        else:
             cmd = [sys.executable, "-m", "ultrajax.train", *common, *extra]
             subprocess.run([*cmd, f"train.run_dir={where}"], check=True)
         curves[name] = evals(where)

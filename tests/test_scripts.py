@@ -2,12 +2,14 @@
 its signature breaks them first): one tiny size, one step, a table printed."""
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
 
 
 @pytest.mark.slow
@@ -40,19 +42,31 @@ def test_bench_cpu_attention_prints_each_backend_beside_xla(capsys):
         assert float(rows[name][3]) < 1e-5  # the same attention as xla's, fp32
 
 
+def _kept_run(run, args, records):
+    """A run directory as a finished run leaves it: its metrics and the config `args` (a
+    train command's) resolve to, which tiny_runs checks before it reads the run."""
+    import json
+
+    from ultrajax.config import parse
+
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    config = args[args.index("--config") + 1]
+    (run / "config.yaml").write_text(parse.dump(parse.load(ROOT / config, overrides)))
+
+
 def test_diloco_tiny_reads_its_runs_and_compares_them_with_data_parallelism(tmp_path, capsys):
     """scripts/diloco_tiny.py reads a run it already has (never trains it again) and
     prints each final eval loss against data parallelism's."""
-    import json
 
     import diloco_tiny
     import tiny_runs
 
-    for i, name in enumerate(diloco_tiny.RUNS):
+    for i, (name, extra) in enumerate(diloco_tiny.RUNS.items()):
         run = tiny_runs.run_dir(tmp_path, name)
-        run.mkdir(parents=True)
         lines = [{"step": 100, "eval_loss": 2.0 + i}, {"step": 200, "eval_loss": 1.5 + i / 10}]
-        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        _kept_run(run, [*diloco_tiny.COMMON, *extra], lines)
     dirs = {tiny_runs.run_dir(tmp_path, n) for n in diloco_tiny.RUNS}
     assert len(dirs) == len(diloco_tiny.RUNS)
     assert diloco_tiny.main(["--runs", str(tmp_path)]) == 0
@@ -63,17 +77,15 @@ def test_diloco_tiny_reads_its_runs_and_compares_them_with_data_parallelism(tmp_
 def test_fp8_tiny_says_whether_each_recipe_is_within_its_bound(tmp_path, capsys, monkeypatch):
     """scripts/fp8_tiny.py reads its runs and says, per recipe, whether the final eval
     loss is within 1.5% of bf16's, either way (a fourth recipe stands in for lower)."""
-    import json
 
     import fp8_tiny
     import tiny_runs
 
     finals = {"bf16": 2.0, "fp8 tensorwise": 2.02, "fp8 rowwise": 2.04, "fp8 delayed": 1.96}
+    monkeypatch.setitem(fp8_tiny.RUNS, "fp8 delayed", ["model.fp8=delayed"])
     for name, loss in finals.items():
         run = tiny_runs.run_dir(tmp_path, name)
-        run.mkdir(parents=True)
-        (run / "metrics.jsonl").write_text(json.dumps({"step": 300, "eval_loss": loss}) + "\n")
-    monkeypatch.setitem(fp8_tiny.RUNS, "fp8 delayed", ["model.fp8=delayed"])
+        _kept_run(run, [*fp8_tiny.COMMON, *fp8_tiny.RUNS[name]], [{"step": 300, "eval_loss": loss}])
     assert fp8_tiny.main(["--runs", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "fp8 tensorwise: +1.00% of bf16's final eval loss, within ±1.5%" in out
@@ -84,23 +96,27 @@ def test_fp8_tiny_says_whether_each_recipe_is_within_its_bound(tmp_path, capsys,
 def test_fp8_tiny_over_seeds_says_each_recipes_mean_gap(tmp_path, capsys):
     """--seeds: each seed's runs in their own directory, each seed's gaps, then each
     recipe's mean gap over the seeds and their range."""
-    import json
 
     import fp8_tiny
     import tiny_runs
 
     finals = {0: {"bf16": 2.0, "fp8 tensorwise": 2.04}, 1: {"bf16": 2.0, "fp8 tensorwise": 1.98}}
+    table = {"bf16": [], "fp8 tensorwise": ["model.fp8=tensorwise"]}
     for seed, runs in finals.items():
         for name, loss in runs.items():
             run = tiny_runs.run_dir(tmp_path / f"seed-{seed}", name)
-            run.mkdir(parents=True)
-            record = {"step": 300, "eval_loss": loss}
-            (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
-    table = {"bf16": [], "fp8 tensorwise": ["model.fp8=tensorwise"]}
+            args = [*fp8_tiny.COMMON, *table[name], *([f"train.seed={seed}"] if seed else [])]
+            _kept_run(run, args, [{"step": 300, "eval_loss": loss}])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fp8_tiny, "RUNS", table)
         assert fp8_tiny.main(["--runs", str(tmp_path), "--seeds", "0,1"]) == 0
-    out = capsys.readouterr().out
+        out = capsys.readouterr().out
+        # seed 0's runs where seed 1's are asked for: refused, not read as seed 1's (they were)
+        for name in table:
+            shutil.copytree(tiny_runs.run_dir(tmp_path / "seed-0", name),
+                            tiny_runs.run_dir(tmp_path / "wrong" / "seed-1", name))  # fmt: skip
+        with pytest.raises(SystemExit, match="holds a run of other settings"):
+            fp8_tiny.main(["--runs", str(tmp_path / "wrong"), "--seeds", "1"])
     assert "seed 0: fp8 tensorwise: +2.00% of bf16's final eval loss, NOT within ±1.5%" in out
     assert "seed 1: fp8 tensorwise: -1.00% of bf16's final eval loss, within ±1.5%" in out
     assert "fp8 tensorwise over seeds 0,1: mean +0.50% (-1.00% to +2.00%), within ±1.5%" in out
