@@ -20,11 +20,11 @@ def run_dir(runs: Path, name: str) -> Path:
 def _check_kept(where: Path, args: list[str]) -> None:
     """A run kept in `where` must be the one `args` would train (the same run identity:
     model, data, optimizer, seed); another (a seed of another call) is an error, not read."""
+    from ultrajax import cli
     from ultrajax.config import parse
 
-    config = args[args.index("--config") + 1]
-    overrides = [a for a in args if "=" in a and not a.startswith("-")]
-    want = parse.run_identity(parse.load(config, overrides))
+    asked = cli.parser("ultrajax.train", "").parse_args(args)  # the train command's own
+    want = parse.run_identity(parse.load(asked.config, asked.overrides))
     have = parse.run_identity(parse.load(where / "config.yaml"))
     if want != have:
         raise SystemExit(

@@ -47,13 +47,13 @@ def _kept_run(run, args, records):
     train command's) resolve to, which tiny_runs checks before it reads the run."""
     import json
 
+    from ultrajax import cli
     from ultrajax.config import parse
 
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    overrides = [a for a in args if "=" in a and not a.startswith("-")]
-    config = args[args.index("--config") + 1]
-    (run / "config.yaml").write_text(parse.dump(parse.load(ROOT / config, overrides)))
+    asked = cli.parser("ultrajax.train", "").parse_args(args)
+    (run / "config.yaml").write_text(parse.dump(parse.load(ROOT / asked.config, asked.overrides)))
 
 
 def test_diloco_tiny_reads_its_runs_and_compares_them_with_data_parallelism(tmp_path, capsys):

@@ -267,5 +267,11 @@ class Config:
         return self.train.micro_batch_size * self.train.grad_accum * self.dp
 
     @property
+    def micro_tokens(self) -> int:
+        """Tokens of one micro-batch over every data rank: a batch ramp grows the batch by
+        accumulation, so its batches are multiples of this."""
+        return self.train.micro_batch_size * self.dp * self.model.seq_len
+
+    @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.model.seq_len

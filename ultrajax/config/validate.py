@@ -438,9 +438,9 @@ def _validate_ramp(cfg: Config) -> None:
         "train.batch_schedule needs mesh.pipeline=1 (a pipeline schedule is built for one "
         "number of micro-batches)",
     )
-    unit = t.micro_batch_size * cfg.dp * cfg.model.seq_len
+    unit = cfg.micro_tokens
     last_tokens, last_loss = 0, math.inf
-    batch = ("the config's", t.micro_batch_size * t.grad_accum * cfg.dp * cfg.model.seq_len)
+    batch = ("the config's", cfg.tokens_per_step)
     for i, stage in enumerate(t.batch_schedule):
         where = f"train.batch_schedule[{i}]"
         _check(

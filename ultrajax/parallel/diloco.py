@@ -215,8 +215,7 @@ def make_update(cfg: Config, tx, gradients, syncs, scale, update_bias):
             replicas = dict(replicas, layers=dict(layers, router_bias=bias))
         count = state["step"] + 1
         branches = [lambda a: a] + [lambda a, sync=sync: sync(*a) for sync in syncs]
-        fragments = max(len(syncs) - 1, 1)  # streaming: the fragments', then all at once
-        at = due(count, h, fragments, cfg.train.steps)
+        at = due(count, h, cfg.parallel.diloco_fragments, cfg.train.steps)
         outer, momentum, replicas = jax.lax.switch(
             at, branches, (state["params"], opt["momentum"], replicas)
         )

@@ -211,7 +211,7 @@ def _unit_notes(entries: Sequence[dict], run_dir: Path) -> list[str]:
         return []
     if -1 in cfg.mesh.sizes().values():
         return []
-    unit = cfg.train.micro_batch_size * cfg.dp * cfg.model.seq_len
+    unit = cfg.micro_tokens
     off = [e["tokens_per_step"] for e in entries if e["tokens_per_step"] % unit]
     if not off:
         return []

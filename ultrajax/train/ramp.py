@@ -30,7 +30,7 @@ LOSS_DECAY = 0.9  # the smoothed loss: an EMA over the logged losses
 class Ramp:
     def __init__(self, cfg: Config):
         t = cfg.train
-        self.unit = t.micro_batch_size * cfg.dp * cfg.model.seq_len  # one micro-batch, tokens
+        self.unit = cfg.micro_tokens  # one micro-batch, tokens
         self.seq = cfg.model.seq_len
         self.base = cfg.tokens_per_step  # the config's batch: the schedule's unit
         self.steps = t.steps
