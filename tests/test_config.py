@@ -125,6 +125,14 @@ def test_unknown_section_suggests_closest():
     assert "trian" in message and "did you mean train" in message
 
 
+def test_yaml_key_without_space_is_named(tmp_path):
+    """YAML reads `{path:x}` as the key 'path:x': the error says to add the space."""
+    message = _error("data.mixture=[{path:/tmp/a, weight: 1}]")
+    assert "write 'path: /tmp/a'" in message, message
+    path = _write(tmp_path, "train: {steps:3}\n")
+    assert "write 'steps: 3'" in _error(path=path)
+
+
 def test_unknown_key_in_yaml_file(tmp_path):
     path = _write(tmp_path, "optim:\n  learning_rate: 0.1\n")
     message = _error(path=path)

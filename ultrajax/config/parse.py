@@ -87,6 +87,9 @@ def _unknown(key: str, choices: list[str]) -> ConfigError:
     close = difflib.get_close_matches(key.rsplit(".", 1)[-1], choices, n=1)
     prefix = key.rsplit(".", 1)[0] + "." if "." in key else ""
     hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known: {', '.join(choices)}"
+    name = key.rsplit(".", 1)[-1]
+    if ":" in name and name.split(":", 1)[0] in choices:  # YAML's `{path:x}` is one key
+        hint = f"; YAML reads {name!r} as one key: write {name.replace(':', ': ', 1)!r}"
     return ConfigError(f"unknown config key {key!r}{hint}")
 
 
