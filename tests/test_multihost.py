@@ -363,6 +363,38 @@ def test_a_run_that_cannot_join_says_why():
     assert out.stderr.count("\n") == 1
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_process_told_another_count_stops_at_once(tmp_path):
+    """Process 1 started with --num-processes 3 joined process 0's 2-process run and ran
+    on. Now it stops, naming both counts; and at once: a process failing alone waited,
+    inside JAX's client teardown, for process 0, which waited for it (5 minutes)."""
+    where = f"127.0.0.1:{_free_port()}"
+    common = [sys.executable, "-m", "ultrajax.train", *TINY, "--cpu-devices", "1"]
+    common += ["train.steps=3", f"train.run_dir={tmp_path}", "--coordinator", where]
+    procs = []
+    for count, pid in ((2, 0), (3, 1)):
+        cmd = [*common, "--num-processes", str(count), "--process-id", str(pid)]
+        out = subprocess.PIPE
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=out, text=True))
+    try:
+        _, err = procs[1].communicate(timeout=120)
+    finally:
+        procs[0].kill()
+        procs[0].communicate()
+    assert procs[1].returncode == 2, err
+    assert err == (
+        "error: process 1 was started with --num-processes 3, but process 0 (the coordinator, "
+        f"{where}) with 2: give every process the same count\n"
+    )
+
+
 @pytest.mark.slow
 def test_an_error_in_the_processes_ends_the_run_with_its_message(tmp_path):
     layout = ["--cpu-devices", "2", "mesh.data=4", "mesh.dcn.data=4"]  # 4 hosts, but 2 run
@@ -514,11 +546,7 @@ def test_killing_one_process_stops_the_launcher(tmp_path):
 def test_slurm_environment_starts_a_two_process_run(tmp_path):
     """What `srun` gives each task, simulated on this host: JAX's own SLURM detection
     (coordinator from JAX_COORDINATOR_ADDRESS, as the sbatch file sets it) joins both."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     code = (
         "import jax; from ultrajax import cli; cli.setup_devices(2);"
         "print(jax.process_index(), jax.process_count(), jax.device_count())"

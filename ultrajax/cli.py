@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -36,6 +37,18 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def fail(message: str, code: int = 2):
     print(f"error: {message}", file=sys.stderr)
+    exit_failed(code)
+
+
+def exit_failed(code: int) -> NoReturn:
+    """Exit with a failure status. In a multi-process run, at once: JAX's client, torn
+    down at interpreter exit, first waits at a barrier for every other process, and a
+    process failing alone then waits for processes that wait for it (in a collective, or
+    in the backend's start). Gone at once, the coordinator sees it and stops the others."""
+    if distributed.joined():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 
@@ -143,8 +156,14 @@ def run(main: Callable[[], int | None]) -> None:
         # os._exit inside: XLA may still be compiling on a thread of its own, and the
         # interpreter's teardown under it is a segmentation fault (train/preemption.py)
         preemption.exit_now("interrupted")
-    if not code:
-        distributed.shutdown()  # with the other processes; a failure exits at once instead
+    except Exception:
+        if not distributed.joined():
+            raise
+        traceback.print_exc()
+        exit_failed(1)
+    if code and code not in preemption.STOPPED:
+        exit_failed(code)  # a failure exits at once
+    distributed.shutdown()  # with the other processes: they finished, or stopped alike
     sys.exit(code or 0)
 
 

@@ -164,7 +164,33 @@ def initialize(args: argparse.Namespace | None = None, env: Mapping[str, str] | 
             f"could not join the {how.num_processes}-process run ({how.source}): "
             f"{first[:300]}{hint}"
         ) from None
+    if how.source == "flags":
+        _check_count(how)
     return how
+
+
+def _check_count(how: Joining) -> None:
+    """The run has as many processes as process 0 was told: one started with another
+    --num-processes joined it and ran on, believing in another run. Each process reads
+    process 0's count from the coordinator's key-value store (before the backend starts).
+    (A process 0 told more than there are waits for processes that never come, until
+    JAX's start-up times out.)"""
+    from jax._src import distributed as jax_distributed  # the client is not public API
+
+    client = getattr(getattr(jax_distributed, "global_state", None), "client", None)
+    if client is None:
+        return
+    key = "ultrajax/num_processes/0"
+    if how.process_id == 0:
+        client.key_value_set(key, str(how.num_processes))
+        return
+    theirs = int(client.blocking_key_value_get(key, 120_000))
+    if theirs != how.num_processes:
+        raise ConfigError(
+            f"process {how.process_id} was started with --num-processes {how.num_processes}, "
+            f"but process 0 (the coordinator, {how.coordinator}) with {theirs}: give every "
+            "process the same count"
+        )
 
 
 def _check_port_free(coordinator: str) -> None:
@@ -200,6 +226,11 @@ def check_local_devices(env: Mapping[str, str] | None = None) -> None:
             f"{how.expect_local_devices}: do not set CUDA_VISIBLE_DEVICES per task; "
             "use one task per node with --gpus-per-node (see scripts/slurm/train.sbatch)"
         )
+
+
+def joined() -> bool:
+    """Whether this process is in a multi-process run."""
+    return jax.distributed.is_initialized()
 
 
 def shutdown() -> None:

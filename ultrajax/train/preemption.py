@@ -18,6 +18,9 @@ if TYPE_CHECKING:  # only named here: every command imports exit_now, and not Or
     from ultrajax.train.checkpoint import Checkpoints
 
 
+STOPPED = (130, 143)  # the exit status of a run stopped by Ctrl-C or SIGTERM, saved
+
+
 class Preemption:
     """SIGTERM (a scheduler's pre-emption notice) or Ctrl-C: finish the step, save it, stop.
 
