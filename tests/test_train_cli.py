@@ -384,6 +384,25 @@ def test_bad_input_exits_2_with_one_line(bad_runs, name):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
+def test_a_run_that_fails_closes_its_bar_data_and_metrics_first(tmp_path, monkeypatch, capsys):
+    """A save failing at step 4 (a full disk): the progress bar was redrawn after the
+    error line (by the interpreter's teardown), and the data threads and the metrics
+    file were left to it. They are closed where the run stops, by any path."""
+    from ultrajax.train import checkpoint, loop
+
+    def fails(self, step, state, data_state):
+        raise checkpoint.SaveFailed(f"could not save step {step}")
+
+    closed = []
+    monkeypatch.setattr(checkpoint.Checkpoints, "save", fails)
+    monkeypatch.setattr(loop.Training, "close", lambda self: closed.append(self.step))
+    saves = ["checkpoint.every=4", f"train.run_dir={tmp_path}", "mesh.data=-1"]
+    cfg = parse.load(TINY, [*SMALL, *saves])
+    with pytest.raises(checkpoint.SaveFailed, match="could not save step 4"):
+        loop.train(cfg)
+    assert closed == [4]
+
+
 def test_a_loss_that_is_not_finite_ends_the_run_with_status_1(monkeypatch, capsys):
     """The loop stops at the first logged step whose loss is not finite (Diverged); the
     command turns that into one line and exit status 1, like a failed run."""
@@ -392,11 +411,9 @@ def test_a_loss_that_is_not_finite_ends_the_run_with_status_1(monkeypatch, capsy
     from ultrajax.tools import train as command
     from ultrajax.train import loop
 
-    closed = []
-    fake = SimpleNamespace(lead=True, step=7, bar=SimpleNamespace(close=lambda: closed.append(1)))
+    fake = SimpleNamespace(lead=True, step=7)
     with pytest.raises(loop.Diverged, match="loss is nan at step 7; lower optim.lr"):
         loop.Training.log(fake, {"loss": float("nan")}, is_eval=False, ctrl_c=False)
-    assert closed == [1]
 
     def diverge(cfg):
         raise loop.Diverged("loss is inf at step 3; lower optim.lr")

@@ -54,11 +54,13 @@ def train(cfg: Config) -> int:
             return 0
         # Preemption: SIGTERM or Ctrl-C -> save this step and stop; on the way out, wait for
         # pending saves (a second Ctrl-C exits at once) and put the previous handlers back
-        with jax.set_mesh(run.mesh), preemption.Preemption(run.ckpt) as preempted:
-            while not run.ramp.done:
-                if run.one_step(preempted):
-                    break
-        run.close()
+        try:
+            with jax.set_mesh(run.mesh), preemption.Preemption(run.ckpt) as preempted:
+                while not run.ramp.done:
+                    if run.one_step(preempted):
+                        break
+        finally:  # also when the run fails: its error is then the last line shown
+            run.close()
 
         for line in run.summary():
             say(line)
@@ -244,7 +246,6 @@ class Training:
                 file=sys.stderr,
             )
         if not math.isfinite(record["loss"]):
-            self.bar.close()
             raise Diverged(f"loss is {record['loss']} at step {self.step}; lower optim.lr")
         if is_eval:
             self.eval_loss = self.evaluate()
