@@ -403,6 +403,36 @@ def test_a_run_that_fails_closes_its_bar_data_and_metrics_first(tmp_path, monkey
     assert closed == [4]
 
 
+def test_a_step_is_in_metrics_before_its_save_and_a_diverged_step_is_not_saved(
+    tmp_path, monkeypatch
+):
+    """The save started before the step's evaluation and line: a run killed once the save
+    was whole lost the line for good (the resume starts after it). And a loss gone to
+    inf at a save step was saved before the run stopped on it, so the run resumed there."""
+    from ultrajax.train import checkpoint, loop
+
+    saved, real = {}, checkpoint.Checkpoints.save
+
+    def save(self, step, state, data_state):
+        lines = (self.dir.parent / "metrics.jsonl").read_text().splitlines()
+        saved[step] = [(r["step"], "eval_loss" in r) for r in map(json.loads, lines)]
+        return real(self, step, state, data_state)
+
+    monkeypatch.setattr(checkpoint.Checkpoints, "save", save)
+    common = [*SMALL, "mesh.data=-1", "checkpoint.every=6"]
+    assert loop.train(parse.load(TINY, [*common, f"train.run_dir={tmp_path / 'a'}"])) == 0
+    assert sorted(saved) == [6, 12]
+    assert saved[6][-1] == (6, True) and saved[12][-1] == (12, True)
+
+    saved.clear()  # a learning rate that overflows the weights: every step saved, few logged
+    wild = ["optim.lr=1e30", "optim.warmup_steps=0", "checkpoint.every=1", "train.eval_every=50"]
+    cfg = parse.load(TINY, [*common, *wild, "train.log_every=50", f"train.run_dir={tmp_path}"])
+    with pytest.raises(loop.Diverged, match=r"loss is (nan|inf) at step (\d+)") as e:
+        loop.train(cfg)
+    last = int(str(e.value).split(" at step ")[1].split(";")[0])
+    assert 1 < last < 12 and sorted(saved) == list(range(1, last))  # stopped where it went
+
+
 def test_a_loss_that_is_not_finite_ends_the_run_with_status_1(monkeypatch, capsys):
     """The loop stops at the first logged step whose loss is not finite (Diverged); the
     command turns that into one line and exit status 1, like a failed run."""
@@ -413,7 +443,7 @@ def test_a_loss_that_is_not_finite_ends_the_run_with_status_1(monkeypatch, capsy
 
     fake = SimpleNamespace(lead=True, step=7)
     with pytest.raises(loop.Diverged, match="loss is nan at step 7; lower optim.lr"):
-        loop.Training.log(fake, {"loss": float("nan")}, is_eval=False, ctrl_c=False)
+        loop.Training.check(fake, {"loss": float("nan")})
 
     def diverge(cfg):
         raise loop.Diverged("loss is inf at step 3; lower optim.lr")

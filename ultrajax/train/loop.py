@@ -176,8 +176,12 @@ class Training:
 
     def one_step(self, preempted: preemption.Preemption) -> bool:
         """Train one step, then what falls due after it, in this order: the record (the
-        only host sync), the save, a new batch size, the next batch, then evaluation and
-        the log line. True: pre-empted; the step is saved and the run stops here."""
+        only host sync), evaluation and the line in metrics.jsonl, the save, a new batch
+        size, the next batch, then the log line. A step's line is written before its save
+        starts: a run killed once the save is whole but before the line was written lost
+        the line for good (a resume starts after it). A stop saves first, then evaluates:
+        the save is what the scheduler's grace period is for. True: pre-empted; the step
+        is saved and the run stops here."""
         self.profile_start()
         ramp = self.ramp
         small = self.noise.measure(self.state["params"], self.batch, ramp.grad_accum, self.step)
@@ -198,7 +202,12 @@ class Training:
             rate = self.speed.lap(ramp.tokens)
             b_simple = self.noise.b_simple
             record = step_record(self.step, out, ramp, step_tokens, rate, self.speed, b_simple)
+            self.check(record)  # before the save: a diverged state is never saved
+            if not stop:
+                self.write(record, is_eval)
         if stop or self.ckpt.due(self.step) or ramp.done:
+            if record is None:  # a save step that logs nothing: its loss is checked too
+                self.check({"loss": scalar(fetch(out)["loss"])})
             self.save()  # before anything is printed: a Ctrl-C's save never waits on a print
         base = ramp.base  # the bar counts config batches: a ramp's steps count more
         self.bar.update(step_tokens // base if step_tokens % base == 0 else step_tokens / base)
@@ -207,7 +216,9 @@ class Training:
         if not ramp.done and not stop:
             self.batch = next(self.feed)
         if record is not None:
-            self.log(record, is_eval, stop and preempted.signum == signal.SIGINT)
+            if stop:
+                self.write(record, is_eval)
+            self.show(record, stop and preempted.signum == signal.SIGINT)
         return stop
 
     def due(self, stop: bool, switched: bool) -> tuple[bool, bool]:
@@ -237,16 +248,14 @@ class Training:
                 f"schedule, at {ramp.tokens:,} tokens)"
             )
 
-    def log(self, record: dict, is_eval: bool, ctrl_c: bool) -> None:
-        """A logged step: evaluation if due, then metrics.jsonl, the bar and the log line.
-        A loss that is not finite ends the run here, with a hint: nothing after it counts."""
-        if ctrl_c and self.lead:  # stderr: seen also when stdout goes to a file or a pipe
-            tqdm.write(
-                f"Ctrl-C: saving step {self.step}, then stopping (Ctrl-C again: quit now)",
-                file=sys.stderr,
-            )
+    def check(self, record: dict) -> None:
+        """A loss that is not finite ends the run here, with a hint: nothing after it
+        counts, and nothing of it is saved."""
         if not math.isfinite(record["loss"]):
             raise Diverged(f"loss is {record['loss']} at step {self.step}; lower optim.lr")
+
+    def write(self, record: dict, is_eval: bool) -> None:
+        """A logged step: evaluation if due, then its line in metrics.jsonl."""
         if is_eval:
             self.eval_loss = self.evaluate()
             record["eval_loss"] = self.eval_loss
@@ -254,6 +263,14 @@ class Training:
         self.history.append(record)
         if self.writer:
             self.writer.write(record)
+
+    def show(self, record: dict, ctrl_c: bool) -> None:
+        """A logged step on the terminal: the bar and the log line."""
+        if ctrl_c and self.lead:  # stderr: seen also when stdout goes to a file or a pipe
+            tqdm.write(
+                f"Ctrl-C: saving step {self.step}, then stopping (Ctrl-C again: quit now)",
+                file=sys.stderr,
+            )
         self.bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
         if self.lead:
             tqdm.write(log_line(record))
