@@ -259,8 +259,39 @@ def test_metrics_writer_resume_purges_and_fresh_restarts(tmp_path, monkeypatch):
     purge = [e for e in events if e.HasField("session_log")]
     assert [(e.step, e.session_log.status) for e in purge] == [(3, 1)]  # START at 3: 4 dropped
     assert len(list((tmp_path / "tensorboard").glob("events.*"))) == 2
-    metrics.MetricsWriter(tmp_path, fresh=True).close()  # a fresh run: a fresh plot
+    (tmp_path / "config.yaml").write_text("train: {}\n")
+    kept = metrics.keep_earlier(tmp_path)  # a fresh start: a fresh plot, the old one kept
+    assert kept == tmp_path / "earlier-1"
     assert not list((tmp_path / "tensorboard").glob("events.*"))
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "config.yaml").exists()
+    assert len(list((kept / "tensorboard").glob("events.*"))) == 2
+    steps = [json.loads(line)["step"] for line in (kept / "metrics.jsonl").open()]
+    assert steps == [r["step"] for r in RECORDS] + [3]
+    assert (kept / "config.yaml").read_text() == "train: {}\n"
+    assert metrics.keep_earlier(tmp_path) is None  # nothing left to keep
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    assert metrics.keep_earlier(tmp_path) == tmp_path / "earlier-2"  # the first free name
+
+
+def test_a_fresh_start_says_where_the_earlier_metrics_went(tmp_path):
+    """A run whose checkpoints were removed (or that crashed before its first save) started
+    again at step 0 and overwrote its metrics.jsonl and TensorBoard events without a word."""
+    from ultrajax.train import loop
+
+    cfg = parse.load(None, [f"train.run_dir={tmp_path}"])
+    said = []
+    loop.open_run_dir(cfg, fresh=True, say=said.append)
+    assert said == [] and (tmp_path / "config.yaml").is_file()  # nothing to keep
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    loop.open_run_dir(cfg, fresh=False, say=said.append)  # a resume appends: nothing moves
+    assert said == [] and (tmp_path / "metrics.jsonl").is_file()
+    loop.open_run_dir(cfg, fresh=True, say=said.append)
+    assert said == [
+        f"metrics: those of the run before in {tmp_path} (no checkpoint of it to resume "
+        f"from) moved to {tmp_path / 'earlier-1'}; this run starts at step 0"
+    ]
+    assert (tmp_path / "earlier-1" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert (tmp_path / "config.yaml").is_file()  # this run's
 
 
 def test_metrics_writer_wandb_hook(tmp_path, monkeypatch, capsys):

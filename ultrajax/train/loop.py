@@ -91,7 +91,7 @@ def begin(cfg: Config, say) -> Training | None:
     parts = build_run(cfg, fresh=resume is None)  # resolves a -1 mesh size
     if ramp is None:
         ramp = Ramp(cfg)
-    run_dir = open_run_dir(cfg)
+    run_dir = open_run_dir(cfg, fresh=resume is None, say=say)
     report.announce(cfg, parts, run_dir, say)
     # resume (state, data position) or init_from (parameters) before the first batch is read
     ckpt, state, start = resume_lib.start(
@@ -117,12 +117,19 @@ def _make_dirs(cfg: Config) -> None:
             raise ConfigError(f"{key}: cannot make the directory {path} ({e.strerror})") from None
 
 
-def open_run_dir(cfg: Config) -> Path:
+def open_run_dir(cfg: Config, fresh: bool = False, say=print) -> Path:
     """The run directory, with the resolved config in it (written by process 0 only: one
-    writer per file, also when the run directory is shared by all hosts)."""
+    writer per file, also when the run directory is shared by all hosts). A fresh start
+    moves an earlier run's metrics aside first (metrics.keep_earlier)."""
     run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
+        kept = metrics_lib.keep_earlier(run_dir) if fresh else None
+        if kept is not None:
+            say(
+                f"metrics: those of the run before in {run_dir} (no checkpoint of it to "
+                f"resume from) moved to {kept}; this run starts at step 0"
+            )
         (run_dir / "config.yaml").write_text(dump(cfg))
     return run_dir
 

@@ -52,6 +52,31 @@ def _wandb_run(run_dir: Path):
     return wandb.init(project=project, name=run_dir.absolute().name, dir=str(run_dir))
 
 
+def keep_earlier(run_dir: str | Path) -> Path | None:
+    """A fresh start in a run directory that holds a run's metrics (its checkpoints gone,
+    or none made before a crash): that run's metrics.jsonl, TensorBoard events and
+    config.yaml move into run_dir/earlier-N, the first N free, instead of being
+    overwritten; the only record of a crashed run is kept. Returns that directory."""
+    run_dir = Path(run_dir)
+    metrics, tb = run_dir / "metrics.jsonl", run_dir / "tensorboard"
+    events = sorted(tb.glob("events.out.tfevents.*"))
+    if not events and not (metrics.is_file() and metrics.stat().st_size):
+        return None
+    n = 1
+    while (run_dir / f"earlier-{n}").exists():
+        n += 1
+    kept = run_dir / f"earlier-{n}"
+    kept.mkdir()
+    for path in (metrics, run_dir / "config.yaml"):
+        if path.is_file():
+            path.rename(kept / path.name)
+    if events:
+        (kept / "tensorboard").mkdir()
+        for path in events:
+            path.rename(kept / "tensorboard" / path.name)
+    return kept
+
+
 class MetricsWriter:
     """One JSON object per logged step in run_dir/metrics.jsonl, the same numbers as
     TensorBoard scalars in run_dir/tensorboard/, and in W&B when WANDB_PROJECT is set.
@@ -80,9 +105,6 @@ class MetricsWriter:
                 ) from None
             self._summary_writer = SummaryWriter
         self._wandb = _wandb_run(run_dir) if self._lead else None
-        if fresh and self._lead:  # a fresh run starts a fresh plot, as metrics.jsonl does
-            for old in self.tb_dir.glob("events.out.tfevents.*"):
-                old.unlink()
 
     def write(self, record: dict) -> None:
         self._f.write(json.dumps(record) + "\n")
