@@ -442,8 +442,16 @@ def test_corrupt_and_missing_checkpoints_are_clear_errors(reference, tmp_path):
     for f in (bad / "params").rglob("*"):
         if f.is_file() and f.parent.name == "d":  # the array data
             f.write_bytes(b"\0" * f.stat().st_size)
-    with pytest.raises(ConfigError, match=r"checkpoint .*bad/10 cannot be read"):
+    with pytest.raises(ConfigError, match=r"checkpoint .*bad/10 cannot be read") as e:
         resume.restore_train(bad, cfg, target, _data(cfg))
+    assert "resume from" not in str(e.value)  # no step before it
+    shutil.copytree(good, tmp_path / "bad" / "5")  # a whole step before: the way on is named
+    with pytest.raises(ConfigError) as e:
+        resume.restore_train(bad, cfg, target, _data(cfg))
+    assert str(e.value).endswith(
+        f"; to resume from step 5, the last before it, move {bad} out of {bad.parent} and "
+        "run the same command again"
+    )
     (bad / "config" / "metadata").write_text("{ not json")
     with pytest.raises(ConfigError, match=r"checkpoint .*bad/10 cannot be read"):
         checkpoint.read_config(bad)

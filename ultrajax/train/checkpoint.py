@@ -141,9 +141,19 @@ def _where(root: Path, step: int) -> str:
 
 
 def _unreadable(root: Path, step: int, e: Exception) -> ConfigError:
+    """A step that cannot be read (a file cut short, a disk error), with the way on: the
+    step before it, once this one is moved out of the directory (a resume never skips a
+    step on its own, and refuses to start below one that is there)."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    earlier = [s for s in _steps(root) if s < step]
+    way = (
+        f"; to resume from step {earlier[-1]}, the last before it, move {_where(root, step)} "
+        f"out of {root} and run the same command again"
+        if earlier
+        else ""
+    )
     return ConfigError(
-        f"checkpoint {_where(root, step)} cannot be read ({type(e).__name__}: {first[:300]})"
+        f"checkpoint {_where(root, step)} cannot be read ({type(e).__name__}: {first[:300]}){way}"
     )
 
 
