@@ -48,6 +48,42 @@ def test_prepared_batches_equal_tokenizing_the_files_directly(tmp_path):
     assert len(split.eval_batches(2)) == 2
 
 
+def test_a_run_that_repeats_its_corpus_or_eval_split_says_so(tmp_path):
+    """A corpus smaller than the run was read several times and a small held-out split
+    repeated to fill train.eval_batches, with nothing said: now the passes are counted
+    (prepared directories know their tokens) and the eval batches stop at one pass."""
+    from ultrajax.train import report
+
+    src, out = _prepared(tmp_path)
+    split = _build(DataConfig(source="prepared", path=str(out), eval_fraction=0.2))
+    train, held = split.train_sources[0], split.eval_sources[0]
+    lengths = [len(split.train_sources[0].read(int(i))) for i in range(61)]
+    assert train.tokens == sum(lengths[int(i)] for i in train.ids)  # from the offsets alone
+    assert held.tokens == sum(lengths[int(i)] for i in held.ids)
+    per_batch = 8 * 32  # rows of seq_len + 1
+    fill = held.tokens // per_batch
+    count, note = split.eval_count(fill + 3)
+    assert count == fill >= 1 and f"evaluating on {fill}, so that no document" in note
+    assert split.eval_count(fill) == (fill, None)
+    steps = 3 * train.tokens // (4 * 64) + 1  # a little over 3 passes of 4 x 64 tokens a step
+    cfg = parse.load(None, [f"train.steps={steps}", "train.micro_batch_size=4",
+                            "model.seq_len=64", "optim.warmup_steps=0"])  # fmt: skip
+    line = report.passes(cfg, split.train_sources)
+    assert line.startswith(f"data: the run's {steps * 256:,} tokens are about 3.0 passes over ")
+    assert f"the {train.tokens:,} train tokens of {out}" in line
+    cfg = parse.load(None, ["train.steps=1", "optim.warmup_steps=0"])
+    assert report.passes(cfg, split.train_sources) is None  # less than a pass: nothing said
+    # text sources count the eval documents they read (tokenized), not the train ones
+    files = _build(DataConfig(source="files", path=str(src), eval_fraction=0.2))
+    assert files.train_sources[0].tokens is None and report.passes(cfg, files.train_sources) is None
+    have = sum(len(files.eval_sources[0].read(int(i))) for i in files.eval_sources[0].ids)
+    assert files.eval_count(have // per_batch + 1)[0] == max(have // per_batch, 1)
+    tiny = _build(DataConfig(source="files", path=str(src), eval_fraction=0.2), batch=64)
+    count, note = tiny.eval_count(2)  # less than one batch: one, said to repeat
+    assert count == 1 and note.endswith("evaluating on 1, in which they repeat "
+                                        "(data.eval_fraction holds out more)")  # fmt: skip
+
+
 def test_mixture_of_prepared_directories_by_weight(tmp_path):
     _, a = _prepared(tmp_path, "a")
     _, b = _prepared(tmp_path, "b")

@@ -66,6 +66,36 @@ class Data:
         it = iter(ds.batch(self.batch_size, drop_remainder=True))
         return [next(it) for _ in range(n)]
 
+    def eval_count(self, n: int) -> tuple[int, str | None]:
+        """How many of `n` eval batches the held-out documents fill without repeating
+        (at least one), and a line saying so when fewer: a small held-out split was
+        read again and again to fill train.eval_batches, without a word."""
+        if not self.eval_docs or n == 0:
+            return 0, None
+        per_batch = self.batch_size * (self.seq_len + 1)
+        need, have = n * per_batch, 0
+        for s in self.eval_sources:  # the documents' tokens, read only as far as needed
+            if s.tokens is not None:
+                have += s.tokens
+            else:
+                for i in s.ids:
+                    have += len(s.read(int(i)))
+                    if have >= need:
+                        break
+            if have >= need:
+                return n, None
+        fill = have // per_batch
+        how = (
+            f"evaluating on {fill}, so that no document counts twice"
+            if fill
+            else "evaluating on 1, in which they repeat (data.eval_fraction holds out more)"
+        )
+        docs = f"{self.eval_docs:,} held-out document" + ("s" if self.eval_docs > 1 else "")
+        return max(fill, 1), (
+            f"eval: the {docs} ({have:,} tokens) fill {have / per_batch:.2g} batches of "
+            f"{per_batch:,} tokens, of the {n} asked for (train.eval_batches); {how}"
+        )
+
     def feed(self, place, depth: int) -> Prefetcher:
         """Train batches made `depth` ahead on a thread: `place(packed, rows, grad_accum)`
         puts this process's rows (their global numbers `rows`) on the devices."""
@@ -142,15 +172,18 @@ def _source(cfg: DataConfig, path, weight, tokenizer, problems: Problems, first)
             )
         t, e = split_indices(len(corpus), cfg.eval_fraction)
         read, size = corpus.__getitem__, f"{corpus.tokens:,} tokens"
+        held = corpus.tokens_of(e)
+        counts = (corpus.tokens - held, held)
     else:
         docs = load_docs(cfg, path, problems)
         t, e = split_ids([d.key for d in docs], cfg.eval_fraction)
         read, size = TextReader(docs, tokenizer), "tokenized as read"
+        counts = (None, None)
     name = path or cfg.source
     share = f", weight {weight:g}" if cfg.mixture else ""
     described = f"{name} ({len(t):,} train / {len(e):,} eval documents, {size}{share})"
     source = functools.partial(streams_lib.Source, read=read, weight=weight, name=name)
-    return source(t), source(e), described, first
+    return source(t, tokens=counts[0]), source(e, tokens=counts[1]), described, first
 
 
 def build(

@@ -158,6 +158,17 @@ class PreparedCorpus:
     def __len__(self) -> int:
         return int(self._starts[-1])
 
+    def tokens_of(self, ids) -> int:
+        """The tokens of the documents numbered `ids`, from the offsets alone."""
+        ids = np.asarray(ids, np.int64)
+        shard = np.searchsorted(self._starts, ids, side="right") - 1
+        total = 0
+        for k in np.unique(shard):
+            j = ids[shard == k] - self._starts[k]
+            offsets = self.shards[int(k)].offsets
+            total += int((offsets[j + 1] - offsets[j]).sum())
+        return total
+
     def __getitem__(self, i: int) -> np.ndarray:
         i = int(i)
         if not 0 <= i < len(self):

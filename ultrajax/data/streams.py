@@ -121,6 +121,7 @@ class Source:
     read: Callable[[int], np.ndarray]
     weight: float = 1.0
     name: str = ""
+    tokens: int | None = None  # of all its documents, where known without reading them
 
 
 class _Read(grain.transforms.Map):

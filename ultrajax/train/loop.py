@@ -166,7 +166,10 @@ class Training:
         )
         with jax.set_mesh(parts.mesh):
             self.compiled = compile_steps(parts.step_fn, state, ramp, sh, cfg, say)  # by accum
-            held_out = self.data.eval_batches(t.eval_batches)
+            count, note = self.data.eval_count(t.eval_batches)
+            if note:
+                say(note)
+            held_out = self.data.eval_batches(count)
             self.eval_batches = [to_global(b, sh, cfg) for b in held_out]
             self.noise = NoiseProbe(cfg, parts, state, self.data.progress)
             self.batch = next(self.feed)

@@ -105,6 +105,29 @@ def announce(cfg: Config, parts: RunParts, run_dir: Path, say) -> None:
            if 0 < chunk < m.seq_len else "")
     )  # fmt: skip
     say(parts.data.summary)
+    repeat = passes(cfg, parts.data.train_sources)
+    if repeat:
+        say(repeat)
+
+
+def passes(cfg: Config, sources) -> str | None:
+    """A line when the run reads a corpus more than once (the stream repeats it, each pass
+    in a new order, and nothing else says so): the run's tokens, over each corpus's train
+    tokens where they are known without reading it (prepared directories)."""
+    budget = cfg.train.steps * cfg.tokens_per_step  # a ramp's budget too, in tokens
+    weights = sum(s.weight for s in sources)
+    over = []
+    for s in sources:
+        if s.tokens:
+            n = budget * s.weight / weights / s.tokens
+            if n > 1:
+                over.append(f"{n:.1f} passes over the {s.tokens:,} train tokens of {s.name}")
+    if not over:
+        return None
+    return (
+        f"data: the run's {budget:,} tokens are about {'; '.join(over)}: the documents "
+        "repeat, each pass in a new order"
+    )
 
 
 def nothing_to_train(cfg: Config, ckpt_dir: Path, step: int, run_dir: Path) -> str:
