@@ -88,7 +88,11 @@ def test_hf_to_orbax_matches_transformers(converted):
 def test_orbax_to_hf_round_trip(converted, capsys):
     root, model, ids = converted
     out = root / "back"
+    capsys.readouterr()
     assert convert.main(["orbax-to-hf", "--checkpoint", str(root / "ck"), "--out", str(out)]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert said[0] == f"converting {root / 'ck'} to {out} ..."  # before the minutes of a large one
+    assert said[-1] == f"wrote {out / 'config.json'} and safetensors shards"
     again = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     diff = np.abs(hf_logits(model, ids) - hf_logits(again, ids)).max()
     print(f"orbax-to-hf: max abs logit difference {diff:.2e}")

@@ -144,6 +144,7 @@ def test_resuming_in_the_middle_of_the_ramp_gives_the_same_losses(ramp_run, tmp_
     assert out.count("compiled the step for 8 sequences") == 2
     assert out.count("compiled the step for 32 sequences") == 2
     assert out.count("compiled the step") == 6
+    assert out.count("compiling the step for 32 sequences ...") == 2  # each said first
     first = _records(tmp_path)[:6]  # the first run stopped at 8 x 256 tokens, in stage 1
     assert first[-1]["tokens"] == 2048 and first[-1]["tokens_per_step"] == 512
     got = {r["step"]: r["loss"] for r in _records(tmp_path)}

@@ -466,6 +466,9 @@ def main(argv=None) -> int:
         q.add_argument("--cpu-devices", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     cli.setup_devices(args.cpu_devices)
+    if args.command != "verify":  # a large model's weights take minutes to read and write
+        source = args.hf if args.command == "hf-to-orbax" else args.checkpoint
+        print(f"converting {source} to {args.out} ...", flush=True)
     if args.command == "hf-to-orbax":
         out = hf_to_orbax(args.hf, args.out, args.param_dtype)
         print(f"wrote {out / '0'} and {out / 'config.yaml'}")

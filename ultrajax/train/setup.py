@@ -79,9 +79,10 @@ def compile_steps(step_fn, state, ramp: Ramp, batch_sh, cfg: Config, say) -> dic
     out = {}
     for ga in ramp.sizes():
         t0 = time.perf_counter()
+        size = f" for {ga * rows} sequences" if len(ramp.sizes()) > 1 else ""
+        say(f"compiling the step{size} ...")  # minutes for a large model: said first
         batch = batch_lib.abstract(ga, rows, cfg.model.seq_len, batch_sh)
         out[ga] = step_fn.lower(state, batch, position).compile()
-        size = f" for {ga * rows} sequences" if len(ramp.sizes()) > 1 else ""
         say(f"compiled the step{size} in {time.perf_counter() - t0:.1f}s")
     return out
 
