@@ -26,7 +26,7 @@ from ultrajax.config import schema as config
 from ultrajax.config.schema import ConfigError
 from ultrajax.data import loader as data_lib
 from ultrajax.parallel import mesh as mesh_lib
-from ultrajax.train import checkpoint, metrics, optim, resume
+from ultrajax.train import checkpoint, metrics, optim, report, resume
 from ultrajax.train import loop as train
 from ultrajax.train.ramp import Ramp
 from ultrajax.train.step import init_state, state_shardings
@@ -149,6 +149,7 @@ def test_ctrl_c_saves_then_resume_gives_identical_losses(reference, tmp_path, mo
         "8.orbax-checkpoint-tmp-1764150000000"
     ) in out
     assert f"resumed from {ck_dir / '7'} at step 7" in out and "starting fresh" not in out
+    assert f"restoring {ck_dir / '7'}\n" in out.split("resumed from")[0]  # said first
     assert losses(tmp_path) == expected  # exactly, as after SIGTERM
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
     assert [r["tokens"] for r in records] == [r["step"] * 8 * 32 for r in records]  # 8 x seq 32
@@ -396,6 +397,9 @@ def test_a_resume_that_changes_what_the_run_is_is_refused_or_named(reference, tm
     for extra in (["train.steps=15"], ["train.steps=15", *changed]):
         cfg = load(tmp_path, *LAYOUT_A, *extra)
         assert resume.check_resume(cfg, finished, warn=lines.append).done
+    # its way to train on keeps the saved run's schedule (20 steps), not this config's 15
+    said = report.nothing_to_train(cfg, resume.saved_config(*finished), *finished, tmp_path)
+    assert "train.steps=15 is reached" in said and "optim.schedule_steps=20 to keep" in said
     # what does not change the run goes through without a word: layout, logging, steps
     lines = []
     cfg = load(tmp_path, *LAYOUT_A, "train.log_every=3", "optim.schedule_steps=20")
@@ -415,7 +419,8 @@ def test_a_changed_schedule_length_on_resume_is_refused_or_rescheduled(reference
     with pytest.raises(ConfigError) as e:
         resume.restore_train(source, cfg, _target(cfg, jax.devices()), _data(cfg))
     msg = str(e.value)
-    assert "over 20 steps" in msg and f"goes from {old:.2e} to {new:.2e}" in msg
+    assert f"of step 11 goes from {old:.2e} to {new:.2e}" in msg  # the one logged as 11
+    assert "over 20 steps" in msg
     assert "train.reschedule=true" in msg and "optim.schedule_steps=20" in msg
     lines = []
     cfg = load(tmp_path, *LAYOUT_A, "train.steps=30", "train.reschedule=true")

@@ -86,7 +86,8 @@ def begin(cfg: Config, say) -> Training | None:
     if resume is not None:  # refused here (one line) when the batch changed mid-run
         ramp = resume_lib.check_resume(cfg, resume, say)
         if ramp.done:
-            say(report.nothing_to_train(cfg, resume[0], resume[1], Path(cfg.train.run_dir)))
+            saved = resume_lib.saved_config(*resume)
+            say(report.nothing_to_train(cfg, saved, *resume, Path(cfg.train.run_dir)))
             return None
     parts = build_run(cfg, fresh=resume is None)  # resolves a -1 mesh size
     if ramp is None:

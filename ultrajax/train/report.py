@@ -130,12 +130,14 @@ def passes(cfg: Config, sources) -> str | None:
     )
 
 
-def nothing_to_train(cfg: Config, ckpt_dir: Path, step: int, run_dir: Path) -> str:
-    """A resume that finds train.steps already reached: what to change, either way."""
+def nothing_to_train(cfg: Config, saved: Config, ckpt_dir: Path, step: int, run_dir: Path) -> str:
+    """A resume that finds train.steps already reached: what to change, either way. The
+    schedule to keep is the saved run's (`saved`): with train.steps lowered, this run's
+    own would be refused as a change of schedule."""
     return (
         f"{ckpt_dir} is at step {step}: train.steps={cfg.train.steps} is reached, nothing to "
         "train. To train longer, raise train.steps (with train.reschedule=true, or "
-        f"optim.schedule_steps={optim.schedule_steps(cfg)} to keep the schedule); to "
+        f"optim.schedule_steps={optim.schedule_steps(saved)} to keep the schedule); to "
         f"start over, give train.run_dir=... or delete {run_dir}"
     )
 

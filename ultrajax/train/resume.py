@@ -45,6 +45,11 @@ def check_config(root: Path, step: int, cfg: Config, warn=print) -> Config:
     return saved
 
 
+def saved_config(root: Path, step: int) -> Config:
+    """The config a training checkpoint was saved with."""
+    return config_from_dict(_read_json_item(root, step, "config"), _where(root, step))
+
+
 def _saved(root: Path, step: int, cfg: Config, warn=print) -> Config:
     """The checkpoint's config, if it is a training checkpoint of the model `cfg` has."""
     where = _where(root, step)
@@ -54,7 +59,7 @@ def _saved(root: Path, step: int, cfg: Config, warn=print) -> Config:
             f"checkpoint {where} holds parameters only (no optimizer state); "
             "start from it with checkpoint.init_from instead of checkpoint.resume"
         )
-    saved = config_from_dict(_read_json_item(root, step, "config"), where)
+    saved = saved_config(root, step)
     try:
         check_model(saved.model, cfg.model, where, warn)
     except ConfigError as e:  # most often: the shape changed, the run directory did not
@@ -256,7 +261,8 @@ def check_schedule(saved: Config, cfg: Config, where: str, step: int, warn=print
         return
     before = float(optim.lr_schedule(saved)(step))
     after = float(optim.lr_schedule(cfg)(step))
-    change = f"the learning rate at step {step} goes from {before:.2e} to {after:.2e}"
+    # the next step's, logged as step + 1 (records count the steps done)
+    change = f"the learning rate of step {step + 1} goes from {before:.2e} to {after:.2e}"
     if cfg.train.reschedule:
         warn(
             f"rescheduled: the {cfg.optim.schedule} schedule spanned {old} steps in {where} "
@@ -294,6 +300,7 @@ def start(cfg: Config, state: dict, data, say=print, source=_PICK, checked: bool
         )
         _free(state)
         path = source[0] / str(source[1])
+        say(f"restoring {path}")  # a large state takes a while to read
         state, step = restore_train(path, cfg, target, data, warn=say, checked=checked)
         say(f"resumed from {source[0] / str(source[1])} at step {step}")
         return ck, state, step
