@@ -84,8 +84,8 @@ class Preemption:
 
 @contextmanager
 def until_first_step() -> Iterator[None]:
-    """Ctrl-C while the run is being built and compiled: nothing is trained, so nothing is
-    saved; the run ends at once with status 130 and one line on stderr.
+    """Ctrl-C (or SIGTERM) while the run is being built and compiled: nothing is trained,
+    so nothing is saved; the run ends at once with status 130 (143) and one line on stderr.
 
     Not Python's KeyboardInterrupt: XLA compiles on threads of its own, and the exception
     only stops the main thread's wait for them. The interpreter's exit then frees the
@@ -95,15 +95,22 @@ def until_first_step() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.signal(signal.SIGINT, _nothing_trained)
+    # SIGTERM too (it ended the process without a word), where the handler is Python's
+    # to set: in a multi-process run JAX's pre-emption service holds it
+    signums = [signal.SIGINT] + ([] if jax.distributed.is_initialized() else [signal.SIGTERM])
+    old = {signum: signal.signal(signum, _nothing_trained) for signum in signums}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
 
 
 def _nothing_trained(signum, frame) -> NoReturn:
-    exit_now("interrupted before the first step: nothing was trained yet, nothing saved")
+    if signum == signal.SIGINT:
+        exit_now("interrupted before the first step: nothing was trained yet, nothing saved")
+    message = "stopped by SIGTERM before the first step: nothing was trained yet, nothing saved"
+    exit_now(message, code=128 + signum)
 
 
 def _exit_now(where: Path) -> NoReturn:
@@ -115,11 +122,11 @@ def _exit_now(where: Path) -> NoReturn:
     )
 
 
-def exit_now(message: str) -> NoReturn:
-    """Leave at once with status 130 and `message` on stderr, skipping the interpreter's
-    teardown (threads still compiling or saving would crash under it, or be joined). Safe
-    in a signal handler: os.write, not print (the main thread may be inside a print), and
-    neither a closed pipe nor a flush cut in half stops the exit."""
+def exit_now(message: str, code: int = 130) -> NoReturn:
+    """Leave at once with status `code` (130: Ctrl-C) and `message` on stderr, skipping the
+    interpreter's teardown (threads still compiling or saving would crash under it, or be
+    joined). Safe in a signal handler: os.write, not print (the main thread may be inside
+    a print), and neither a closed pipe nor a flush cut in half stops the exit."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -129,4 +136,4 @@ def exit_now(message: str) -> NoReturn:
         os.write(2, f"\n{message}\n".encode())
     except OSError:  # stderr is a pipe whose reader is gone (Ctrl-C reaches `| tee` too)
         pass
-    os._exit(130)
+    os._exit(code)
