@@ -371,17 +371,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_process_told_another_count_stops_at_once(tmp_path):
-    """Process 1 started with --num-processes 3 joined process 0's 2-process run and ran
-    on. Now it stops, naming both counts; and at once: a process failing alone waited,
-    inside JAX's client teardown, for process 0, which waited for it (5 minutes)."""
-    where = f"127.0.0.1:{_free_port()}"
+def _second_fails(tmp_path, where, first, second) -> str:
+    """Two train processes with their own arguments: process 1 must fail, alone and at
+    once; its stderr. (Process 0 is then stopped: it waits for process 1.)"""
     common = [sys.executable, "-m", "ultrajax.train", *TINY, "--cpu-devices", "1"]
     common += ["train.steps=3", f"train.run_dir={tmp_path}", "--coordinator", where]
     procs = []
-    for count, pid in ((2, 0), (3, 1)):
-        cmd = [*common, "--num-processes", str(count), "--process-id", str(pid)]
+    for own in (first, second):
         out = subprocess.PIPE
+        cmd = [*common, *own]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=out, text=True))
     try:
         _, err = procs[1].communicate(timeout=120)
@@ -389,10 +387,33 @@ def test_a_process_told_another_count_stops_at_once(tmp_path):
         procs[0].kill()
         procs[0].communicate()
     assert procs[1].returncode == 2, err
+    return err
+
+
+def test_a_process_told_another_count_stops_at_once(tmp_path):
+    """Process 1 started with --num-processes 3 joined process 0's 2-process run and ran
+    on. Now it stops, naming both counts; and at once: a process failing alone waited,
+    inside JAX's client teardown, for process 0, which waited for it (5 minutes)."""
+    where = f"127.0.0.1:{_free_port()}"
+    first = ["--num-processes", "2", "--process-id", "0"]
+    err = _second_fails(tmp_path, where, first, ["--num-processes", "3", "--process-id", "1"])
     assert err == (
         "error: process 1 was started with --num-processes 3, but process 0 (the coordinator, "
         f"{where}) with 2: give every process the same count\n"
     )
+
+
+def test_a_process_with_another_config_stops_naming_the_keys(tmp_path):
+    """A process whose overrides (or config file) differ joined and trained with its own
+    settings, here another learning rate on its shards. Now it stops, naming the keys."""
+    where = f"127.0.0.1:{_free_port()}"
+    first = ["--num-processes", "2", "--process-id", "0"]
+    second = ["--num-processes", "2", "--process-id", "1", "optim.lr=0.05", "train.seed=3"]
+    err = _second_fails(tmp_path, where, first, second)
+    assert err.startswith(
+        "error: process 1's config differs from process 0's: optim.lr 0.003 vs 0.05; "
+        "train.seed 0 vs 3 (process 0's value first): give every process the same config"
+    ), err
 
 
 @pytest.mark.slow

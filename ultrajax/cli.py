@@ -136,8 +136,11 @@ def check_picture(path: str | None, flag: str) -> None:
 
 
 def load_config(args) -> config_lib.Config:
+    """The config of the command line; in a multi-process run, also process 0's."""
     try:
-        return parse.load(args.config, args.overrides)
+        cfg = parse.load(args.config, args.overrides)
+        distributed.check_same_config(parse.dump(cfg))
+        return cfg
     except config_lib.ConfigError as e:
         fail(str(e))
 

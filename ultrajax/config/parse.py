@@ -112,12 +112,12 @@ def _set(cfg: Config, key: str, value: Any) -> None:
             obj = getattr(obj, part)
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):  # sections, and nested sections like mesh.dcn
-            out.update(_flatten(v, f"{key}."))
+            out.update(flatten(v, f"{key}."))
         else:
             out[key] = v
     return out
@@ -149,7 +149,7 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
             ) from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {str(path)!r}: expected sections like 'model:'")
-        for key, value in _flatten(tree).items():
+        for key, value in flatten(tree).items():
             if "." not in key:
                 raise ConfigError(f"config file {str(path)!r}: {key!r} must be a section")
             _set(cfg, key, value)
@@ -199,7 +199,7 @@ def run_identity(cfg: Config) -> str:
 def identity_changes(old: Config, new: Config) -> list[tuple[str, Any, Any]]:
     """(key, old value, new value) of each setting of the run's identity that differs: what
     a resume would change about the run (train/resume.py)."""
-    a, b = _flatten(_identity(old)), _flatten(_identity(new))
+    a, b = flatten(_identity(old)), flatten(_identity(new))
     named = {"seed": "train.seed", "diloco.replicas": "mesh.data"}
     out = []
     for key in sorted(a.keys() | b.keys()):

@@ -169,23 +169,57 @@ def initialize(args: argparse.Namespace | None = None, env: Mapping[str, str] | 
     return how
 
 
-def _check_count(how: Joining) -> None:
-    """The run has as many processes as process 0 was told: one started with another
-    --num-processes joined it and ran on, believing in another run. Each process reads
-    process 0's count from the coordinator's key-value store (before the backend starts).
-    (A process 0 told more than there are waits for processes that never come, until
-    JAX's start-up times out.)"""
+def leader_value(name: str, value: str) -> str | None:
+    """Process 0's `value` of `name`, for every other process to hold its own against (in
+    the coordinator's key-value store: no backend, no collective). Process 0 gets its own
+    back; None outside a multi-process run."""
     from jax._src import distributed as jax_distributed  # the client is not public API
 
     client = getattr(getattr(jax_distributed, "global_state", None), "client", None)
     if client is None:
+        return None
+    key = f"ultrajax/{name}/0"
+    if jax_distributed.global_state.process_id == 0:
+        client.key_value_set(key, value)
+        return value
+    try:
+        return client.blocking_key_value_get(key, 120_000)  # ms: process 0 may be starting
+    except Exception as e:  # XLA's runtime error: its deadline
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(
+            f"process 0 did not give its {name} within 120 s ({first[:200]}): see its log"
+        ) from None
+
+
+def check_same_config(text: str) -> None:
+    """Every process runs process 0's config. One whose file or overrides differ (a local
+    copy edited, a different command) joined and trained with its own settings: another
+    learning rate on its shards, for one, without a word. `text` is the resolved config
+    as YAML; the keys that differ are named."""
+    import yaml
+
+    from ultrajax.config.parse import flatten
+
+    theirs = leader_value("config", text)
+    if theirs is None or theirs == text:
         return
-    key = "ultrajax/num_processes/0"
-    if how.process_id == 0:
-        client.key_value_set(key, str(how.num_processes))
-        return
-    theirs = int(client.blocking_key_value_get(key, 120_000))
-    if theirs != how.num_processes:
+    a, b = flatten(yaml.safe_load(theirs)), flatten(yaml.safe_load(text))
+    differ = [f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
+              if a.get(k) != b.get(k)]  # fmt: skip
+    raise ConfigError(
+        f"process {jax.process_index()}'s config differs from process 0's: "
+        f"{'; '.join(differ[:8])}{' ...' if len(differ) > 8 else ''} (process 0's value "
+        "first): give every process the same config file and overrides"
+    )
+
+
+def _check_count(how: Joining) -> None:
+    """The run has as many processes as process 0 was told: one started with another
+    --num-processes joined it and ran on, believing in another run. Each process reads
+    process 0's count (before the backend starts). (A process 0 told more than there are
+    waits for processes that never come, until JAX's start-up times out.)"""
+    theirs = leader_value("num_processes", str(how.num_processes))
+    if theirs is not None and int(theirs) != how.num_processes:
         raise ConfigError(
             f"process {how.process_id} was started with --num-processes {how.num_processes}, "
             f"but process 0 (the coordinator, {how.coordinator}) with {theirs}: give every "
