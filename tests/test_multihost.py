@@ -371,16 +371,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _second_fails(tmp_path, where, first, second) -> str:
+def _second_fails(tmp_path, where, first, second, cwd=ROOT) -> str:
     """Two train processes with their own arguments: process 1 must fail, alone and at
     once; its stderr. (Process 0 is then stopped: it waits for process 1.)"""
     common = [sys.executable, "-m", "ultrajax.train", *TINY, "--cpu-devices", "1"]
     common += ["train.steps=3", f"train.run_dir={tmp_path}", "--coordinator", where]
     procs = []
-    for own in (first, second):
+    for own, home in ((first, ROOT), (second, cwd)):  # `python -m` imports from its cwd
         out = subprocess.PIPE
         cmd = [*common, *own]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=out, text=True))
+        procs.append(subprocess.Popen(cmd, cwd=home, env=_env(), stdout=out, stderr=out, text=True))
     try:
         _, err = procs[1].communicate(timeout=120)
     finally:
@@ -401,6 +401,29 @@ def test_a_process_told_another_count_stops_at_once(tmp_path):
         "error: process 1 was started with --num-processes 3, but process 0 (the coordinator, "
         f"{where}) with 2: give every process the same count\n"
     )
+
+
+def test_a_process_running_other_code_stops(tmp_path):
+    """A host with another checkout (one comment changed here) or another JAX compiled
+    other programs for the same run. Each process's software is held against process 0's."""
+    import shutil
+
+    code = tmp_path / "code"
+    shutil.copytree(
+        ROOT / "ultrajax", code / "ultrajax", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    loop_py = code / "ultrajax" / "train" / "loop.py"
+    loop_py.write_text(loop_py.read_text() + "# edited on this host\n")
+    where = f"127.0.0.1:{_free_port()}"
+    first = ["--num-processes", "2", "--process-id", "0"]
+    second = ["--num-processes", "2", "--process-id", "1"]
+    (code / "configs").symlink_to(ROOT / "configs")
+    err = _second_fails(tmp_path / "run", where, first, second, cwd=code)
+    assert err.startswith("error: process 1 runs other software than process 0: python "), err
+    assert err.endswith("; install the same on every host\n")
+    here, there = err.split(": ", 2)[2].split(" here, ")
+    assert here.split(", ")[:3] == there.split(", ")[:3]  # the same Python, JAX, jaxlib
+    assert here.split("ultrajax source ")[1] != there.split("ultrajax source ")[1][:12]
 
 
 def test_a_process_with_another_config_stops_naming_the_keys(tmp_path):

@@ -166,7 +166,50 @@ def initialize(args: argparse.Namespace | None = None, env: Mapping[str, str] | 
         ) from None
     if how.source == "flags":
         _check_count(how)
+    _check_same_software()
     return how
+
+
+def software() -> str:
+    """What this process runs: Python, JAX, jaxlib, and a digest of ultrajax's own source
+    files (a checkout edited on one host is other code under the same version)."""
+    import hashlib
+    import importlib.util
+    import platform
+    from pathlib import Path
+
+    import jaxlib
+
+    root = Path(__file__).resolve().parents[1]
+    kernels = importlib.util.find_spec("ultrajax.kernels")  # ../kernels, by a link or a mapping
+    digest = hashlib.sha256()
+    for top in [root, *[Path(p).resolve() for p in kernels.submodule_search_locations or []]]:
+        for path in sorted(top.rglob("*.py")):
+            digest.update(str(path.relative_to(top)).encode() + b"\0" + path.read_bytes())
+    return (
+        f"python {platform.python_version()}, jax {jax.__version__}, jaxlib "
+        f"{jaxlib.__version__}, ultrajax source {digest.hexdigest()[:12]}"
+    )
+
+
+def _check_same_software() -> None:
+    """Every process runs the same software as process 0: hosts with another JAX, or
+    another ultrajax checkout, compile other programs for one run (a hang in the first
+    collective at best, other numbers on some hosts at worst)."""
+    mine = software()
+    theirs = leader_value("software", mine)
+    if theirs is not None and theirs != mine:
+        raise ConfigError(
+            f"process {_process_id()} runs other software than process 0: {mine} here, "
+            f"{theirs} there; install the same on every host"
+        )
+
+
+def _process_id() -> int:
+    """This process's id in the run, known once joined, without starting the backend."""
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.process_id
 
 
 def leader_value(name: str, value: str) -> str | None:
@@ -207,7 +250,7 @@ def check_same_config(text: str) -> None:
     differ = [f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
               if a.get(k) != b.get(k)]  # fmt: skip
     raise ConfigError(
-        f"process {jax.process_index()}'s config differs from process 0's: "
+        f"process {_process_id()}'s config differs from process 0's: "
         f"{'; '.join(differ[:8])}{' ...' if len(differ) > 8 else ''} (process 0's value "
         "first): give every process the same config file and overrides"
     )
