@@ -371,13 +371,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _second_fails(tmp_path, where, first, second, cwd=ROOT) -> str:
+def _second_fails(tmp_path, where, first, second, cwd=ROOT, cwd0=ROOT) -> str:
     """Two train processes with their own arguments: process 1 must fail, alone and at
     once; its stderr. (Process 0 is then stopped: it waits for process 1.)"""
     common = [sys.executable, "-m", "ultrajax.train", *TINY, "--cpu-devices", "1"]
     common += ["train.steps=3", f"train.run_dir={tmp_path}", "--coordinator", where]
     procs = []
-    for own, home in ((first, ROOT), (second, cwd)):  # `python -m` imports from its cwd
+    for own, home in ((first, cwd0), (second, cwd)):  # `python -m` imports from its cwd
         out = subprocess.PIPE
         cmd = [*common, *own]
         procs.append(subprocess.Popen(cmd, cwd=home, env=_env(), stdout=out, stderr=out, text=True))
@@ -424,6 +424,29 @@ def test_a_process_running_other_code_stops(tmp_path):
     here, there = err.split(": ", 2)[2].split(" here, ")
     assert here.split(", ")[:3] == there.split(", ")[:3]  # the same Python, JAX, jaxlib
     assert here.split("ultrajax source ")[1] != there.split("ultrajax source ")[1][:12]
+
+
+def test_a_process_reading_another_copy_of_the_data_stops(tmp_path):
+    """The same data.path on every host, but a node-local copy can be another corpus (a
+    stale one here): that host trained on other documents. Held against process 0's."""
+    homes = []
+    for name, words in (("a", "one two three "), ("b", "four five six seven ")):
+        home = tmp_path / name
+        (home / "text").mkdir(parents=True)
+        for i in range(12):
+            (home / "text" / f"{i}.txt").write_text(words * (20 + i))
+        prepare.prepare([str(home / "text")], "bytes", home / "prep", workers=1)
+        (home / "configs").symlink_to(ROOT / "configs")
+        homes.append(home)
+    where = f"127.0.0.1:{_free_port()}"
+    data = ["data.source=prepared", "data.path=prep", "mesh.data=-1"]  # a relative path
+    first = ["--num-processes", "2", "--process-id", "0", *data]
+    second = ["--num-processes", "2", "--process-id", "1", *data]
+    err = _second_fails(tmp_path / "run", where, first, second, cwd=homes[1], cwd0=homes[0])
+    assert err.startswith("error: process 1 reads other data than process 0: prep (")
+    assert err.endswith("; give every host the same copy\n")
+    here, there = err.split(": ", 2)[2].split(" here, ")
+    assert "manifest" in here and here.split("manifest ")[1] != there.split("manifest ")[1]
 
 
 def test_a_process_with_another_config_stops_naming_the_keys(tmp_path):

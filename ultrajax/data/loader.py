@@ -15,12 +15,14 @@ text on every machine, nothing downloaded.
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 from ultrajax.config.schema import ConfigError, DataConfig
 from ultrajax.data import streams as streams_lib
 from ultrajax.data.prefetch import Prefetcher
-from ultrajax.data.shards import PreparedCorpus
+from ultrajax.data.shards import MANIFEST, PreparedCorpus
 from ultrajax.data.sources import (
     Problems,
     TextReader,
@@ -47,6 +49,7 @@ class Data:
     seed: int
     cross_doc_mask: bool
     summary: str
+    corpora: str = ""  # what is read: each corpus, its documents, a prepared one's manifest
     progress: dict | None = None  # what the train loop saves beside the data position
     _feed: Prefetcher | None = None
     _place: object = None
@@ -172,6 +175,8 @@ def _source(cfg: DataConfig, path, weight, tokenizer, problems: Problems, first)
             )
         t, e = split_indices(len(corpus), cfg.eval_fraction)
         read, size = corpus.__getitem__, f"{corpus.tokens:,} tokens"
+        digest = hashlib.sha256((Path(path) / MANIFEST).read_bytes()).hexdigest()[:12]
+        size += f", manifest {digest}"  # its shards' checksums: the same data, every host
         held = corpus.tokens_of(e)
         counts = (corpus.tokens - held, held)
     else:
@@ -221,5 +226,6 @@ def build(
     if report is not None:  # printed once, with the summary, before the first step
         summary += "\n" + report
     return Data(
-        tokenizer, streams, train, evals, batch_size, seq_len, seed, cfg.cross_doc_mask, summary
-    )
+        tokenizer, streams, train, evals, batch_size, seq_len, seed, cfg.cross_doc_mask, summary,
+        "; ".join(names),
+    )  # fmt: skip

@@ -256,6 +256,19 @@ def check_same_config(text: str) -> None:
     )
 
 
+def check_same_data(corpora: str) -> None:
+    """Every process reads the corpus process 0 reads. The config names the same path on
+    every host, but a node-local copy can be another (stale, cut short): one host then
+    trained on other documents. `corpora` counts each corpus's documents and names a
+    prepared one's manifest digest (its shards' checksums)."""
+    theirs = leader_value("data", corpora)
+    if theirs is not None and theirs != corpora:
+        raise ConfigError(
+            f"process {_process_id()} reads other data than process 0: {corpora} here, "
+            f"{theirs} there; give every host the same copy"
+        )
+
+
 def _check_count(how: Joining) -> None:
     """The run has as many processes as process 0 was told: one started with another
     --num-processes joined it and ran on, believing in another run. Each process reads

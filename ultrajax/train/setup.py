@@ -114,6 +114,7 @@ def build_run(cfg: Config, *, fresh: bool = True) -> RunParts:
         rows=rows,
         batch_sizes=Ramp(cfg).batches(),  # the default stream count splits each
     )
+    distributed.check_same_data(data.corpora)
     tx, schedule = optim.optimizer(cfg), optim.lr_schedule(cfg)
     shardings = state_shardings(cfg, mesh, rules, tx)
     with jax.set_mesh(mesh):
