@@ -1,5 +1,6 @@
 """Data: tokenizers, file sources and their errors, packing, determinism, state, eval split."""
 
+import hashlib
 import json
 import re
 
@@ -79,6 +80,13 @@ def test_hf_tokenizer_from_local_file(tmp_path):
     hf = sources.make_tokenizer(DataConfig(tokenizer=str(path)))
     assert (hf.BOS, hf.EOS, hf.size) == (1, 2, 5)
     np.testing.assert_array_equal(hf.encode("hello world hello"), [3, 4, 3])
+    # what the hosts of a run hold against each other (Data.corpora): the file's digest
+    assert hf.digest == hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("hello world")
+    cfg = DataConfig(source="files", path=str(tmp_path / "docs"), tokenizer=str(path))
+    built = data.build(cfg, seq_len=3, batch_size=1, seed=0, vocab_size=128)
+    assert built.corpora.endswith(f"; tokenizer {hf.digest}")
 
     no_eos = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, "a": 1}, "<unk>"))
     bad = tmp_path / "no_eos.json"

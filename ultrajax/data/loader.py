@@ -227,5 +227,5 @@ def build(
         summary += "\n" + report
     return Data(
         tokenizer, streams, train, evals, batch_size, seq_len, seed, cfg.cross_doc_mask, summary,
-        "; ".join(names),
+        "; ".join(names) + f"; tokenizer {tokenizer.digest}",
     )  # fmt: skip

@@ -5,6 +5,7 @@ Kept apart from the data pipeline so that `prepare`'s worker processes load no J
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ class ByteTokenizer:
 
     BOS, EOS, PAD = 256, 257, 258
     size = 259
+    digest = "bytes"  # what names the tokenizer across hosts (HFTokenizer: its file's)
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8", errors="replace"), np.uint8).astype(np.int32)
@@ -40,6 +42,7 @@ class HFTokenizer:
             ) from None
         if not Path(path).is_file():
             raise ConfigError(f"data.tokenizer: file {path!r} does not exist")
+        self.digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
         try:
             self._tok = Tokenizer.from_file(path)
         except Exception as e:  # the library raises a bare Exception on bad JSON

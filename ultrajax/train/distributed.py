@@ -260,7 +260,7 @@ def check_same_data(corpora: str) -> None:
     """Every process reads the corpus process 0 reads. The config names the same path on
     every host, but a node-local copy can be another (stale, cut short): one host then
     trained on other documents. `corpora` counts each corpus's documents and names a
-    prepared one's manifest digest (its shards' checksums)."""
+    prepared one's manifest digest (its shards' checksums) and the tokenizer's digest."""
     theirs = leader_value("data", corpora)
     if theirs is not None and theirs != corpora:
         raise ConfigError(
