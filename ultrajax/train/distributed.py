@@ -32,7 +32,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import jax
+import yaml
 
+from ultrajax.config.parse import flatten
 from ultrajax.config.schema import ConfigError
 
 
@@ -239,10 +241,6 @@ def check_same_config(text: str) -> None:
     copy edited, a different command) joined and trained with its own settings: another
     learning rate on its shards, for one, without a word. `text` is the resolved config
     as YAML; the keys that differ are named."""
-    import yaml
-
-    from ultrajax.config.parse import flatten
-
     theirs = leader_value("config", text)
     if theirs is None or theirs == text:
         return
