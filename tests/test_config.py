@@ -9,6 +9,7 @@ from ultrajax.config.no_effect import no_effect
 from ultrajax.config.parse import load
 from ultrajax.config.schema import Config, ConfigError
 from ultrajax.config.validate import resolve_mesh
+from ultrajax.parallel.layout import unsupported
 
 
 def _write(tmp_path, text: str) -> Path:
@@ -421,6 +422,18 @@ def test_data_path_without_the_files_source_is_an_error():
         (["optim.name=sgd", "optim.b1=0.8", "optim.eps=1e-6"], "optim.b1=0.8, optim.eps=1e-06"),
         (["parallel.diloco_outer_lr=0.1"], "parallel.diloco_outer_lr=0.1 has no effect with par"),
         (["data.eval_fraction=0", "train.eval_batches=2"], "train.eval_batches=2 has no effect"),
+        # each MoE balance reads its own coefficient; a schedule, prefetch, eval cadence
+        (["model.moe_experts=4", "model.moe_balance=bias", "model.moe_aux_coef=0.5"],
+         "model.moe_aux_coef=0.5 has no effect with model.moe_balance=bias"),
+        (["model.moe_experts=4", "model.moe_bias_rate=0.5"],
+         "model.moe_bias_rate=0.5 has no effect with model.moe_balance=aux"),
+        (["model.moe_experts=4", "model.moe_balance=none", "model.moe_aux_coef=0.5",
+          "model.moe_bias_rate=0.5"], "model.moe_aux_coef=0.5, model.moe_bias_rate=0.5 have"),
+        (["optim.schedule=constant", "optim.schedule_steps=100"],
+         "optim.schedule_steps=100 has no effect with optim.schedule=constant"),
+        (["parallel.prefetch=false", "mesh.fsdp=2", "parallel.zero=1"],
+         "parallel.prefetch=false has no effect with parallel.zero=1 and mesh.fsdp=2"),
+        (["train.eval_batches=0", "train.eval_every=1"], "train.eval_every=1 has no effect"),
     ],
 )  # fmt: skip
 def test_settings_without_effect_are_named_once(overrides, key):
@@ -452,6 +465,32 @@ def test_settings_with_effect_give_no_warning():
     assert no_effect(load(None, ["optim.schedule=constant", "optim.lr=1e-4"])) == []
     (line,) = no_effect(loop, "cpu")
     assert line.startswith("model.scan_layers=false with model.remat=selective holds on a CPU")
+
+
+def test_settings_without_effect_on_the_platform_are_named():
+    """What the backend decides: `auto`'s attention, the GPU's XLA flags, and the ring's
+    pairs of chunks, which the Pallas kernel runs only where the chunk fits its tiles (they
+    fell back to plain XLA without a word)."""
+    kernel = ["model.attention_blocks=[32,32,32,32]", "model.attention_backward=fused"]
+    (line,) = no_effect(load(None, ["model.seq_len=256", *kernel]), "cpu")
+    assert "have no effect with model.attention=auto, tiled here, (the Pallas" in line
+    assert no_effect(load(None, ["data.cross_doc_mask=true", *kernel]), "gpu") == []  # pallas
+    (line,) = no_effect(load(None, ["parallel.overlap=false"]), "cpu")
+    assert line.startswith("parallel.overlap=False has no effect with the cpu backend")
+    assert no_effect(load(None, ["parallel.overlap=false"]), "gpu") == []
+    ring = ["mesh.sequence=2", "model.seq_len=256", "data.cross_doc_mask=true"]
+    big, small = "model.attention_blocks=[128,128,128,128]", "model.attention_blocks=[64,64,64,64]"
+    for platform, attention in (("gpu", "auto"), ("gpu", "cudnn"), ("cpu", "pallas")):
+        cfg = load(None, [*ring, f"model.attention={attention}", big])
+        (line,) = no_effect(cfg, platform)  # 64-token chunks: the pairs run in plain XLA
+        assert line.startswith(f"model.attention={attention} under context parallelism")
+        assert "a chunk of 64 tokens" in line and "their lcm is 128" in line
+        fits = load(None, [*ring, f"model.attention={attention}", small])
+        assert no_effect(fits, platform) == []  # the kernel runs them
+    # and on a CPU that kernel cannot run inside the step: refused before it is built
+    cfg = load(None, [*ring, "model.attention=pallas", small])
+    assert "whose CPU interpreter fails JAX's varying-axes check" in unsupported(cfg, "cpu")
+    assert unsupported(cfg, "gpu") is None
 
 
 def test_odd_head_dimension_says_what_to_change():

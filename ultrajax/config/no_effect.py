@@ -5,11 +5,14 @@ for a larger mesh."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ultrajax.config.schema import Config, ModelConfig, ParallelConfig
+from ultrajax.kernels.flash_attention import BlockSizes
 from ultrajax.model import units
 from ultrajax.model.attention import backends as attention
 from ultrajax.parallel import zero
+from ultrajax.parallel.context import pair_kernel
 
 
 def _moe_warnings(cfg: Config) -> list[str]:
@@ -32,6 +35,10 @@ def _moe_warnings(cfg: Config) -> list[str]:
             "effect with model.moe_experts=0 (a dense model): set model.moe_experts, or drop "
             f"{'it' if len(changed) == 1 else 'them'}"
         )
+    elif m.moe_experts:  # each balance reads its own coefficient only (model/moe.py)
+        unread = {"aux": ("moe_bias_rate",), "bias": ("moe_aux_coef",)}
+        keys = unread.get(m.moe_balance, ("moe_aux_coef", "moe_bias_rate"))
+        out += _unread(cfg, "model", keys, f"model.moe_balance={m.moe_balance}")
     return out
 
 
@@ -83,23 +90,44 @@ def _loop_warnings(cfg: Config, platform: str | None) -> list[str]:
     return out
 
 
-def _kernel_warnings(cfg: Config) -> list[str]:
-    """no_effect's line about the Pallas attention kernel's settings."""
-    m = cfg.model
-    backend = attention.BACKENDS.get(m.attention)  # None: auto (may pick the kernel)
-    # the kernel runs where chosen, and in the ring's pairs for any GPU kernel (pair_kernel)
-    kernel = backend is None or backend.tiles or (cfg.mesh.sequence > 1 and backend.gpu_kernel)
+def _kernel_warnings(cfg: Config, platform: str | None) -> list[str]:
+    """no_effect's lines about the Pallas attention kernel: its settings where it does not
+    run, and the ring's pairs of chunks left to plain XLA because they do not fit its tiles.
+    `platform` resolves `auto` (unknown: auto may pick the kernel)."""
+    m, cp = cfg.model, cfg.mesh.sequence
+    out = []
+    if platform is None:
+        backend = attention.BACKENDS.get(m.attention)  # None: auto
+        pairs = cp > 1 and (backend is None or backend.gpu_kernel)
+        kernel = backend is None or backend.tiles or pairs
+    else:
+        name = attention.resolve(m.attention, platform, cfg.data.cross_doc_mask, m.seq_len)
+        backend = attention.BACKENDS[name]
+        pairs = cp > 1 and backend.gpu_kernel  # a flash kernel: ours runs the ring's pairs
+        fits = pair_kernel(cfg, platform) == "pallas"
+        if pairs and not fits:
+            b = BlockSizes.of(m.attention_blocks, m.hd)
+            tile = math.lcm(b.q, b.k, b.q_bwd, b.k_bwd)
+            out.append(
+                f"model.attention={m.attention} under context parallelism (mesh.sequence={cp}) "
+                f"runs the ring's pairs of chunks in plain XLA, with fp32 scores of each pair: "
+                f"a chunk of {m.seq_len // (2 * cp)} tokens (model.seq_len / (2 x mesh.sequence))"
+                f" is not a multiple of the kernel's tiles (their lcm is {tile}): set "
+                "model.attention_blocks to tiles that divide the chunk"
+            )
+        kernel = (backend.tiles and cp == 1) or (pairs and fits)
     asked = [f"model.attention_blocks={m.attention_blocks}"] * (m.attention_blocks is not None)
     asked += [f"model.attention_backward={m.attention_backward}"] * (
         m.attention_backward != "split"
     )
-    if not asked or kernel:
-        return []
+    if not asked or kernel or out:  # out: the pairs' line says why the tiles do not apply
+        return out
     one = len(asked) == 1
-    return [
+    resolved = f", {backend.name} here," if m.attention == "auto" and platform else ""
+    return out + [
         f"{' and '.join(asked)} {'has' if one else 'have'} no effect with "
-        f"model.attention={m.attention} (the Pallas kernel's tiles and backward): use "
-        f"model.attention=pallas, or drop {'it' if one else 'them'}"
+        f"model.attention={m.attention}{resolved} (the Pallas kernel's tiles and backward): "
+        f"use model.attention=pallas, or drop {'it' if one else 'them'}"
     ]
 
 
@@ -133,12 +161,14 @@ def _reading_warnings(cfg: Config) -> list[str]:
     if o.schedule != "wsd":
         out += _unread(cfg, "optim", ("decay_fraction",), f"optim.schedule={o.schedule}")
     if o.schedule == "constant":
-        out += _unread(cfg, "optim", ("min_lr",), "optim.schedule=constant")
+        out += _unread(cfg, "optim", ("min_lr", "schedule_steps"), "optim.schedule=constant")
     if o.name == "sgd":
         out += _unread(cfg, "optim", ("b1", "b2", "eps"), "optim.name=sgd (no moments)")
     if not par.diloco_steps:
         keys = ("diloco_outer_lr", "diloco_outer_momentum", "diloco_fragments", "diloco_dtype")
         out += _unread(cfg, "parallel", keys, "parallel.diloco_steps=0 (no DiLoCo)")
+    if not t.eval_batches:
+        out += _unread(cfg, "train", ("eval_every",), "train.eval_batches=0 (no evaluation)")
     if cfg.data.eval_fraction == 0 and t.eval_batches:
         out.append(
             f"train.eval_batches={t.eval_batches} has no effect with data.eval_fraction=0 (no "
@@ -193,8 +223,18 @@ def no_effect(cfg: Config, platform: str | None = None) -> list[str]:
             "train.grad_accum >= 2, or drop it"
         )
     m = cfg.model
-    out += _kernel_warnings(cfg)
+    out += _kernel_warnings(cfg, platform)
     regather = par.zero >= 3 and mesh.fsdp != 1
+    if not par.prefetch and not regather:
+        out.append(
+            f"parallel.prefetch=false has no effect with parallel.zero={par.zero} and "
+            f"mesh.fsdp={mesh.fsdp} (it is ZeRO-3's gather of the next layer's weights over "
+            "fsdp): drop it"
+        )
+    if platform is not None and platform != "gpu":
+        keys = ("overlap", "pipeline_collectives", "all_reduce_bucket_mib")
+        keys += ("all_gather_bucket_mib", "reduce_scatter_bucket_mib")
+        out += _unread(cfg, "parallel", keys, f"the {platform} backend (XLA's GPU flags)")
     scanned = m.scan_layers or scans_kept(cfg)
     if m.scan_unroll > 1 and (m.remat != "none" or regather) and scanned:
         why = f"model.remat={m.remat}" if m.remat != "none" else "parallel.zero=3"

@@ -41,6 +41,13 @@ def unsupported(cfg: Config, backend: str) -> str | None:
     p = cfg.parallel
     if p.diloco_steps and p.collectives == "gspmd":  # the config's validation refuses it
         return "DiLoCo runs in the explicit step only (each rank reads its own replica there)"
+    if backend == "cpu" and cfg.mesh.sequence > 1 and pair_kernel(cfg, backend) == "pallas":
+        return (
+            f"model.attention={cfg.model.attention} under context parallelism (mesh.sequence="
+            f"{cfg.mesh.sequence}) runs the ring's pairs in the Pallas kernel, whose CPU "
+            "interpreter fails JAX's varying-axes check inside the step; on a CPU use "
+            "model.attention=auto (plain XLA pairs): on a GPU the kernel runs them"
+        )
     if backend == "cpu" and p.collectives == "gspmd" and p.grad_reduce_dtype == "bfloat16":
         return (
             "parallel.grad_reduce_dtype=bfloat16 with parallel.collectives=gspmd aborts XLA's "
