@@ -148,6 +148,23 @@ def _unread(cfg: Config, section: str, keys: tuple[str, ...], when: str) -> list
     ]
 
 
+def _gather_warnings(cfg: Config, regather: bool, platform: str | None) -> list[str]:
+    """ZeRO-3's prefetch without ZeRO-3's gathers (`regather`), and the GPU's collective
+    flags (train/overlap.py) off a GPU."""
+    par, out = cfg.parallel, []
+    if not par.prefetch and not regather:
+        out.append(
+            f"parallel.prefetch=false has no effect with parallel.zero={par.zero} and "
+            f"mesh.fsdp={cfg.mesh.fsdp} (it is ZeRO-3's gather of the next layer's weights "
+            "over fsdp): drop it"
+        )
+    if platform is not None and platform != "gpu":
+        keys = ("overlap", "pipeline_collectives", "all_reduce_bucket_mib")
+        keys += ("all_gather_bucket_mib", "reduce_scatter_bucket_mib")
+        out += _unread(cfg, "parallel", keys, f"the {platform} backend (XLA's GPU flags)")
+    return out
+
+
 def _reading_warnings(cfg: Config) -> list[str]:
     """Settings that what else is set never reads: the rope scaling's numbers, the
     schedule's, Adam's with plain SGD, DiLoCo's without DiLoCo, evaluation without a held-out
@@ -225,16 +242,7 @@ def no_effect(cfg: Config, platform: str | None = None) -> list[str]:
     m = cfg.model
     out += _kernel_warnings(cfg, platform)
     regather = par.zero >= 3 and mesh.fsdp != 1
-    if not par.prefetch and not regather:
-        out.append(
-            f"parallel.prefetch=false has no effect with parallel.zero={par.zero} and "
-            f"mesh.fsdp={mesh.fsdp} (it is ZeRO-3's gather of the next layer's weights over "
-            "fsdp): drop it"
-        )
-    if platform is not None and platform != "gpu":
-        keys = ("overlap", "pipeline_collectives", "all_reduce_bucket_mib")
-        keys += ("all_gather_bucket_mib", "reduce_scatter_bucket_mib")
-        out += _unread(cfg, "parallel", keys, f"the {platform} backend (XLA's GPU flags)")
+    out += _gather_warnings(cfg, regather, platform)
     scanned = m.scan_layers or scans_kept(cfg)
     if m.scan_unroll > 1 and (m.remat != "none" or regather) and scanned:
         why = f"model.remat={m.remat}" if m.remat != "none" else "parallel.zero=3"
