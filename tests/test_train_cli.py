@@ -439,6 +439,36 @@ def test_a_step_is_in_metrics_before_its_save_and_a_diverged_step_is_not_saved(
     assert 1 < last < 12 and sorted(saved) == list(range(1, last))  # stopped where it went
 
 
+def test_a_profile_window_a_run_resumes_or_ends_inside_is_written(tmp_path, capsys):
+    """A run resumed inside train.profile_steps crashed at the stop of a trace it never
+    started (losing the steps since its last save), and one whose ramp reached its token
+    budget inside the window left the trace unwritten, without a word."""
+    from ultrajax.train import loop
+
+    quick = ["optim.warmup_steps=1", "train.eval_batches=0", "train.micro_batch_size=2",
+             "train.grad_accum=1", "model.n_layers=1", "model.seq_len=64",
+             "mesh.data=-1"]  # fmt: skip
+    run = tmp_path / "resumed"
+    cfg = parse.load(TINY, [*quick, "train.steps=3", "optim.schedule_steps=8",
+                            f"train.run_dir={run}"])  # fmt: skip
+    assert loop.train(cfg) == 0
+    cfg = parse.load(TINY, [*quick, "train.steps=8", "optim.schedule_steps=8",
+                            "train.profile_steps=[2, 5]", f"train.run_dir={run}"])  # fmt: skip
+    capsys.readouterr()
+    assert loop.train(cfg) == 0
+    assert (f"profile of steps 3..5 written to {run}/profile (train.profile_steps=[2, 5]: "
+            "the run resumed inside it)") in capsys.readouterr().out  # fmt: skip
+    assert (run / "memory.prof").is_file() and any((run / "profile").rglob("*.xplane.pb"))
+    ramp = tmp_path / "ramp"  # 4 steps of 1024 tokens, then 2048: the budget ends at step 6
+    stages = "[{tokens_per_step: 2048, from_tokens: 4096}]"
+    cfg = parse.load(TINY, [*quick, "train.steps=8", f"train.batch_schedule={stages}",
+                            "train.profile_steps=[4, 7]", f"train.run_dir={ramp}"])  # fmt: skip
+    assert loop.train(cfg) == 0
+    out = capsys.readouterr().out
+    assert "(train.profile_steps=[4, 7]: the run ended inside it)" in out, out
+    assert (ramp / "memory.prof").is_file() and any((ramp / "profile").rglob("*.xplane.pb"))
+
+
 def test_a_loss_that_is_not_finite_ends_the_run_with_status_1(monkeypatch, capsys):
     """The loop stops at the first logged step whose loss is not finite (Diverged); the
     command turns that into one line and exit status 1, like a failed run."""

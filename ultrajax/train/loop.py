@@ -159,6 +159,10 @@ class Training:
         self.ckpt, self.ramp, self.data, self.eval_fn = ckpt, ramp, parts.data, parts.eval_fn
         self.state, self.step = state, start  # step: the steps done so far
         self.profile = t.profile_steps
+        self.traced_from: int | None = None  # the step the open trace began at
+        if self.profile and start > self.profile[1]:
+            say(f"profile: train.profile_steps={self.profile} were trained before step {start}, "
+                "where this run resumes: nothing is traced")  # fmt: skip
         # batches are read, packed and placed on a background thread, data.prefetch ahead
         self.data.train.grad_accum = ramp.grad_accum
         sh = parts.batch_sh
@@ -297,19 +301,31 @@ class Training:
 
     def profile_start(self) -> None:
         """train.profile_steps=[first, last], steps numbered from 0: the trace starts just
-        before step `first` is dispatched..."""
-        if self.profile and self.step == self.profile[0]:
+        before step `first` is dispatched (or the first step of a run resumed inside the
+        window: a resume there crashed at the stop of a trace never started)..."""
+        if not self.profile or self.traced_from is not None:
+            return
+        first, last = self.profile
+        if first <= self.step <= last:
             jax.profiler.start_trace(str(self.run_dir / "profile"))
+            self.traced_from = self.step
 
-    def profile_stop(self) -> None:
+    def profile_stop(self, end: bool = False) -> None:
         """...and stops once step `last` has finished on the devices (not merely been
-        dispatched), with a device memory profile beside it."""
-        if self.profile and self.step == self.profile[1]:
-            jax.block_until_ready(self.state)
-            jax.profiler.stop_trace()
-            jax.profiler.save_device_memory_profile(str(self.run_dir / "memory.prof"))
-            first, last = self.profile
-            self.say(f"profile of steps {first}..{last} written to {self.run_dir}/profile")
+        dispatched), with a device memory profile beside it; or where the run ends inside
+        the window (`end`: a ramp's token budget, a stop), which left the trace unwritten."""
+        if self.traced_from is None or (self.step != self.profile[1] and not end):
+            return
+        jax.block_until_ready(self.state)
+        jax.profiler.stop_trace()
+        jax.profiler.save_device_memory_profile(str(self.run_dir / "memory.prof"))
+        first, last = self.traced_from, self.step - 1 if end else self.profile[1]
+        cut = f" (train.profile_steps={self.profile}: the run " + (
+            "ended inside it)" if end else "resumed inside it)"
+        )
+        self.say(f"profile of steps {first}..{last} written to {self.run_dir}/profile"
+                 + (cut if [first, last] != list(self.profile) else ""))  # fmt: skip
+        self.traced_from = None
 
     def summary(self) -> list[str]:
         """The end of the log (train/report.py), from what this run measured."""
@@ -322,6 +338,7 @@ class Training:
     def close(self) -> None:
         """The bar, the data threads and the metrics files; checkpoints close after the
         summary (their saves may still be being written)."""
+        self.profile_stop(end=True)
         self.bar.close()
         self.data.close()
         if self.writer:
