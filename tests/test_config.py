@@ -165,6 +165,14 @@ def test_wrong_type_names_the_key(override, key):
     assert key in _error(override)
 
 
+def test_a_seed_past_32_bits_is_refused():
+    """JAX's key keeps 32 bits: train.seed=2**32 initialised as seed 0 under another name."""
+    assert "train.seed must be in 0..4294967295" in _error(f"train.seed={2**32}")
+    assert "would be seed 0's" in _error(f"train.seed={2**32}")
+    assert "train.seed must be in" in _error("train.seed=-1")
+    assert load(None, [f"train.seed={2**32 - 1}"]).train.seed == 2**32 - 1
+
+
 def test_wrong_type_in_yaml_file(tmp_path):
     path = _write(tmp_path, "model:\n  n_layers: four\n")
     assert "model.n_layers" in _error(path=path)

@@ -116,6 +116,12 @@ def test_cli_on_a_checkpoint(params, tmp_path, capsys, monkeypatch):
         generate.main(argv + ["--prompt-ids", "1,999"])
     with pytest.raises(ConfigError, match="exceed model.seq_len"):
         generate.main(argv[:2] + ["--prompt-ids", "1", "--max-new-tokens", "100"])
+    # a NaN temperature sampled token 0 on and on; a seed past 32 bits was another's
+    for flag, value, said in (("--temperature", "nan", "a number >= 0"),
+                              ("--seed", str(2**32), "0..4294967295"),
+                              ("--seed", "-1", "0..4294967295")):  # fmt: skip
+        with pytest.raises(ConfigError, match=said):
+            generate.main(argv[:2] + ["--prompt-ids", "1", flag, value])
 
 
 def test_cli_on_a_hugging_face_folder_points_to_the_converter(tmp_path):

@@ -120,8 +120,10 @@ def test_prepared_data_brings_its_tokenizer_and_errors_say_what_to_do(tmp_path):
         parse.load(None, ["data.source=prepared"])
     with pytest.raises(ConfigError, match="data.mixture replaces data.path"):
         parse.load(None, ["data.source=prepared", "data.path=x", "data.mixture=[{path: y}]"])
-    with pytest.raises(ConfigError, match=r"data.mixture\[0\].weight must be positive"):
-        parse.load(None, ["data.source=prepared", "data.mixture=[{path: y, weight: 0}]"])
+    for weight in ("0", ".inf"):  # infinity crashed the loader with a traceback
+        with pytest.raises(ConfigError, match=r"data.mixture\[0\].weight must be positive and"):
+            mixture = f"data.mixture=[{{path: y, weight: {weight}}}]"
+            parse.load(None, ["data.source=prepared", mixture])
 
 
 def test_a_prepared_directory_read_as_text_is_refused_and_mixture_entries_named(tmp_path):

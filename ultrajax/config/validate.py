@@ -34,6 +34,9 @@ def _check(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+SEEDS = 2**32  # seeds JAX's default key tells apart (it keeps 32 bits)
+
+
 def validate(cfg: Config) -> None:
     """Every consistency rule a run depends on, each with a message saying what to change."""
     _validate_names(cfg)
@@ -195,7 +198,10 @@ def _validate_data(d) -> None:
         )
         for i, m in enumerate(d.mixture):
             _check(bool(m.path), f"data.mixture[{i}].path is empty")
-            _check(m.weight > 0, f"data.mixture[{i}].weight must be positive, got {m.weight}")
+            _check(
+                0 < m.weight < math.inf,
+                f"data.mixture[{i}].weight must be positive and finite, got {m.weight}",
+            )
     else:
         _check(
             d.source == "stdlib" or bool(d.path),
@@ -211,6 +217,11 @@ def _validate_training(t, o) -> None:
     for key in ("steps", "micro_batch_size", "grad_accum", "log_every", "eval_every"):
         _check(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
     _check(t.eval_batches >= 0, "train.eval_batches must be >= 0")
+    _check(
+        0 <= t.seed < SEEDS,
+        f"train.seed must be in 0..{SEEDS - 1} (JAX's key keeps 32 bits: {t.seed} would be "
+        f"seed {t.seed % SEEDS}'s initialisation)",
+    )
     if t.profile_steps is not None:
         _check(
             len(t.profile_steps) == 2 and 0 <= t.profile_steps[0] <= t.profile_steps[1],

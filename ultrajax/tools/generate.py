@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 
 from ultrajax import cli
 from ultrajax.config.schema import ConfigError, ModelConfig
+from ultrajax.config.validate import SEEDS
 from ultrajax.data import sources
 from ultrajax.model.decode import forward_with_cache, init_cache
 from ultrajax.train import checkpoint as checkpoint_lib
@@ -120,8 +122,10 @@ def main(argv=None) -> int:
     cli.setup_devices(args.cpu_devices)
     if args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens must be >= 1")
-    if args.temperature < 0:
-        raise ConfigError("--temperature must be >= 0 (0: greedy)")
+    if not 0 <= args.temperature < math.inf:  # NaN too: it sampled token 0 on and on
+        raise ConfigError("--temperature must be a number >= 0 (0: greedy)")
+    if not 0 <= args.seed < SEEDS:
+        raise ConfigError(f"--seed must be in 0..{SEEDS - 1} (JAX's key keeps 32 bits)")
     if args.top_k < 0:
         raise ConfigError("--top-k must be >= 0")
     if not 0 < args.top_p <= 1:
