@@ -356,6 +356,13 @@ def test_mismatched_checkpoints_name_what_differs(reference, tmp_path):
     assert "model.d_model=32 in the checkpoint, 64 in the config" in str(e.value)
     assert "model.n_layers=2 in the checkpoint, 3 in the config" in str(e.value)
     assert "train.run_dir=" in str(e.value) and "\n" not in str(e.value)  # the ways out
+    # with checkpoint.dir set, another run directory shares it: that is not a way out
+    shape = ["model.d_model=64", f"checkpoint.dir={reference[0] / 'checkpoints'}"]
+    with pytest.raises(ConfigError) as e:
+        resume.restore_train(source, load(tmp_path, *LAYOUT_A, *shape),
+                             _target(cfg, jax.devices()), _data(cfg))  # fmt: skip
+    assert "give it its own checkpoint.dir=..." in str(e.value)
+    assert "train.run_dir=" not in str(e.value)
     # an optimizer of another structure (no clipping), the change asked for, is named too
     cfg = load(tmp_path, *LAYOUT_A, "optim.clip_norm=0", "checkpoint.resume_changed=true")
     with pytest.raises(ConfigError, match=r"lacks optimizer/opt_state/0/.* \(the optim\.\*"):
@@ -400,6 +407,11 @@ def test_a_resume_that_changes_what_the_run_is_is_refused_or_named(reference, tm
     # its way to train on keeps the saved run's schedule (20 steps), not this config's 15
     said = report.nothing_to_train(cfg, resume.saved_config(*finished), *finished, tmp_path)
     assert "train.steps=15 is reached" in said and "optim.schedule_steps=20 to keep" in said
+    assert said.endswith(f"to start over, give train.run_dir=... or delete {tmp_path}")
+    shared = load(tmp_path, *LAYOUT_A, "train.steps=15", f"checkpoint.dir={finished[0]}")
+    said = report.nothing_to_train(shared, resume.saved_config(*finished), *finished, tmp_path)
+    assert said.endswith(f"give another checkpoint.dir=... (every run that names {finished[0]} "
+                         "shares it)")  # fmt: skip
     # what does not change the run goes through without a word: layout, logging, steps
     lines = []
     cfg = load(tmp_path, *LAYOUT_A, "train.log_every=3", "optim.schedule_steps=20")

@@ -138,8 +138,17 @@ def nothing_to_train(cfg: Config, saved: Config, ckpt_dir: Path, step: int, run_
         f"{ckpt_dir} is at step {step}: train.steps={cfg.train.steps} is reached, nothing to "
         "train. To train longer, raise train.steps (with train.reschedule=true, or "
         f"optim.schedule_steps={optim.schedule_steps(saved)} to keep the schedule); to "
-        f"start over, give train.run_dir=... or delete {run_dir}"
+        f"start over, {start_over(cfg, run_dir)}"
     )
+
+
+def start_over(cfg: Config, run_dir: Path) -> str:
+    """The way to a fresh run beside one whose checkpoints are in the way: a new run
+    directory, unless checkpoint.dir is set, which a new run directory then shares."""
+    if cfg.checkpoint.dir:
+        ckpt_dir = checkpoint_lib.checkpoint_dir(cfg)
+        return f"give another checkpoint.dir=... (every run that names {ckpt_dir} shares it)"
+    return f"give train.run_dir=... or delete {run_dir}"
 
 
 def summary_lines(

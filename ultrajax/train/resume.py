@@ -63,10 +63,15 @@ def _saved(root: Path, step: int, cfg: Config, warn=print) -> Config:
     try:
         check_model(saved.model, cfg.model, where, warn)
     except ConfigError as e:  # most often: the shape changed, the run directory did not
+        own = (
+            f"its own checkpoint.dir=... (every run naming {root} shares it)"
+            if cfg.checkpoint.dir
+            else "its own run directory (train.run_dir=..., or leave train.run_dir unset: "
+            "each config then gets its own)"
+        )
         raise ConfigError(
-            f"{e}. To train the new shape, give it its own run directory "
-            f"(train.run_dir=..., or leave train.run_dir unset: each config then gets its "
-            f"own), or delete {root} to start over; to continue that run, use its config"
+            f"{e}. To train the new shape, give it {own}, or delete {root} to start over; "
+            "to continue that run, use its config"
         ) from None
     return saved
 
