@@ -87,6 +87,17 @@ def test_hf_tokenizer_from_local_file(tmp_path):
     cfg = DataConfig(source="files", path=str(tmp_path / "docs"), tokenizer=str(path))
     built = data.build(cfg, seq_len=3, batch_size=1, seed=0, vocab_size=128)
     assert built.corpora.endswith(f"; tokenizer {hf.digest}")
+    # a resume holds it against the checkpoint's: a tokenizer.json replaced at the same
+    # path gave the model other ids for the same text, without a word
+    state = built.state()
+    assert state["tokenizer"] == hf.digest
+    vocab["world"], vocab["hello"] = 3, 4
+    other = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    other.save(str(path))
+    rebuilt = data.build(cfg, seq_len=3, batch_size=1, seed=0, vocab_size=128)
+    with pytest.raises(ConfigError, match=f"tokenizer differs .* \\(digest {hf.digest}, now "):
+        rebuilt.restore(state)
+    rebuilt.restore({k: v for k, v in state.items() if k != "tokenizer"})  # saved before it
 
     no_eos = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, "a": 1}, "<unk>"))
     bad = tmp_path / "no_eos.json"

@@ -121,11 +121,21 @@ class Data:
         """The position after the last batch trained on, every process's streams in one,
         with `progress` (the batch ramp's state, ultrajax/train/ramp.py) beside it."""
         local = self._feed.state() if self._feed else self.train.get_state()
-        return dict(streams_lib.gather_state(local), progress=self.progress)
+        gathered = streams_lib.gather_state(local)
+        return dict(gathered, progress=self.progress, tokenizer=self.tokenizer.digest)
 
     def restore(self, state: dict) -> None:
         """Continue a saved position, in the checkpoint's stream count where the default
-        count has changed since (ultrajax/data/streams.py)."""
+        count has changed since (ultrajax/data/streams.py). With the tokenizer it was saved
+        with: a tokenizer.json replaced at the same path gave the model other ids for the
+        same text, without a word (checkpoints from before the digest was saved pass)."""
+        saved = state.get("tokenizer")
+        if saved is not None and saved != self.tokenizer.digest:
+            raise ConfigError(
+                f"the tokenizer differs from the one this run was trained with (digest "
+                f"{saved}, now {self.tokenizer.digest}): the same text would be other ids; "
+                "put the run's tokenizer back at data.tokenizer, or start a new run"
+            )
         self.close()
         before = self.train.describe()
         self.train.set_state(state)
