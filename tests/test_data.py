@@ -106,10 +106,16 @@ def test_hf_tokenizer_from_local_file(tmp_path):
         sources.make_tokenizer(DataConfig(tokenizer=str(bad)))
 
 
-def test_missing_tokenizer_file(tmp_path):
+def test_missing_tokenizer_file(tmp_path, monkeypatch):
     pytest.importorskip("tokenizers")
-    with pytest.raises(ConfigError, match="data.tokenizer"):
+    with pytest.raises(ConfigError, match="data.tokenizer") as e:
         sources.make_tokenizer(DataConfig(tokenizer=str(tmp_path / "none.json")))
+    assert str(e.value).endswith("none.json' does not exist")
+    # a relative path, as a run saved it, read by generate started elsewhere: said
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        sources.make_tokenizer(DataConfig(tokenizer="tok/none.json"))
+    assert f"does not exist here ({tmp_path}): a relative path is read from" in str(e.value)
 
 
 # --------------------------------------------------------------------------- sources

@@ -41,7 +41,14 @@ class HFTokenizer:
                 "data.tokenizer: the 'tokenizers' package is needed; pip install tokenizers"
             ) from None
         if not Path(path).is_file():
-            raise ConfigError(f"data.tokenizer: file {path!r} does not exist")
+            relative = (
+                f" here ({Path.cwd()}): a relative path is read from the directory a command "
+                "starts in, so start this one where the run was started, or give the "
+                "tokenizer's absolute path"
+                if not Path(path).is_absolute()
+                else ""
+            )
+            raise ConfigError(f"data.tokenizer: file {path!r} does not exist{relative}")
         self.digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
         try:
             self._tok = Tokenizer.from_file(path)
