@@ -5,14 +5,12 @@ for a larger mesh."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from ultrajax.config.schema import Config, ModelConfig, ParallelConfig
-from ultrajax.kernels.flash_attention import BlockSizes
 from ultrajax.model import units
 from ultrajax.model.attention import backends as attention
 from ultrajax.parallel import zero
-from ultrajax.parallel.context import pair_kernel
+from ultrajax.parallel.context import pair_chunk, pair_kernel, pair_tile
 
 
 def _moe_warnings(cfg: Config) -> list[str]:
@@ -106,13 +104,11 @@ def _kernel_warnings(cfg: Config, platform: str | None) -> list[str]:
         pairs = cp > 1 and backend.gpu_kernel  # a flash kernel: ours runs the ring's pairs
         fits = pair_kernel(cfg, platform) == "pallas"
         if pairs and not fits:
-            b = BlockSizes.of(m.attention_blocks, m.hd)
-            tile = math.lcm(b.q, b.k, b.q_bwd, b.k_bwd)
             out.append(
                 f"model.attention={m.attention} under context parallelism (mesh.sequence={cp}) "
                 f"runs the ring's pairs of chunks in plain XLA, with fp32 scores of each pair: "
-                f"a chunk of {m.seq_len // (2 * cp)} tokens (model.seq_len / (2 x mesh.sequence))"
-                f" is not a multiple of the kernel's tiles (their lcm is {tile}): set "
+                f"a chunk of {pair_chunk(cfg)} tokens (model.seq_len / (2 x mesh.sequence))"
+                f" is not a multiple of the kernel's tiles (their lcm is {pair_tile(cfg)}): set "
                 "model.attention_blocks to tiles that divide the chunk"
             )
         kernel = (backend.tiles and cp == 1) or (pairs and fits)

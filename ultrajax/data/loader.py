@@ -15,14 +15,12 @@ text on every machine, nothing downloaded.
 from __future__ import annotations
 
 import functools
-import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 
 from ultrajax.config.schema import ConfigError, DataConfig
 from ultrajax.data import streams as streams_lib
 from ultrajax.data.prefetch import Prefetcher
-from ultrajax.data.shards import MANIFEST, PreparedCorpus
+from ultrajax.data.shards import PreparedCorpus
 from ultrajax.data.sources import (
     Problems,
     TextReader,
@@ -185,8 +183,7 @@ def _source(cfg: DataConfig, path, weight, tokenizer, problems: Problems, first)
             )
         t, e = split_indices(len(corpus), cfg.eval_fraction)
         read, size = corpus.__getitem__, f"{corpus.tokens:,} tokens"
-        digest = hashlib.sha256((Path(path) / MANIFEST).read_bytes()).hexdigest()[:12]
-        size += f", manifest {digest}"  # its shards' checksums: the same data, every host
+        size += f", manifest {corpus.digest}"  # its shards' checksums: the same data, every host
         held = corpus.tokens_of(e)
         counts = (corpus.tokens - held, held)
     else:

@@ -110,8 +110,11 @@ class PreparedCorpus:
                 f"data.path={str(path)!r} is not a prepared directory (no {MANIFEST}); make "
                 "one with: python -m ultrajax.data prepare --input ... --out ..."
             )
+        text = manifest.read_bytes()
+        # names this corpus across hosts: the manifest lists every shard's checksums
+        self.digest = hashlib.sha256(text).hexdigest()[:12]
         try:
-            self.manifest = json.loads(manifest.read_text())
+            self.manifest = json.loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{manifest} is not valid JSON ({e})") from None
         if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:

@@ -84,9 +84,19 @@ def pair_kernel(cfg, platform: str) -> str:
     if not BACKENDS[name].gpu_kernel:  # a flash kernel on a GPU: ours runs the pairs
         return "xla"
 
+    return "pallas" if pair_chunk(cfg) % pair_tile(cfg) == 0 else "xla"
+
+
+def pair_chunk(cfg) -> int:
+    """The tokens of one chunk of the ring: seq_len / (2 x mesh.sequence)."""
+    return cfg.model.seq_len // (2 * cfg.mesh.sequence)
+
+
+def pair_tile(cfg) -> int:
+    """What a chunk must be a multiple of for the Pallas kernel to run a pair: the least
+    common multiple of its tiles."""
     b = fa.BlockSizes.of(cfg.model.attention_blocks, cfg.model.hd)
-    chunk = cfg.model.seq_len // (2 * cfg.mesh.sequence)
-    return "pallas" if chunk % math.lcm(b.q, b.k, b.q_bwd, b.k_bwd) == 0 else "xla"
+    return math.lcm(b.q, b.k, b.q_bwd, b.k_bwd)
 
 
 def pair_kind(q_chunk, k_chunk):

@@ -199,8 +199,8 @@ def _check_same_software() -> None:
     another ultrajax checkout, compile other programs for one run (a hang in the first
     collective at best, other numbers on some hosts at worst)."""
     mine = software()
-    theirs = leader_value("software", mine)
-    if theirs is not None and theirs != mine:
+    theirs = _leader_if_other("software", mine)
+    if theirs is not None:
         raise ConfigError(
             f"process {_process_id()} runs other software than process 0: {mine} here, "
             f"{theirs} there; install the same on every host"
@@ -236,13 +236,19 @@ def leader_value(name: str, value: str) -> str | None:
         ) from None
 
 
+def _leader_if_other(name: str, value: str) -> str | None:
+    """Process 0's `value` of `name` where it differs from this process's; else None."""
+    theirs = leader_value(name, value)
+    return theirs if theirs is not None and theirs != value else None
+
+
 def check_same_config(text: str) -> None:
     """Every process runs process 0's config. One whose file or overrides differ (a local
     copy edited, a different command) joined and trained with its own settings: another
     learning rate on its shards, for one, without a word. `text` is the resolved config
     as YAML; the keys that differ are named."""
-    theirs = leader_value("config", text)
-    if theirs is None or theirs == text:
+    theirs = _leader_if_other("config", text)
+    if theirs is None:
         return
     a, b = flatten(yaml.safe_load(theirs)), flatten(yaml.safe_load(text))
     differ = [f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
@@ -259,8 +265,8 @@ def check_same_data(corpora: str) -> None:
     every host, but a node-local copy can be another (stale, cut short): one host then
     trained on other documents. `corpora` counts each corpus's documents and names a
     prepared one's manifest digest (its shards' checksums) and the tokenizer's digest."""
-    theirs = leader_value("data", corpora)
-    if theirs is not None and theirs != corpora:
+    theirs = _leader_if_other("data", corpora)
+    if theirs is not None:
         raise ConfigError(
             f"process {_process_id()} reads other data than process 0: {corpora} here, "
             f"{theirs} there; give every host the same copy"
@@ -272,8 +278,8 @@ def _check_count(how: Joining) -> None:
     --num-processes joined it and ran on, believing in another run. Each process reads
     process 0's count (before the backend starts). (A process 0 told more than there are
     waits for processes that never come, until JAX's start-up times out.)"""
-    theirs = leader_value("num_processes", str(how.num_processes))
-    if theirs is not None and int(theirs) != how.num_processes:
+    theirs = _leader_if_other("num_processes", str(how.num_processes))
+    if theirs is not None:
         raise ConfigError(
             f"process {how.process_id} was started with --num-processes {how.num_processes}, "
             f"but process 0 (the coordinator, {how.coordinator}) with {theirs}: give every "
