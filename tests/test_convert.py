@@ -339,7 +339,8 @@ def test_orbax_to_hf_copies_a_tokenizer_json_or_warns(tmp_path, capsys):
     source.unlink()
     convert.orbax_to_hf(tmp_path / "ck", tmp_path / "hf2")
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"warning: data.tokenizer {str(source)!r} does not exist; no tokenizer written"]
+    want = f"warning: data.tokenizer: file {str(source)!r} does not exist; no tokenizer written"
+    assert err == [want]
     assert not (tmp_path / "hf2" / "tokenizer.json").exists()
 
 

@@ -1,6 +1,8 @@
 """Generation with a KV cache equals re-running the full forward pass."""
 
 import functools
+import hashlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,8 @@ from ultrajax.model.decode import forward_with_cache, init_cache
 from ultrajax.model.stack import forward
 from ultrajax.tools import generate
 from ultrajax.train import checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CFG = ModelConfig(
     vocab_size=384,
@@ -130,3 +134,40 @@ def test_cli_on_a_hugging_face_folder_points_to_the_converter(tmp_path):
     with pytest.raises(ConfigError, match="convert hf-to-orbax --hf") as info:
         generate.main(["--checkpoint", str(tmp_path), "--prompt-ids", "1"])
     assert "\n" not in str(info.value)
+
+
+def test_a_run_keeps_its_tokenizer_for_generate_and_convert(tmp_path, monkeypatch, capsys):
+    """A run with its own tokenizer.json, named by a relative path: generate from another
+    directory could not find it, and once the file moved or was replaced, generate and
+    convert used another tokenizer or none. The run keeps a copy beside its checkpoints,
+    named by the digest its data position carries, and both read that copy."""
+    from ultrajax.config import parse
+    from ultrajax.tools import convert
+    from ultrajax.train import loop
+
+    monkeypatch.chdir(tmp_path)
+    Path("tok").mkdir()
+    convert.byte_tokenizer_json().save("tok/tokenizer.json")
+    original = Path("tok/tokenizer.json").read_bytes()
+    Path("docs").mkdir()
+    for i in range(20):
+        Path(f"docs/{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * 20)
+    small = ["train.steps=2", "optim.warmup_steps=1", "train.eval_batches=0", "model.n_layers=2",
+             "model.seq_len=64", "train.micro_batch_size=4", "train.grad_accum=2"]  # fmt: skip
+    data = ["data.source=files", "data.path=docs", "data.tokenizer=tok/tokenizer.json"]
+    where = ["mesh.data=-1", "train.run_dir=run"]
+    cfg = parse.load(str(ROOT / "configs/tiny.yaml"), [*small, *data, *where])
+    assert loop.train(cfg) == 0
+    digest = hashlib.sha256(original).hexdigest()[:12]
+    assert (tmp_path / f"run/checkpoints/tokenizers/{digest}.json").read_bytes() == original
+
+    Path("tok/tokenizer.json").write_text("{}")  # replaced: not a tokenizer at all
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    argv = ["--checkpoint", str(tmp_path / "run"), "--max-new-tokens", "4", "--temperature", "0"]
+    capsys.readouterr()
+    assert generate.main([*argv, "--prompt", "def "]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+    convert.orbax_to_hf(tmp_path / "run", tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == original

@@ -19,6 +19,7 @@ class ByteTokenizer:
     BOS, EOS, PAD = 256, 257, 258
     size = 259
     digest = "bytes"  # what names the tokenizer across hosts (HFTokenizer: its file's)
+    path = None  # no file to keep
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8", errors="replace"), np.uint8).astype(np.int32)
@@ -49,7 +50,8 @@ class HFTokenizer:
                 else ""
             )
             raise ConfigError(f"data.tokenizer: file {path!r} does not exist{relative}")
-        self.digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
+        self.path = path  # kept beside the run's checkpoints (Checkpoints.keep_tokenizer)
+        self.digest = digest_of(Path(path).read_bytes())
         try:
             self._tok = Tokenizer.from_file(path)
         except Exception as e:  # the library raises a bare Exception on bad JSON
@@ -76,6 +78,12 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+
+def digest_of(data: bytes) -> str:
+    """What names a tokenizer.json: across hosts, in a checkpoint's data position, and as
+    the name of the copy a run keeps beside its checkpoints."""
+    return hashlib.sha256(data).hexdigest()[:12]
 
 
 def padded_vocab(size: int, multiple: int = 128) -> int:

@@ -64,7 +64,6 @@ import numpy as np
 from ultrajax import cli
 from ultrajax.config import parse, validate
 from ultrajax.config.schema import Config, ConfigError, ModelConfig
-from ultrajax.data import sources
 from ultrajax.data import tokenizer as tokenizer_lib
 from ultrajax.model import llama
 from ultrajax.model.stack import forward
@@ -314,11 +313,12 @@ def orbax_to_hf(checkpoint: str | Path, out: str | Path, dtype: str = "auto") ->
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     tokenizer = None
     try:
-        tokenizer = sources.make_tokenizer(cfg.data)
-    except ConfigError:
-        pass
+        tokenizer = checkpoint_lib.read_tokenizer(checkpoint, cfg)
+    except ConfigError as e:
+        print(f"warning: {e}; no tokenizer written", file=sys.stderr)
     (out / "config.json").write_text(json.dumps(hf_config(m, dtype, tokenizer), indent=2) + "\n")
-    write_hf_tokenizer(cfg.data.tokenizer, out, m.seq_len)
+    if tokenizer is not None:
+        write_hf_tokenizer(tokenizer, out, m.seq_len)
     return out
 
 
@@ -364,17 +364,11 @@ def byte_tokenizer_json():
     return tok
 
 
-def write_hf_tokenizer(source: str, out: Path, max_len: int) -> None:
+def write_hf_tokenizer(tokenizer, out: Path, max_len: int) -> None:
     """The run's tokenizer beside the weights, so AutoTokenizer.from_pretrained(out) works:
-    for `bytes`, a tokenizer.json built to give our ids; for a tokenizer.json path, a copy."""
-    if source != "bytes":
-        if Path(source).is_file():
-            shutil.copy(source, out / "tokenizer.json")
-        else:
-            print(
-                f"warning: data.tokenizer {source!r} does not exist; no tokenizer written",
-                file=sys.stderr,
-            )
+    for `bytes`, a tokenizer.json built to give our ids; for a tokenizer.json, a copy."""
+    if tokenizer.path is not None:
+        shutil.copy(tokenizer.path, out / "tokenizer.json")
         return
     try:
         tok = byte_tokenizer_json()

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 from ultrajax import cli
 from ultrajax.config.schema import ConfigError, ModelConfig
 from ultrajax.config.validate import SEEDS
-from ultrajax.data import sources
 from ultrajax.model.decode import forward_with_cache, init_cache
 from ultrajax.train import checkpoint as checkpoint_lib
 
@@ -141,7 +140,7 @@ def main(argv=None) -> int:
     cfg = checkpoint_lib.read_config(args.checkpoint)
     m = cfg.model
     try:  # ids in and out need it too: its end-of-text token ends the generation
-        tokenizer = sources.make_tokenizer(cfg.data)
+        tokenizer = checkpoint_lib.read_tokenizer(args.checkpoint, cfg)
     except ConfigError as e:
         if args.prompt is not None or not args.ids:
             raise

@@ -44,9 +44,14 @@ import orbax.checkpoint as ocp
 
 from ultrajax.config import parse, validate
 from ultrajax.config.schema import Config, ConfigError, ModelConfig
+from ultrajax.data import sources
+from ultrajax.data import tokenizer as tokenizer_lib
 from ultrajax.model import llama
 
 FORMAT = 1
+# <checkpoint.dir>/tokenizers/<digest>.json: each tokenizer.json the run was trained with,
+# named by the digest its checkpoints' data position carries
+TOKENIZERS = "tokenizers"
 # keys that change the function the weights compute: a difference is reported
 NUMERIC_KEYS = (
     "rope_theta",
@@ -195,6 +200,21 @@ def read_config(path: str | Path) -> Config:
     return config_from_dict(_read_json_item(root, step, "config"), _where(root, step))
 
 
+def read_tokenizer(path: str | Path, cfg: Config):
+    """The tokenizer a checkpoint's weights were trained with: the run's copy named by the
+    step's data position (Checkpoints.keep_tokenizer); beside a parameter-only checkpoint
+    (hf-to-orbax), its tokenizer.json; else data.tokenizer as the saved config names it."""
+    root, step = locate(path)
+    if (root / str(step) / "data").exists():
+        digest = _read_json_item(root, step, "data").get("tokenizer")
+        kept = root / TOKENIZERS / f"{digest}.json"
+        if digest not in (None, tokenizer_lib.ByteTokenizer.digest) and kept.is_file():
+            return tokenizer_lib.HFTokenizer(str(kept))
+    elif (root / "tokenizer.json").is_file():
+        return tokenizer_lib.HFTokenizer(str(root / "tokenizer.json"))
+    return sources.make_tokenizer(cfg.data)
+
+
 # --------------------------------------------------------------------------- checks
 
 
@@ -306,6 +326,23 @@ class Checkpoints:
             self._mngr.save(step, args=args, force=True)
         except Exception as e:
             raise _save_failed(self.dir, e) from None
+
+    def keep_tokenizer(self, tokenizer) -> None:
+        """A copy of the run's tokenizer.json beside its checkpoints, named by its digest:
+        generate and convert then read the tokenizer the weights were trained with from any
+        directory, also once data.tokenizer has moved or been replaced (process 0 only)."""
+        if tokenizer.path is None:  # bytes: nothing to keep
+            return
+        kept = self.dir / TOKENIZERS / f"{tokenizer.digest}.json"
+        if kept.is_file():
+            return
+        data = Path(tokenizer.path).read_bytes()
+        if tokenizer_lib.digest_of(data) != tokenizer.digest:  # replaced since it was read
+            return
+        kept.parent.mkdir(exist_ok=True)
+        part = kept.with_suffix(".part")  # a copy cut short is never taken for the tokenizer
+        part.write_bytes(data)
+        part.replace(kept)
 
     def reached_preemption(self, step: int) -> bool:
         """Multi-process runs: JAX's pre-emption notice, agreed on by every process."""

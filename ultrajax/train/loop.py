@@ -158,6 +158,8 @@ class Training:
         self.lead = jax.process_index() == 0
         self.ckpt, self.ramp, self.data, self.eval_fn = ckpt, ramp, parts.data, parts.eval_fn
         self.state, self.step = state, start  # step: the steps done so far
+        if self.lead:  # generate and convert read it there, from any directory
+            ckpt.keep_tokenizer(parts.data.tokenizer)
         self.profile = t.profile_steps
         self.traced_from: int | None = None  # the step the open trace began at
         if self.profile and start > self.profile[1]:
