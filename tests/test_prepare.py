@@ -11,11 +11,16 @@ import textwrap
 from datetime import datetime
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
+from ultrajax.config.schema import Config, DataConfig, ModelConfig
 from ultrajax.data import prepare, sources, tokenizer
 from ultrajax.data.shards import FORMAT, VERSION, PreparedCorpus
+from ultrajax.tools import convert
 from ultrajax.tools import data as command
+from ultrajax.train import checkpoint
 
 TOK = tokenizer.ByteTokenizer()
 REPO = Path(__file__).resolve().parents[1]
@@ -145,6 +150,13 @@ def test_hf_tokenizer_round_trip_and_copy(tmp_path, capsys):
     }
     assert (out / "tokenizer.json").read_bytes() == path.read_bytes()
     assert PreparedCorpus(out).verify() == []
+    # a model trained on it goes to Hugging Face with this tokenizer: orbax-to-hf wrote
+    # the byte tokenizer's (data.tokenizer, unused by prepared data, is `bytes`)
+    m = ModelConfig(vocab_size=128, d_model=16, n_layers=1, n_heads=2, d_ff=32, seq_len=16)
+    cfg = Config(model=m, data=DataConfig(source="prepared", path=str(out)))
+    zeros = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), checkpoint.abstract_params(m))
+    convert.orbax_to_hf(checkpoint.write_params(tmp_path / "ck", zeros, cfg), tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == path.read_bytes()
 
     # no BOS in the vocabulary: documents are ids [EOS]
     no_bos = _hf_tokenizer(tmp_path / "no_bos.json", bos=False)
