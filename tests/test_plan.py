@@ -120,6 +120,29 @@ def test_enumeration_tries_expert_parallelism_for_moe_models():
     assert t.tensor > t1.tensor  # the all-to-alls, priced where TP's collectives are
 
 
+def test_a_layouts_overrides_give_it_over_any_config_file(tmp_path):
+    """The command the planner prints lays its overrides over the user's file: a file's
+    mesh.expert=2 (or virtual stages) stayed in force where a layout had none, so the
+    printed command for Mixtral's #1 was refused (its mesh multiplied to 8x the GPUs)."""
+    base = _small()
+    base.model.moe_experts, base.model.moe_top_k, base.model.moe_d_ff = 8, 2, 1024
+    path = tmp_path / "moe.yaml"
+    own = _small()
+    own.model = base.model
+    own.mesh.data, own.mesh.expert, own.mesh.pipeline = -1, 2, 2
+    own.parallel.pipeline_schedule, own.parallel.virtual_stages = "interleaved", 3
+    path.write_text(parse.dump(own))
+    seen = list(candidates.enumerate_candidates(base, 16, 8, 64))
+    picked = [c for c in seen if c.expert == 1][:3] + [c for c in seen if c.pipeline > 1][:3]
+    assert {c.expert for c in picked} == {1} and any(c.pipeline > 1 for c in picked)
+    for c in picked:
+        cfg = parse.load(path, c.overrides().split())
+        validate.resolve_mesh(cfg, 16)
+        validate.validate_layout(cfg)
+        assert cfg.mesh.sizes() == c.config(base).mesh.sizes(), c.short()
+        assert plan._candidate_of(cfg) == c
+
+
 def test_every_communication_term_has_an_axis():
     """steptime places comms.expected's terms by what they say: a term it cannot place
     (renamed in cost/comms.py) must fail here, not vanish from the step time."""

@@ -87,24 +87,24 @@ class Candidate:
         return cfg
 
     def overrides(self) -> str:
-        """The key=value overrides that give this layout to train or analyze."""
+        """The key=value overrides that give this layout to train or analyze, whatever the
+        config file sets (every mesh axis, and a pipeline's schedule whole: a file's
+        mesh.expert or virtual stages left in force made another layout, or a refused one)."""
         parts = [
             f"mesh.data={self.data}",
             f"mesh.fsdp={self.fsdp}",
             f"mesh.tensor={self.tensor}",
             f"mesh.pipeline={self.pipeline}",
             f"mesh.sequence={self.sequence}",
-            *([f"mesh.expert={self.expert}"] if self.expert > 1 else []),
+            f"mesh.expert={self.expert}",
             f"parallel.zero={self.zero}",
             f"parallel.sequence_parallel={str(self.tensor > 1).lower()}",
             f"train.micro_batch_size={self.micro_batch}",
             f"train.grad_accum={self.accum}",
             f"model.remat={self.remat}",
         ]
-        if self.pipeline > 1:
-            parts.append(f"parallel.pipeline_schedule={self.schedule}")
-        if self.virtual > 1:
-            parts.append(f"parallel.virtual_stages={self.virtual}")
+        parts.append(f"parallel.pipeline_schedule={self.schedule}")
+        parts.append(f"parallel.virtual_stages={self.virtual}")
         return " ".join(parts)
 
     def short(self) -> str:

@@ -280,7 +280,6 @@ def _settings(c: candidates.Candidate, sequence_parallel: bool) -> dict[str, str
     """Every setting a layout fixes (virtual stages too, to compare two layouts)."""
     out = dict(kv.split("=", 1) for kv in c.overrides().split())
     out["parallel.sequence_parallel"] = str(sequence_parallel).lower()
-    out.setdefault("parallel.virtual_stages", str(c.virtual))
     return out
 
 
