@@ -357,6 +357,8 @@ def test_resolve_mesh_accepts_exact_product():
         ),
         (["model.d_ff=301", "mesh.tensor=2"], "model.d_ff"),
         (["model.vocab_size=385", "mesh.tensor=2"], "model.vocab_size"),
+        # an expert's hidden size: a traceback from the parameters' placement before
+        (["model.moe_experts=4", "model.moe_d_ff=65", "mesh.tensor=2"], "model.moe_d_ff"),
     ],
 )
 def test_tensor_divisibility(overrides, key):

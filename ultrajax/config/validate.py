@@ -295,7 +295,10 @@ def validate_layout(cfg: Config, *, build_schedule: bool = True) -> None:
     if m.loss_chunk is None:
         m.loss_chunk = auto_loss_chunk(cfg)
     tp = mesh.tensor
-    for key in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+    keys = ("n_heads", "n_kv_heads", "d_ff", "vocab_size") + (
+        ("moe_d_ff",) if m.moe and m.moe_d_ff else ()
+    )
+    for key in keys:  # an expert's hidden size is split over tensor too (mesh.rules moe_mlp)
         value = getattr(m, key)
         _check(
             value % tp == 0,
