@@ -143,8 +143,13 @@ def test_cli_prints_the_schedule(runs, capsys):
 
     assert batchfit.main([str(runs[1]), "--start-tokens", "100000", "--doublings", "2"]) == 0
     out = capsys.readouterr().out
-    assert "note" not in out and "tokens_per_step: 200000, from_loss: " in out
+    assert "left out, above" not in out and "tokens_per_step: 200000, from_loss: " in out
     assert "tokens_per_step: 400000" in out
+    # a threshold past the lowest loss fitted (2): kept, and said to be extrapolated
+    one = batchfit.fit(batchfit.points(batchfit.read_runs([runs[1]])))
+    past = batchfit.thresholds(one, 100000, 2)
+    assert past[0] > 2.0 > past[1]
+    assert f"note: from loss {past[1]:.3f}: below the lowest loss fitted (2.000)" in out
 
 
 def fails(capsys, argv) -> str:
@@ -174,6 +179,14 @@ def test_errors_are_one_line(runs, tmp_path, capsys):
     write_run(no_tps, [{k: v for k, v in r.items() if k != "tokens_per_step"} for r in records])
     assert "pass --start-tokens" in fails(capsys, [no_tps])
     assert "--doublings" in fails(capsys, [runs[0], "--doublings", "x"])
+    # 2^100000 overflowed a float: a traceback
+    assert "--doublings must be in 1..30" in fails(capsys, [runs[0], "--doublings", "100000"])
+    # a run whose every b_simple is negative logged them: "0 records" alone misled
+    negative = tmp_path / "negative"
+    write_run(negative, [{**r, "b_simple": -r["b_simple"]} for r in records if "b_simple" in r])
+    assert "0 records with b_simple past each run's first 10% of tokens in 1 run, and 10 more" in (
+        fails(capsys, [negative])
+    )
 
 
 def test_plot_writes_a_png(runs, tmp_path, capsys):

@@ -37,6 +37,7 @@ PROG = "python -m ultrajax.batchfit"
 METRICS = "metrics.jsonl"
 EARLY_FRACTION = 0.1  # of each run's tokens, left out unless --min-tokens says otherwise
 MIN_POINTS = 3  # two parameters and one degree of freedom for their errors
+MAX_DOUBLINGS = 30  # a batch 2^30 times the start: past any schedule (2^1024 overflowed)
 
 
 # --------------------------------------------------------------------------- reading
@@ -182,11 +183,13 @@ def thresholds(fit: dict, start_tokens: float, doublings: int) -> list[float]:
 
 
 def schedule(
-    losses: Sequence[float], start_tokens: int, max_loss: float | None
+    losses: Sequence[float], start_tokens: int, max_loss: float | None, min_fitted=None
 ) -> tuple[list[dict], list[str]]:
     """The train.batch_schedule entries and a note for each threshold left out: one above
-    the highest loss seen is passed before the noise scale could be measured."""
-    entries, notes = [], []
+    the highest loss seen is passed before the noise scale could be measured. A threshold
+    below the lowest loss fitted (`min_fitted`) is kept, with a note: the law is carried
+    past the points it was fitted on."""
+    entries, notes, beyond = [], [], []
     for k, loss in enumerate(losses, 1):
         tokens = int(start_tokens * 2**k)
         if max_loss is not None and loss > max_loss:
@@ -196,7 +199,14 @@ def schedule(
                 f"--start-tokens starts there"
             )
             continue
+        if min_fitted is not None and loss < min_fitted:
+            beyond.append(f"{loss:.3f}")
         entries.append({"tokens_per_step": tokens, "from_loss": round(loss, 3)})
+    if beyond:
+        notes.append(
+            f"from loss {', '.join(beyond)}: below the lowest loss fitted ({min_fitted:.3f}), "
+            "so the law is extrapolated there; runs that reach those losses test it"
+        )
     return entries, notes
 
 
@@ -313,23 +323,32 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _too_few(pts, runs: Sequence[dict], min_tokens: float | None) -> str:
+    """Too few points to fit, and why: records with b_simple before the cut, or with a
+    value that has no logarithm (a run whose every b_simple was negative read as if it
+    had logged none)."""
+    cut = "each run's first 10%" if min_tokens is None else "--min-tokens"
+    unusable = sum(r["unusable"] for r in runs)
+    why = f", and {unusable} more not positive or not finite (no logarithm)" if unusable else ""
+    return (
+        f"{len(pts)} record{'s' * (len(pts) != 1)} with b_simple past {cut} of tokens in "
+        f"{len(runs)} run{'s' * (len(runs) != 1)}{why}; need at least {MIN_POINTS} (train "
+        "longer, or lower --min-tokens)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line. Errors: one line, exit status 2."""
 
     args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         cli.check_picture(args.plot, "--plot")
-        if args.doublings < 1:
-            raise ConfigError(f"--doublings must be >= 1, got {args.doublings}")
+        if not 1 <= args.doublings <= MAX_DOUBLINGS:
+            raise ConfigError(f"--doublings must be in 1..{MAX_DOUBLINGS}, got {args.doublings}")
         runs = read_runs(args.runs, args.min_tokens)
         pts = points(runs)
         if len(pts) < MIN_POINTS:
-            cut = "each run's first 10%" if args.min_tokens is None else "--min-tokens"
-            raise ConfigError(
-                f"{len(pts)} record{'s' * (len(pts) != 1)} with b_simple past {cut} of "
-                f"tokens in {len(runs)} run{'s' * (len(runs) != 1)}; need at least "
-                f"{MIN_POINTS} (train longer, or lower --min-tokens)"
-            )
+            raise ConfigError(_too_few(pts, runs, args.min_tokens))
         f = fit(pts)
         start = args.start_tokens
         if start is None:
@@ -340,7 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
         losses = thresholds(f, start, args.doublings)
         seen = [r["max_loss"] for r in runs if r["max_loss"] is not None]
-        entries, notes = schedule(losses, int(start), max(seen) if seen else None)
+        lowest = min(loss for loss, _ in pts)
+        entries, notes = schedule(losses, int(start), max(seen) if seen else None, lowest)
         notes += _unit_notes(entries, Path(runs[0]["dir"]))
         if args.plot:
             _plot(runs, f, entries, args.plot)
