@@ -353,6 +353,7 @@ def test_a_wide_area_link_prices_data_parallelism_and_diloco_across_sites(tmp_pa
         (["--gpus", "7", "--tokens-per-step", str(3 * 2048)], "no layout of 7 GPUs"),
         (["--gpus", "8", "model.nope=1"], "model.nope"),
         (["--gpus", "8", "--gpus-per-node", "0"], "--gpus-per-node must be >= 1"),
+        (["--gpus", "8", "--gpus-per-node", "3"], "8 GPUs do not fill nodes of 3"),  # was priced
         # 0 was taken as "the config's batch"; the link flags without sites were ignored;
         # a batch that splits into part sequences over sites named each site's share
         (["--gpus", "8", "--tokens-per-step", "0"], "--tokens-per-step must be >= 1, got 0"),

@@ -147,6 +147,11 @@ def plan(args) -> dict:
         raise ConfigError(f"--tokens-per-step must be >= 1, got {tokens}")
     # with sites, each runs the layout on its share of the GPUs and of the batch
     gpus, site_tokens = args.gpus // args.sites, tokens // args.sites
+    if gpus > gpn and gpus % gpn:  # the step-time model prices whole nodes
+        raise ConfigError(
+            f"{gpus} GPUs{' a site' if args.sites > 1 else ''} do not fill nodes of "
+            f"{gpn} (--gpus-per-node): give a multiple of {gpn}, or fewer than one node"
+        )
     if args.sites > 1 and tokens % (args.sites * base.model.seq_len):
         raise ConfigError(
             f"--tokens-per-step ({tokens}) must be a multiple of --sites x model.seq_len "
