@@ -8,6 +8,7 @@ nanotron on H100 nodes of 8; its README gives the model shapes)."""
 import importlib.util
 import json
 import math
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -308,6 +309,23 @@ def test_plan_command_ranks_layouts(tmp_path, capsys):
     png = tmp_path / "plan.png"
     assert _run([*args, "--plot", str(png)]) == 0
     assert png.stat().st_size > 10_000 and f"plot: {png}" in capsys.readouterr().out
+
+
+def test_a_model_no_layout_fits_says_the_least_it_needs(tmp_path, capsys):
+    """Nothing fits: the fastest needs were listed, never the least any layout needs."""
+    big = _small()
+    big.model.d_model, big.model.n_layers, big.model.d_ff = 8192, 40, 28672
+    path = tmp_path / "big.yaml"
+    path.write_text(parse.dump(big))
+    assert _run(["--config", str(path), "--gpus", "2", "--tokens-per-step", "8192"]) == 1
+    out = capsys.readouterr().out
+    least = re.search(r"the least any layout needs: ([\d.]+) GiB \((.+)\), ([\d.]+) GiB over", out)
+    assert least, out
+    needs = [float(x) for x in re.findall(r"needs ([\d.]+) GiB", out)]
+    assert needs and float(least[1]) <= min(needs)
+    assert float(least[1]) - float(least[3]) == pytest.approx(
+        hardware.by_name("h100").memory / 2**30, abs=0.11
+    )
 
 
 def test_a_wide_area_link_prices_data_parallelism_and_diloco_across_sites(tmp_path, capsys):

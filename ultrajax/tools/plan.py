@@ -471,6 +471,12 @@ def report(r: dict, args) -> str:
         lines.append(_row(i, e, base, acc))
     if not best:
         lines.append("    nothing fits: every layout needs more memory than the GPU has")
+        least = min((e for e in r["faster_oom"] if e.memory is not None), key=lambda e: e.memory)
+        lines.append(
+            f"    the least any layout needs: {least.memory / GiB:.1f} GiB "
+            f"({least.candidate.short()}), {(least.memory - acc.memory) / GiB:.1f} GiB over "
+            f"{acc.memory / GiB:.1f}: more GPUs, or a GPU with more memory"
+        )
     lines += _legend(best)
     lines += ["", *_own_lines(r["own"], r, base)]
     if r.get("wan"):
