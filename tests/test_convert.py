@@ -543,3 +543,99 @@ def test_a_model_without_tokenizer_json_is_not_given_the_byte_tokenizer(converte
         sources.make_tokenizer(cfg.data)
     convert.byte_tokenizer_json().save(str(out / "tokenizer.json"))  # put in place: used
     assert sources.make_tokenizer(cfg.data).encode("a").tolist() == [ord("a")]
+
+
+def test_fp16_both_weight_files_and_out_paths(converted, tmp_path, capsys):
+    """A float16 checkpoint was rounded to bf16 (verify failed by 1e-2): its weights are
+    kept exactly, in fp32. A folder with model.safetensors and a stale index of shards is
+    read as transformers reads it (we read the shards: logits 2.3 apart). An --out that
+    is a file, or under one, was a traceback."""
+    model = hf_model(tmp_path / "hf32", seed=2)
+    model.half().save_pretrained(tmp_path / "hf16")  # one file: model.safetensors
+    model.float()  # the fp16-rounded weights, in fp32: what the checkpoint holds
+    assert (
+        convert.main(["hf-to-orbax", "--hf", str(tmp_path / "hf16"), "--out", str(tmp_path / "ck")])
+        == 0
+    )
+    assert checkpoint.read_config(tmp_path / "ck").model.param_dtype == "float32"
+    ids = np.random.default_rng(2).integers(0, 320, (2, 24))
+    fp32 = dict(dtype="float32")  # the converted config computes in bf16, as it trains
+    assert np.abs(hf_logits(model, ids) - our_logits(tmp_path / "ck", ids, **fp32)).max() <= TOL
+
+    root = converted[0]
+    both = tmp_path / "both"
+    both.mkdir()
+    for f in (root / "hf").iterdir():  # the shards and their index (another model's)
+        (both / f.name).symlink_to(f)
+    (both / "model.safetensors").symlink_to(tmp_path / "hf16" / "model.safetensors")
+    capsys.readouterr()
+    assert convert.main(["hf-to-orbax", "--hf", str(both), "--out", str(tmp_path / "ck2")]) == 0
+    assert "reading model.safetensors, as transformers does" in capsys.readouterr().err
+    assert np.abs(hf_logits(model, ids) - our_logits(tmp_path / "ck2", ids, **fp32)).max() <= TOL
+
+    (tmp_path / "afile").write_text("")
+    for out, said in (("afile", "afile is a file; choose"), ("afile/sub", "afile is a file, so")):
+        for argv in (["hf-to-orbax", "--hf", str(root / "hf")],
+                     ["orbax-to-hf", "--checkpoint", str(root / "ck")]):  # fmt: skip
+            err = _error([*argv, "--out", str(tmp_path / out)], capsys)
+            assert said in err, err
+
+
+def test_a_familys_own_defaults_for_fields_config_json_leaves_out():
+    """A field config.json leaves out takes transformers' default for that family: Llama's
+    were taken for all (a Mixtral without rope_theta ran at 1e4, not 1e6)."""
+    from ultrajax.tools import hf_config
+
+    classes = {"llama": "LlamaConfig", "mixtral": "MixtralConfig", "qwen3": "Qwen3Config",
+               "qwen3_moe": "Qwen3MoeConfig"}  # fmt: skip
+    assert set(classes) == set(hf_config.ARCHITECTURES) == set(hf_config.FAMILY_DEFAULTS)
+    for kind, name in classes.items():
+        theirs = getattr(transformers, name)()
+        ours = hf_config.FAMILY_DEFAULTS[kind]
+        assert ours["rope_theta"] == theirs.rope_parameters["rope_theta"], kind
+        assert ours["rms_norm_eps"] == theirs.rms_norm_eps, kind
+        assert ours.get("head_dim") == (128 if kind == "qwen3" else None), kind
+    mixtral = {"model_type": "mixtral", "hidden_size": 64, "num_attention_heads": 4,
+               "num_hidden_layers": 2, "vocab_size": 320, "intermediate_size": 96,
+               "num_local_experts": 4, "num_experts_per_tok": 2}  # fmt: skip
+    m = hf_config.model_config_from_hf(mixtral)
+    assert (m.rope_theta, m.norm_eps) == (1e6, 1e-5)
+
+
+def test_the_models_stop_ids_travel_with_it_and_a_capacity_is_said(converted, tmp_path, capsys):
+    """hf-to-orbax keeps generation_config.json (its eos_token_id: generate stops there)
+    and orbax-to-hf writes it back; config.json's eos_token_id alone is kept in one. An
+    MoE model trained with model.moe_capacity goes to a dropless transformers model, said."""
+    root = converted[0]
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for f in (root / "hf").iterdir():
+        (hf / f.name).symlink_to(f)
+    (hf / "generation_config.json").unlink(missing_ok=True)
+    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert convert.main(["hf-to-orbax", "--hf", str(hf), "--out", str(tmp_path / "ck")]) == 0
+    kept = json.loads((tmp_path / "ck" / "generation_config.json").read_text())
+    assert kept["eos_token_id"] == [2, 7]
+    assert (
+        convert.main(
+            ["orbax-to-hf", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "back")]
+        )
+        == 0
+    )
+    assert json.loads((tmp_path / "back" / "generation_config.json").read_text()) == kept
+
+    (hf / "generation_config.json").unlink()
+    tree = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").unlink()
+    (hf / "config.json").write_text(json.dumps({**tree, "eos_token_id": [5, 9]}))
+    assert convert.main(["hf-to-orbax", "--hf", str(hf), "--out", str(tmp_path / "ck2")]) == 0
+    kept = json.loads((tmp_path / "ck2" / "generation_config.json").read_text())
+    assert kept == {"eos_token_id": [5, 9]}
+
+    m = config.ModelConfig(vocab_size=384, d_model=16, n_layers=1, n_heads=2, d_ff=32,
+                           seq_len=16, moe_experts=4, moe_top_k=2, moe_capacity=1.25)  # fmt: skip
+    zeros = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), checkpoint.abstract_params(m))
+    checkpoint.write_params(tmp_path / "moe", zeros, config.Config(model=m))
+    capsys.readouterr()
+    convert.orbax_to_hf(tmp_path / "moe", tmp_path / "moe_hf")
+    assert "warning: model.moe_capacity=1.25 dropped the tokens" in capsys.readouterr().err

@@ -1,7 +1,9 @@
 """Generation with a KV cache equals re-running the full forward pass."""
 
+import dataclasses
 import functools
 import hashlib
+import json
 from pathlib import Path
 
 import jax
@@ -114,7 +116,7 @@ def test_cli_on_a_checkpoint(params, tmp_path, capsys, monkeypatch):
         generate, "generate", lambda *a, **k: seen.append(k["eos"]) or real(*a, **k)
     )
     assert generate.main(argv + ["--prompt-ids", "256,100", "--ids"]) == 0
-    assert seen == [257]  # the bytes tokenizer's
+    assert seen == [{257}]  # the bytes tokenizer's
     capsys.readouterr()
     with pytest.raises(ConfigError, match="not in the vocabulary"):
         generate.main(argv + ["--prompt-ids", "1,999"])
@@ -171,3 +173,57 @@ def test_a_run_keeps_its_tokenizer_for_generate_and_convert(tmp_path, monkeypatc
     assert capsys.readouterr().out.startswith("def ")
     convert.orbax_to_hf(tmp_path / "run", tmp_path / "hf")
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == original
+
+
+def test_stop_ids_the_prompts_length_and_the_text_where_they_meet(params, tmp_path, capsys):
+    """The model's own eos_token_id (a generation_config.json kept beside the checkpoint,
+    as hf-to-orbax keeps it) stops generation: Llama-3-Instruct's <|eot_id|> ran on. A
+    prompt + N needs P + N - 1 positions (the last token is never fed back): one too many
+    was refused. A decoded continuation keeps the space where it meets the prompt."""
+    checkpoint.write_params(tmp_path / "ck", params, Config(model=CFG))
+    argv = ["--checkpoint", str(tmp_path / "ck"), "--temperature", "0", "--ids"]
+    assert generate.main([*argv, "--prompt-ids", "256,100,101", "--max-new-tokens", "6"]) == 0
+    free = [int(i) for i in capsys.readouterr().out.strip().split(",")]
+    stop = free[2]
+    assert stop not in free[:2] and stop != 257
+    (tmp_path / "ck" / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, stop]}))
+    assert generate.main([*argv, "--prompt-ids", "256,100,101", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out.strip() == ",".join(map(str, free[:3]))
+    fits = ["--prompt-ids", "1,2,3", "--max-new-tokens", str(CFG.seq_len - 2)]
+    assert generate.main([*argv, *fits]) == 0  # 3 + 62 - 1 = 64 positions
+    capsys.readouterr()
+    with pytest.raises(ConfigError, match="need 65 positions: they exceed model.seq_len"):
+        generate.main([*argv, "--prompt-ids", "1,2,3", "--max-new-tokens", str(CFG.seq_len - 1)])
+
+    class Words:  # decodes as SentencePiece's Metaspace does: no space before the first word
+        def decode(self, ids):
+            return " ".join(f"w{i}" for i in ids)
+
+    assert generate._continued(Words(), [5, 6], [7, 8], "w5 w6") == "w5 w6 w7 w8"  # was w6w7
+
+
+def test_an_empty_prompt_without_bos_and_an_moe_model_trained_with_a_capacity(tmp_path, capsys):
+    """An empty --prompt with a tokenizer that has no BOS was a traceback. An MoE model
+    trained with model.moe_capacity dropped tokens by how many a call holds, so the
+    prompt, each one-token step and the full forward each dropped others: generate runs
+    dropless (every token routed) and says so."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({"<unk>": 0, "</s>": 1, "a": 2}, "<unk>")
+    )
+    tok.save(str(tmp_path / "tok.json"))
+    moe = dataclasses.replace(CFG, moe_experts=4, moe_top_k=2, moe_capacity=1.0)
+    cfg = Config(model=moe)
+    cfg.data.tokenizer = str(tmp_path / "tok.json")
+    weights = random_params(moe, seed=3)
+    checkpoint.write_params(tmp_path / "ck", weights, cfg)
+    argv = ["--checkpoint", str(tmp_path / "ck"), "--max-new-tokens", "5", "--temperature", "0"]
+    with pytest.raises(ConfigError, match="--prompt: empty, and the tokenizer has no BOS"):
+        generate.main([*argv, "--prompt", ""])
+    assert generate.main([*argv, "--prompt-ids", "2,2,2", "--ids"]) == 0
+    out = capsys.readouterr()
+    assert "note: model.moe_capacity=1.0 dropped the tokens past each expert's capacity" in out.err
+    dropless = dataclasses.replace(moe, moe_capacity=0.0)
+    want = generate_uncached(dropless, weights, [2, 2, 2], 5)
+    got = [int(i) for i in out.out.strip().split(",")]
+    assert got == want[: len(got)] and (len(got) == 5 or got[-1] == 1)

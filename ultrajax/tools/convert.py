@@ -69,9 +69,12 @@ from ultrajax.model import llama
 from ultrajax.model.stack import forward
 from ultrajax.tools.hf_config import (
     ARCHITECTURES,
+    DROPLESS,
+    GENERATION_CONFIG,
     check_expressible,
     family,
     hf_config,
+    hf_dtype,
     hf_name,
     model_config_from_hf,
     read_hf_config,
@@ -142,7 +145,18 @@ def hf_names(m: ModelConfig) -> dict[str, tuple]:
 
 
 def _weight_files(hf_dir: Path) -> list[Path]:
-    index = hf_dir / "model.safetensors.index.json"
+    """The files transformers would load: model.safetensors before an index (a folder
+    re-saved with another sharding keeps both, and one of them is stale)."""
+    single, index = hf_dir / "model.safetensors", hf_dir / "model.safetensors.index.json"
+    if single.is_file():
+        if index.is_file():
+            print(
+                f"warning: {hf_dir} holds both model.safetensors and an index of shards "
+                "(a re-save with another sharding leaves both): reading model.safetensors, "
+                "as transformers does",
+                file=sys.stderr,
+            )
+        return [single]
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -160,6 +174,18 @@ def _weight_files(hf_dir: Path) -> list[Path]:
         if not f.is_file():
             raise ConfigError(f"--hf: the index names {f.name}, which does not exist")
     return files
+
+
+def check_out(out: Path) -> None:
+    """--out must be a new or empty directory that can be made: a file there, or above it,
+    was a traceback (after every tensor was read)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out: {out} is a file; choose a new directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"--out: {out} is not empty; choose a new directory")
+    above = next(p for p in out.absolute().parents if p.exists())
+    if not above.is_dir():
+        raise ConfigError(f"--out: {above} is a file, so {out} cannot be made")
 
 
 # --------------------------------------------------------------------------- hf -> orbax
@@ -207,13 +233,13 @@ def hf_to_orbax(hf_dir: str | Path, out: str | Path, param_dtype: str = "auto") 
     hf_dir, out = Path(hf_dir), Path(out).absolute()
     hf = read_hf_config(hf_dir)
     m = model_config_from_hf(hf, str(hf_dir / "config.json"))
-    if param_dtype == "auto":
-        param_dtype = "bfloat16" if m.dtype == "bfloat16" else "float32"
+    if param_dtype == "auto":  # bf16 as it is; fp16 and fp32 exactly, in fp32 (fp16 was
+        # rounded to bf16, and verify failed)
+        param_dtype = "bfloat16" if hf_dtype(hf) == "bfloat16" else "float32"
     m.param_dtype = param_dtype
     cfg = Config(model=m)
     validate.validate(cfg)  # heads dividing, head_dim even, ...
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"--out: {out} is not empty; choose a new directory")
+    check_out(out)
     files = _weight_files(hf_dir)
 
     dtype = np.dtype(DTYPES[param_dtype])
@@ -250,6 +276,7 @@ def hf_to_orbax(hf_dir: str | Path, out: str | Path, param_dtype: str = "auto") 
             "training or generating from text (config.yaml's data.tokenizer names it there)",
             file=sys.stderr,
         )
+    _keep_generation_config(hf_dir, hf, out)
     cfg.checkpoint.init_from = str(out)
     cfg.train.run_dir = f"runs/{hf_dir.absolute().name}"
     checkpoint_lib.write_params(out, params, cfg)
@@ -262,6 +289,18 @@ def hf_to_orbax(hf_dir: str | Path, out: str | Path, param_dtype: str = "auto") 
     return out
 
 
+def _keep_generation_config(hf_dir: Path, hf: dict, out: Path) -> None:
+    """The model's generation settings beside its checkpoint: generate stops at their
+    eos_token_id (Llama-3-Instruct's <|eot_id|>), orbax-to-hf writes them back. Without a
+    generation_config.json, config.json's eos_token_id is kept in one."""
+    source = hf_dir / GENERATION_CONFIG
+    if source.is_file():
+        shutil.copy(source, out / GENERATION_CONFIG)
+    elif hf.get("eos_token_id") is not None:
+        kept = {"eos_token_id": hf["eos_token_id"]}
+        (out / GENERATION_CONFIG).write_text(json.dumps(kept, indent=2) + "\n")
+
+
 # --------------------------------------------------------------------------- orbax -> hf
 
 
@@ -270,11 +309,13 @@ def orbax_to_hf(checkpoint: str | Path, out: str | Path, dtype: str = "auto") ->
     from safetensors.numpy import save_file
 
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"--out: {out} is not empty; choose a new directory")
+    check_out(out)
     cfg = checkpoint_lib.read_config(checkpoint)
     m = cfg.model
     check_expressible(m)
+    if m.moe and m.moe_capacity > 0:
+        print(f"warning: {DROPLESS.format(m.moe_capacity)}; transformers' model routes every "
+              "token, as ultrajax.generate does", file=sys.stderr)  # fmt: skip
     if dtype == "auto":
         dtype = m.param_dtype
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
@@ -319,6 +360,9 @@ def orbax_to_hf(checkpoint: str | Path, out: str | Path, dtype: str = "auto") ->
     (out / "config.json").write_text(json.dumps(hf_config(m, dtype, tokenizer), indent=2) + "\n")
     if tokenizer is not None:
         write_hf_tokenizer(tokenizer, out, m.seq_len)
+    generation = checkpoint_lib.beside(checkpoint, cfg, GENERATION_CONFIG)
+    if generation is not None:  # the model's stop ids, as it came from Hugging Face
+        shutil.copy(generation, out / GENERATION_CONFIG)
     return out
 
 

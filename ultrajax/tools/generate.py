@@ -5,8 +5,9 @@ Sampling with a KV cache: the prompt is run once (prefill), writing every
 layer's keys and values into a cache sized for prompt + new tokens; then each
 new token costs one position's forward pass against the cache
 (`model/decode.py`'s `forward_with_cache`), instead of the whole sequence again. Temperature 0
-is greedy decoding. Generation stops after N new tokens or at the tokenizer's
-end-of-text token. Works on any checkpoint: a training run's or a converted one.
+is greedy decoding. Generation stops after N new tokens, at the tokenizer's
+end-of-text token, or at the model's own eos_token_id (a generation_config.json that
+hf-to-orbax kept). Works on any checkpoint: a training run's or a converted one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 import functools
 import math
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import jax
@@ -25,6 +27,7 @@ from ultrajax import cli
 from ultrajax.config.schema import ConfigError, ModelConfig
 from ultrajax.config.validate import SEEDS
 from ultrajax.model.decode import forward_with_cache, init_cache
+from ultrajax.tools.hf_config import DROPLESS, GENERATION_CONFIG, eos_ids
 from ultrajax.train import checkpoint as checkpoint_lib
 
 
@@ -72,10 +75,12 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
-    eos: int | None = None,
+    eos: int | Iterable[int] | None = None,
 ) -> list[int]:
-    """New token ids after `prompt`, with a KV cache (one prefill, then one token a step).
-    Compiles twice: the prefill (per prompt length) and the one-token step."""
+    """New token ids after `prompt`, with a KV cache (one prefill, then one token a step),
+    until `eos` (an id, or ids: any of them stops it). Compiles twice: the prefill (per
+    prompt length) and the one-token step."""
+    stops = {eos} if isinstance(eos, int) else set(eos or ())
     static = _static(cfg)
     cache = init_cache(cfg, 1, len(prompt) + max_new_tokens)
     key = jax.random.key(seed)
@@ -86,7 +91,7 @@ def generate(
         key, sub = jax.random.split(key)
         token = int(sample_logits(logits[:, -1], sub, temperature, top_k, top_p)[0])
         out.append(token)  # the int() above is a host sync: we stop at end-of-text
-        if token == eos or i == max_new_tokens - 1:
+        if token in stops or i == max_new_tokens - 1:
             break
         position = jnp.asarray(len(prompt) + i, jnp.int32)
         tokens = jnp.asarray([[token]], jnp.int32)
@@ -150,18 +155,15 @@ def main(argv=None) -> int:
     if args.prompt is not None:
         bos = [tokenizer.BOS] if tokenizer.BOS is not None else []
         prompt = bos + [int(i) for i in tokenizer.encode(args.prompt)]
+        if not prompt:  # a tokenizer without BOS: nothing to run (a traceback before)
+            raise ConfigError("--prompt: empty, and the tokenizer has no BOS to start from")
     else:
         prompt = _parse_ids(args.prompt_ids)
-    bad = [i for i in prompt if not 0 <= i < m.vocab_size]
-    if bad:
-        raise ConfigError(f"prompt token {bad[0]} is not in the vocabulary (0..{m.vocab_size - 1})")
-    if len(prompt) + args.max_new_tokens > m.seq_len:
-        raise ConfigError(
-            f"the prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens}) "
-            f"exceed model.seq_len ({m.seq_len}), the length the model was trained for"
-        )
+    _check_prompt(prompt, args.max_new_tokens, m)
+    if m.moe and m.moe_capacity > 0:
+        print(f"note: {DROPLESS.format(m.moe_capacity)}", file=sys.stderr)
+        m = dataclasses.replace(m, moe_capacity=0.0)
     params = checkpoint_lib.load_params(args.checkpoint, m, warn=lambda s: None)
-    eos = getattr(tokenizer, "EOS", None) if tokenizer is not None else None
     new = generate(
         m,
         params,
@@ -171,11 +173,43 @@ def main(argv=None) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        eos=eos,
+        eos=_stops(args.checkpoint, cfg, tokenizer),
     )
     if args.ids:
         print(",".join(map(str, new)))
     else:
-        text = args.prompt if args.prompt is not None else tokenizer.decode(prompt)
-        sys.stdout.write(text + tokenizer.decode(new) + "\n")
+        sys.stdout.write(_continued(tokenizer, prompt, new, args.prompt) + "\n")
     return 0
+
+
+def _check_prompt(prompt: list[int], max_new: int, m: ModelConfig) -> None:
+    bad = [i for i in prompt if not 0 <= i < m.vocab_size]
+    if bad:
+        raise ConfigError(f"prompt token {bad[0]} is not in the vocabulary (0..{m.vocab_size - 1})")
+    if len(prompt) + max_new - 1 > m.seq_len:  # the last new token is never fed back
+        raise ConfigError(
+            f"the prompt ({len(prompt)} tokens) + --max-new-tokens ({max_new}) need "
+            f"{len(prompt) + max_new - 1} positions: they exceed model.seq_len ({m.seq_len}), "
+            "the length the model was trained for"
+        )
+
+
+def _stops(checkpoint: str, cfg, tokenizer) -> set[int]:
+    """The ids that end a generation: the tokenizer's end-of-text, and the model's own
+    eos_token_id from a generation_config.json kept beside the checkpoint (hf-to-orbax
+    copies it: Llama-3-Instruct stops at <|eot_id|>, which the tokenizer's name does not
+    say; without it, generation ran on to --max-new-tokens)."""
+    stops = {tokenizer.EOS} if tokenizer is not None and tokenizer.EOS is not None else set()
+    path = checkpoint_lib.beside(checkpoint, cfg, GENERATION_CONFIG)
+    if path is not None:
+        stops.update(eos_ids(path))
+    return stops
+
+
+def _continued(tokenizer, prompt: list[int], new: list[int], text: str | None) -> str:
+    """The prompt's text and the continuation, decoded together: decoded apart, a
+    SentencePiece-style tokenizer drops the space where the two meet."""
+    head = tokenizer.decode(prompt)
+    whole = tokenizer.decode(prompt + new)
+    tail = whole[len(head) :] if whole.startswith(head) else tokenizer.decode(new)
+    return (head if text is None else text) + tail

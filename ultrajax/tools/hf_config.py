@@ -5,6 +5,7 @@ config.json written back (ultrajax/tools/convert.py moves the tensors)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from ultrajax.config.schema import ConfigError, ModelConfig
@@ -30,6 +31,15 @@ FAMILY_NAMES = {
 }
 # transformers rope_type values we compute exactly; "dynamic" depends on the run-time length
 ROPE_TYPES = ("default", "linear", "llama3")
+# what transformers' config class of each family assumes for a field config.json leaves
+# out (Llama's were taken for all: Mixtral's rope_theta is 1e6; tests/test_convert.py
+# holds these against transformers' classes)
+FAMILY_DEFAULTS = {
+    "llama": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6},
+    "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5},
+    "qwen3": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "head_dim": 128},
+    "qwen3_moe": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6},
+}
 
 
 def family(m: ModelConfig) -> str:
@@ -45,6 +55,22 @@ def hf_name(p, m: ModelConfig) -> str:
     return FAMILY_NAMES.get(family(m), {}).get(p.key, p.hf)
 
 
+GENERATION_CONFIG = "generation_config.json"  # a model's generation settings, its stop ids
+
+
+def eos_ids(path: Path) -> list[int]:
+    """The eos_token_id of a generation_config.json or config.json (an id or a list of
+    them), or none, with a warning, when the file cannot be read."""
+    try:
+        value = json.loads(Path(path).read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+        print(f"warning: {path}: not read ({type(e).__name__}): no stop ids from it",
+              file=sys.stderr)  # fmt: skip
+        return []
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
 def read_hf_config(hf_dir: str | Path) -> dict:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
@@ -56,6 +82,12 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     return tree
+
+
+def hf_dtype(hf: dict) -> str:
+    """The dtype a config.json says its weights are stored in (transformers 5 writes
+    `dtype`, 4 `torch_dtype`)."""
+    return str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
 
 
 def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
@@ -83,13 +115,13 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     refuse("attention_bias", (False,), "false")
     refuse("mlp_bias", (False,), "false")
     refuse("partial_rotary_factor", (1, 1.0), "1.0")
-    rope = _rope_from_hf(hf, where)
+    kind = hf.get("model_type")
+    default = FAMILY_DEFAULTS[kind]
+    rope = _rope_from_hf(hf, where, default["rope_theta"])
     d, heads = need("hidden_size"), need("num_attention_heads")
-    head_dim = hf.get("head_dim")
+    head_dim = hf.get("head_dim", default.get("head_dim"))
     if head_dim is not None and d % heads == 0 and head_dim == d // heads:
         head_dim = None  # the default: keep the YAML minimal
-    dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
-    kind = hf.get("model_type")
     moe = _moe_from_hf(hf, where, need) if kind in ("mixtral", "qwen3_moe") else {}
     if kind in ("qwen3", "qwen3_moe"):
         refuse("use_sliding_window", (False,), "false")
@@ -104,9 +136,9 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         seq_len=hf.get("max_position_embeddings") or 2048,
         head_dim=head_dim,
         **rope,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(hf.get("rms_norm_eps", default["rms_norm_eps"])),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        dtype="float32" if dtype == "float32" else "bfloat16",
+        dtype="float32" if hf_dtype(hf) == "float32" else "bfloat16",
         **moe,
     )
 
@@ -152,7 +184,7 @@ def _moe_from_hf(hf: dict, where: str, need) -> dict:
     )
 
 
-def _rope_from_hf(hf: dict, where: str) -> dict:
+def _rope_from_hf(hf: dict, where: str, default_theta: float) -> dict:
     """The ModelConfig rope fields of a config.json, read as transformers reads it: a
     `rope_scaling` object (transformers 4, and Llama 3.x's own files) wins over
     `rope_parameters` (transformers 5); `type` is the old spelling of `rope_type`."""
@@ -161,7 +193,7 @@ def _rope_from_hf(hf: dict, where: str) -> dict:
     tree = hf.get("rope_scaling") or params
     if not isinstance(tree, dict) or any(isinstance(v, dict) for v in tree.values()):
         raise ConfigError(f"{where}: {source} must be one flat JSON object (not per layer type)")
-    theta = tree.get("rope_theta", hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    theta = tree.get("rope_theta", hf.get("rope_theta", params.get("rope_theta", default_theta)))
     kind = tree.get("rope_type", tree.get("type", "default"))
     out = {"rope_theta": float(theta)}
     if kind == "default":
@@ -261,6 +293,14 @@ def hf_config(m: ModelConfig, dtype: str, tokenizer=None) -> dict:
         if value is not None and value < m.vocab_size:
             tree[f"{key}_token_id"] = value
     return tree
+
+
+# an MoE model trained with a capacity, read as inference reads it: every token routed
+# (how many a call drops depends on how many tokens it holds: a prompt, one token)
+DROPLESS = (
+    "model.moe_capacity={} dropped the tokens past each expert's capacity in training; "
+    "dropless here, the logits differ where training dropped"
+)
 
 
 def check_expressible(m: ModelConfig) -> None:

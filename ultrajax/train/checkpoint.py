@@ -200,6 +200,19 @@ def read_config(path: str | Path) -> Config:
     return config_from_dict(_read_json_item(root, step, "config"), _where(root, step))
 
 
+def beside(path: str | Path, cfg: Config, name: str) -> Path | None:
+    """A file kept beside a checkpoint's steps (hf-to-orbax's generation_config.json), or
+    beside the checkpoint its run started from (checkpoint.init_from): a fine-tuned
+    model keeps what its base came with."""
+    roots = [locate(path)[0]]
+    if cfg.checkpoint.init_from:
+        try:
+            roots.append(locate(cfg.checkpoint.init_from)[0])
+        except ConfigError:  # moved or removed since: nothing beside it to read
+            pass
+    return next((r / name for r in roots if (r / name).is_file()), None)
+
+
 def read_tokenizer(path: str | Path, cfg: Config):
     """The tokenizer a checkpoint's weights were trained with: the run's copy named by the
     step's data position (Checkpoints.keep_tokenizer); beside a parameter-only checkpoint
