@@ -51,11 +51,11 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
+from ultrajax.kernels import attention_inputs
 from ultrajax.kernels.varying import struct, vary_like
 
 NEG_INF = -1e30  # finite: a masked score, so exp2() is exactly 0 and max() stays finite
 LOG2E = math.log2(math.e)  # scores in base 2: exp2 is the GPU's instruction, exp one more
-PAD_Q, PAD_K = -2, -1  # segment ids of padding rows and columns: never equal to a real id
 
 
 # Measured on one H200 (benchmarks/RESULTS.md, `scripts/bench_attention.py --sweep fwd|bwd`,
@@ -532,12 +532,6 @@ class Flags(NamedTuple):
     interpret: bool
 
 
-def _pad(x, axis, multiple, value=0):
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, (-x.shape[axis]) % multiple)
-    return jnp.pad(x, widths, constant_values=value) if widths[axis][1] else x
-
-
 def flash_attention(
     q,
     k,
@@ -556,23 +550,16 @@ def flash_attention(
     merge blocks use it for weights only). `blocks` None: `BlockSizes.of` the head_dim.
     `saved_as`: a `checkpoint_name` for the out and lse the backward reads: a remat policy
     that keeps it runs no forward kernel again in the backward pass."""
+    attention_inputs.check(q, k, v, q_segment_ids, kv_segment_ids)
     b, t, h, d = q.shape
-    s, kv = k.shape[1], k.shape[2]
-    if h % kv:
-        raise ValueError(f"heads ({h}) must be a multiple of kv_heads ({kv})")
+    s = k.shape[1]
     blocks = BlockSizes.of(None, d, q.dtype.itemsize) if blocks is None else blocks
     step = math.lcm(blocks.q, blocks.q_bwd, blocks.k, blocks.k_bwd)
     # without segment ids, padding needs no mask where causal masking already hides the
     # padded keys from every real query (they come after all of them)
     padded = (s % step) > 0
     segmented = q_segment_ids is not None or (padded and (not causal or t > s))
-    if q_segment_ids is None:
-        q_segment_ids = jnp.ones((b, t), jnp.int32)
-        kv_segment_ids = jnp.ones((b, s), jnp.int32)
-    qp = _pad(q, 1, step)
-    kp, vp = _pad(k, 1, step), _pad(v, 1, step)
-    qs = _pad(q_segment_ids.astype(jnp.int32), 1, step, PAD_Q)
-    ks = _pad(kv_segment_ids.astype(jnp.int32), 1, step, PAD_K)
+    qp, kp, vp, qs, ks = attention_inputs.pad(q, k, v, q_segment_ids, kv_segment_ids, step)
     o, lse = _flash(qp, kp, vp, qs, ks, blocks, Flags(causal, segmented, interpret), saved_as)
     return o[:, :t], lse[:, :, :t].transpose(0, 2, 1)
 
@@ -586,6 +573,7 @@ def pair_forward(q, k, v, q_segment_ids, kv_segment_ids, *, causal: bool,
     with the number of pairs). Not differentiable by itself: the ring's backward calls
     `pair_backward`."""
     blocks = BlockSizes.of(None, q.shape[-1], q.dtype.itemsize) if blocks is None else blocks
+    attention_inputs.check_pair(q, k, blocks)
     return _forward(q, k, v, q_segment_ids, kv_segment_ids, blocks=blocks, causal=causal,
                     segmented=True, interpret=interpret, out_dtype=jnp.float32)  # fmt: skip
 
@@ -596,5 +584,6 @@ def pair_backward(q, k, v, q_segment_ids, kv_segment_ids, lse, delta, do, *, cau
     rowsum(dout * out), both (b, h, t) and computed once by the caller (the flash
     backward recomputes the pair's probabilities from them)."""
     blocks = BlockSizes.of(None, q.shape[-1], q.dtype.itemsize) if blocks is None else blocks
+    attention_inputs.check_pair(q, k, blocks)
     return _backward(q, k, v, q_segment_ids, kv_segment_ids, delta, lse, do, blocks=blocks,
                      causal=causal, segmented=True, interpret=interpret)  # fmt: skip

@@ -108,6 +108,9 @@ def _fused_bwd(eps, interpret, res, cotangents):
     dy, dh = cotangents if has_residual else (cotangents, None)
     d = h.shape[-1]
     rows = h.size // d
+    if rows == 0:  # nothing to normalise: no kernel (its grid would divide by 0 programs)
+        dx = jnp.zeros_like(h)
+        return dx, (dx if has_residual else None), jnp.zeros_like(weight)
     programs = min(rows, MAX_PROGRAMS)
     per_program = -(-rows // programs)
     programs = -(-rows // per_program)

@@ -275,6 +275,34 @@ def test_not_causal_without_segment_ids_masks_the_padding_only():
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4, err_msg=f"d{name}")
 
 
+def test_negative_segment_ids_and_inputs_that_do_not_fit_each_other():
+    """Padding got the fixed ids -2 (queries) and -1 (keys): a real query of segment -1
+    attended to the zero-filled padded keys (lse off by 0.49). Padding's ids are now
+    below every real one. Inputs that do not fit each other are refused: a short id row
+    or a smaller value head_dim came back as zeros, no kv ids as a traceback."""
+    q, k, v, _ = inputs(1, 20, 2, 2, 8, jnp.float32, seed=12, packed=False)
+    seg = jnp.full((1, 20), -1, jnp.int32)
+    o, lse = flash_attention(q, k, v, seg, seg, causal=False, blocks=BLOCKS, interpret=True)
+    ro, rlse = reference(q, k, v, seg, seg, causal=False)
+    np.testing.assert_allclose(o, ro, atol=2e-6, rtol=2e-5)
+    np.testing.assert_allclose(lse, rlse, atol=2e-6, rtol=2e-6)
+    ones = jnp.ones((1, 20), jnp.int32)
+    bad = {
+        "k .* and v .* must have one shape": (q, k, v[:, :16], ones, ones),
+        "batch and head_dim must agree": (q, k[..., :4], v[..., :4], ones, ones),
+        "segment ids .* must be": (q, k, v, ones[:, :16], ones),
+        "give both or neither": (q, k, v, ones, None),
+        "an empty sequence": (q[:, :0], k, v, None, None),
+    }
+    for said, args in bad.items():
+        with pytest.raises(ValueError, match=said):
+            flash_attention(*args, causal=False, blocks=BLOCKS, interpret=True)
+    from ultrajax.kernels.flash_attention import pair_forward
+
+    with pytest.raises(ValueError, match="multiples of the tiles"):
+        pair_forward(q, k, v, ones, ones, causal=False, blocks=BLOCKS, interpret=True)
+
+
 def test_tiles_warps_and_stages_follow_the_head_dim_and_the_dtype():
     """The measured table where it has the tile (bf16), the register rule where it has
     not, and fp32 inputs on 64-wide tiles with at most 2 stages (128-wide fp32 tiles asked
