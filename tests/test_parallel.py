@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from ultrajax.config import schema as config
+from ultrajax.parallel import grads
 from ultrajax.parallel.context import token_order
 from ultrajax.tools import hlo
 from ultrajax.train import batch as batch_lib
@@ -436,6 +437,13 @@ def test_hsdp_reduces_over_data_once_per_step():
     assert in_loop and all(c.count == LAYERS for c in in_loop), in_loop
 
 
+# the computations an HLO call or conditional runs: one name, or a {set} of branches
+CALLEES = (
+    r"(?:to_apply|calls|branch_computations|true_computation|false_computation)"
+    r"=(\{[^}]*\}|%?[\w.\-]+)"
+)
+
+
 def layer_loop_order(text: str) -> str:
     """The layer loops of a compiled step in the order it runs them: F a forward, B a
     backward, loops inside loops (the micro-batch loop) as they are reached."""
@@ -452,10 +460,10 @@ def layer_loop_order(text: str) -> str:
                     order.append("F" if loops[body] < 1.5 * forward else "B")
                 else:
                     walk(body)
-            elif rest.startswith(("call(", "conditional(")):
-                callee = r"(?:to_apply|calls|branch_computations)=\{?%?([\w.\-]+)"
-                for c in re.findall(callee, rest):
-                    walk(c)
+            elif rest.startswith(("call(", "conditional(")):  # a conditional: every branch
+                for group in re.findall(CALLEES, rest):
+                    for c in re.findall(r"[\w.\-]+", group):
+                        walk(c)
 
     walk(mod.entry)
     return "".join(order)
@@ -474,6 +482,24 @@ def test_the_last_micro_batch_runs_after_the_others(name, mode):
     micro-batch's need 30.9). Each micro-batch's forward, then its backward: F B F B,
     never F F B B, in the compiled step's order."""
     assert layer_loop_order(run(name, mode)[3]) == "FB" * ACCUM
+
+
+@pytest.mark.parametrize(
+    "name,mode",
+    [("data8", "explicit"), ("data8", "gspmd"), ("fsdp8-zero1", "explicit"),
+     ("hsdp-data2-fsdp4-zero3", "explicit")],
+)  # fmt: skip
+def test_the_last_micro_batch_in_its_branch_trains_the_same(name, mode, monkeypatch):
+    """Where its stacked buffers outweigh the held weights, the last micro-batch runs in
+    a conditional branch, so that XLA builds them there and not before the micro-batch
+    loop (parallel/grads.py; tests/test_memory.py measures it). These shapes are small,
+    so the branch is forced here: it trains as one device does, after the others."""
+    monkeypatch.setattr(grads, "_stacked_bytes", lambda jaxpr: 1 << 62)
+    layout = dict(LAYOUTS[name], **{"parallel.collectives": mode})
+    got = run_layout.__wrapped__(tuple(layout.items()))  # not the cached run without it
+    assert "conditional(" in got[3]
+    assert_same_training(got, run(None))
+    assert layer_loop_order(got[3]) == "FB" * ACCUM
 
 
 def _activation_bytes(cfg) -> int:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jex_core
 
 from ultrajax.kernels.varying import vary, vma, zeros, zeros32
 from ultrajax.model import fp8
@@ -61,6 +62,23 @@ def splits_last(grad_accum: int, zero: Zero, manual) -> bool:
     """Whether the last of `grad_accum` micro-batches reduces apart from the others (a
     program of its own, after their loop): some reduction waits for it."""
     return grad_accum > 1 and bool(deferred_axes(zero, manual))
+
+
+def _bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _stacked_bytes(jaxpr) -> int:
+    """Bytes of the stacked outputs of the scans `jaxpr` runs (inside calls and other
+    non-loop sub-jaxprs, not loop bodies: those are built per iteration)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            ys = eqn.outvars[eqn.params["num_carry"] :]
+            total += sum(v.aval.size * v.aval.dtype.itemsize for v in ys)
+        elif eqn.primitive.name != "while":
+            total += sum(_stacked_bytes(sub) for sub in jex_core.jaxprs_in_params(eqn.params))
+    return total
 
 
 @dataclass(frozen=True)
@@ -280,8 +298,44 @@ class Gradients:
             return acc, total
         first = jax.tree.map(lambda a: a[:-1], batch)
         (acc, total, held), _ = jax.lax.scan(body(False), (acc, zero, held), first)
-        acc, part = micro(acc, self._last(batch, acc), True, held)
+
+        def last(ops):
+            acc, held = ops
+            acc, part = micro(acc, self._last(batch, acc), True, held)
+            return acc, part, jax.tree.map(jax.lax.optimization_barrier, held)
+
+        # The last micro-batch's scans stack their outputs (the saved residuals) into
+        # zeros made with no operands, which XLA's schedulers (CPU and GPU) build before
+        # the loop above, alive all through it: one micro-batch's activations more. Run
+        # in a branch XLA cannot drop (its predicate read off the running sum), they are
+        # built there. The branch takes the held weights as an operand, and XLA lays out
+        # a copy of its own of those it had laid out for the loop (gathered ones): so the
+        # branch is taken where the stacked buffers outweigh the held weights
+        jaxpr, shapes = jax.make_jaxpr(last, return_shape=True)((acc, held))
+
+        def traced(ops):  # `last` as traced once above (a model's trace takes seconds)
+            out = jex_core.jaxpr_as_fun(jaxpr)(*jax.tree.leaves(ops))
+            return jax.tree.unflatten(jax.tree.structure(shapes), out)
+
+        def never(ops):  # runs never: zeros typed as the last micro-batch's results
+            out = jax.tree.map(lambda s: zeros(s.shape, s.dtype, vma(s)), shapes[:2])
+            return *out, ops[1]
+
+        if _stacked_bytes(jaxpr.jaxpr) <= _bytes(held):
+            acc, part, _ = traced((acc, held))
+        else:
+            acc, part, _ = jax.lax.cond(self._zero(batch, acc) == 0, traced, never, (acc, held))
         return acc, add(total, part)
+
+    def _zero(self, batch, acc):
+        """An int32 0 XLA computes only once the running sum is (see `_last`)."""
+        want = vma(jax.tree.leaves(batch)[0])
+        sums = [acc[k] for k in self.after if k in acc] + jax.tree.leaves(acc)
+        leaf = next((x for x in sums if vma(x) <= want), sums[0])
+        zero = zero_after(leaf)
+        if extra := tuple(sorted(vma(zero) - want)):
+            zero = jax.lax.psum(zero, extra)
+        return zero
 
     def _last(self, batch, acc):
         """The last micro-batch, read at an index that depends on the running sum.
@@ -296,11 +350,5 @@ class Gradients:
         than the batch (TP's vocabulary split) would make the batch vary there too: that
         zero is summed over them, a scalar all-reduce, where no sum qualifies."""
         rows = jax.tree.leaves(batch)[0]
-        want = vma(rows)
-        sums = [acc[k] for k in self.after if k in acc] + jax.tree.leaves(acc)
-        leaf = next((x for x in sums if vma(x) <= want), sums[0])
-        zero = zero_after(leaf)
-        if extra := tuple(sorted(vma(zero) - want)):
-            zero = jax.lax.psum(zero, extra)
-        at = rows.shape[0] - 1 + zero
+        at = rows.shape[0] - 1 + self._zero(batch, acc)
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, at, keepdims=False), batch)
