@@ -11,7 +11,7 @@ import pytest
 from ultrajax.config import parse, validate
 from ultrajax.config.schema import ConfigError
 from ultrajax.train import loop as train
-from ultrajax.train import optim
+from ultrajax.train import optim, resume
 from ultrajax.train.ramp import Ramp
 
 TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
@@ -129,6 +129,20 @@ def test_a_ramp_trains_the_same_tokens_with_the_learning_rate_in_tokens(ramp_run
     assert crit and all(math.isfinite(c) and c > 0 for c in crit)
 
 
+def _said_at_the_ramps_position(cfg, run_dir):
+    """The rescheduling note read both schedules at the step count (6), where the next
+    step reads them at its position in tokens (2048 / 256 = 8): other learning rates."""
+    longer = _load(RAMP, "train.steps=24", "optim.schedule_steps=48", "train.reschedule=true",
+                   f"train.run_dir={run_dir}")  # fmt: skip
+    said = []
+    ramp = resume.check_resume(longer, (run_dir / "checkpoints", 6), said.append)
+    assert ramp.position == 8.0
+    old, new = (float(optim.lr_schedule(c)(8)) for c in (cfg, longer))
+    assert [s for s in said if "rescheduled" in s][0].endswith(
+        f"the learning rate of step 7 goes from {old:.2e} to {new:.2e}"
+    )
+
+
 @pytest.mark.slow
 def test_resuming_in_the_middle_of_the_ramp_gives_the_same_losses(ramp_run, tmp_path, capsys):
     """Two runs chained by a checkpoint taken inside the token stage (the loss stage then
@@ -140,6 +154,8 @@ def test_resuming_in_the_middle_of_the_ramp_gives_the_same_losses(ramp_run, tmp_
         cfg = _load(RAMP, f"train.steps={steps}", "train.noise_every=4",
                     f"train.run_dir={tmp_path}")  # fmt: skip
         assert train.train(cfg) == 0
+        if steps == 7:  # a longer schedule from here: its jump said where the step reads it
+            _said_at_the_ramps_position(cfg, tmp_path)
     out = capsys.readouterr().out
     assert out.count("compiled the step for 8 sequences") == 2
     assert out.count("compiled the step for 32 sequences") == 2

@@ -156,7 +156,7 @@ def check_resume(cfg: Config, source: tuple[Path, int], warn=print) -> Ramp:
     ramp = check_batch(saved, cfg, progress.get("ramp"), step, _where(root, step))
     if not ramp.done:  # a finished run trains nothing: what would have changed does not matter
         check_changes(saved, cfg, _where(root, step), warn)
-        check_schedule(saved, cfg, _where(root, step), step, warn)
+        check_schedule(saved, cfg, _where(root, step), step, warn, ramp.position)
     return ramp
 
 
@@ -255,17 +255,22 @@ def resume_source(cfg: Config) -> tuple[Path, int] | None:
     return source
 
 
-def check_schedule(saved: Config, cfg: Config, where: str, step: int, warn=print) -> None:
+def check_schedule(
+    saved: Config, cfg: Config, where: str, step: int, warn=print, position: float | None = None
+) -> None:
     """A resume must not change the learning-rate schedule behind the user's back.
 
     Changing train.steps (or optim.schedule_steps) moves the end of a cosine or WSD
     schedule, so the learning rate jumps at the next step. Refused unless asked for with
-    train.reschedule=true; the other way is to keep the old schedule's length."""
+    train.reschedule=true; the other way is to keep the old schedule's length. The
+    schedule is read where the next step reads it, `position` (tokens trained / the first
+    batch: the step count unless a batch ramp grew the batch)."""
     old, new = optim.schedule_steps(saved), optim.schedule_steps(cfg)
     if old == new or cfg.optim.schedule == "constant":
         return
-    before = float(optim.lr_schedule(saved)(step))
-    after = float(optim.lr_schedule(cfg)(step))
+    at = step if position is None else position
+    before = float(optim.lr_schedule(saved)(at))
+    after = float(optim.lr_schedule(cfg)(at))
     # the next step's, logged as step + 1 (records count the steps done)
     change = f"the learning rate of step {step + 1} goes from {before:.2e} to {after:.2e}"
     if cfg.train.reschedule:
