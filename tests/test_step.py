@@ -270,27 +270,36 @@ def _sched(*overrides):
 
 
 def test_warmup_then_cosine_to_min_lr():
+    """Position p is step p + 1. Warmup over 10 steps: lr/10 at step 1, lr at step 10;
+    min_lr at the last step, 100 (it came one position past it, and the peak at 11)."""
     lr = _sched("optim.schedule=cosine", "optim.warmup_steps=10")
-    np.testing.assert_allclose(lr[:11], np.linspace(1e-4, 1e-3, 11), rtol=1e-5)  # lr/W first
-    np.testing.assert_allclose(lr[55], (1e-3 + 1e-4) / 2, rtol=1e-5)  # halfway down
-    np.testing.assert_allclose(lr[100], 1e-4, rtol=1e-5)
-    assert np.all(np.diff(lr[10:]) <= 1e-12) and lr[99] > lr[100]
-    expected = 1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + np.cos(np.pi * (np.arange(10, 101) - 10) / 90))
-    np.testing.assert_allclose(lr[10:], expected, rtol=1e-5)
+    np.testing.assert_allclose(lr[:10], np.linspace(1e-4, 1e-3, 10), rtol=1e-5)  # lr/W first
+    np.testing.assert_allclose(lr[54], (1e-3 + 1e-4) / 2, rtol=1e-5)  # halfway down
+    np.testing.assert_allclose(lr[99:], 1e-4, rtol=1e-5)  # the last step, and held past it
+    assert np.all(np.diff(lr[9:]) <= 1e-12) and lr[98] > lr[99]
+    expected = 1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + np.cos(np.pi * (np.arange(9, 100) - 9) / 90))
+    np.testing.assert_allclose(lr[9:100], expected, rtol=1e-5)
 
 
-def test_wsd_holds_the_peak_then_decays():
+def test_wsd_holds_the_peak_then_decays_to_min_lr_at_the_last_step():
+    """decay_fraction 0.2 of 100 steps: the last 20 below the peak, the last at min_lr
+    (it never reached min_lr: 10 steps ended at 5.5 x min_lr)."""
     lr = _sched("optim.schedule=wsd", "optim.warmup_steps=10", "optim.decay_fraction=0.2")
-    np.testing.assert_allclose(lr[:11], np.linspace(1e-4, 1e-3, 11), rtol=1e-5)  # lr/W first
-    np.testing.assert_allclose(lr[10:81], 1e-3, rtol=1e-6)  # stable phase at the peak
-    np.testing.assert_allclose(lr[80:], np.linspace(1e-3, 1e-4, 21), rtol=1e-5)
+    np.testing.assert_allclose(lr[:10], np.linspace(1e-4, 1e-3, 10), rtol=1e-5)  # lr/W first
+    np.testing.assert_allclose(lr[9:80], 1e-3, rtol=1e-6)  # stable phase at the peak
+    np.testing.assert_allclose(lr[79:100], np.linspace(1e-3, 1e-4, 21), rtol=1e-5)
     np.testing.assert_allclose(lr[100], 1e-4, rtol=1e-5)
+    short = load(None, ["train.steps=10", "optim.warmup_steps=2", "optim.schedule=wsd"])
+    lr = np.asarray(jax.jit(optim.lr_schedule(short))(jnp.arange(10)), np.float64)
+    np.testing.assert_allclose(lr, [1.5e-3, *[3e-3] * 6, 3e-3, 1.65e-3, 3e-4], rtol=1e-5)
 
 
 def test_constant_schedule_after_warmup():
     lr = _sched("optim.schedule=constant", "optim.warmup_steps=5")
-    np.testing.assert_allclose(lr[5:], 1e-3, rtol=1e-6)
+    np.testing.assert_allclose(lr[4:], 1e-3, rtol=1e-6)  # lr from step 5, the warmup's last
     np.testing.assert_allclose(lr[0], 1e-3 / 5, rtol=1e-6)  # step 1 already trains
+    no_warmup = _sched("optim.schedule=cosine", "optim.warmup_steps=0")
+    assert no_warmup[0] == pytest.approx(1e-3) and no_warmup[99] == pytest.approx(1e-4)
 
 
 # --------------------------------------------------------------------------- chunked loss

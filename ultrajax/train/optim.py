@@ -20,26 +20,32 @@ def schedule_steps(cfg: Config) -> int:
 
 
 def lr_schedule(cfg: Config) -> optax.Schedule:
-    """The learning rate by step: warmup, then constant, cosine or warmup-stable-decay."""
+    """The learning rate at a position (the steps trained before this one, in config
+    batches: step k reads k - 1): a linear warmup from lr / warmup_steps at step 1 (the
+    first step already moves the weights) to lr at step warmup_steps, then constant,
+    cosine or warmup-stable-decay down to min_lr at the schedule's last step, held past
+    it. (The decay ended one position past the last step: a WSD run never reached
+    min_lr, and the peak came a step after the warmup.)"""
     o, steps = cfg.optim, schedule_steps(cfg)
-    # the first step already moves the weights: lr/warmup, not 0
-    warmup = optax.linear_schedule(o.lr / max(o.warmup_steps, 1), o.lr, max(o.warmup_steps, 1))
-    if o.schedule == "constant":
-        main = optax.constant_schedule(o.lr)
-    elif o.schedule == "cosine":
-        main = optax.cosine_decay_schedule(
-            o.lr, max(steps - o.warmup_steps, 1), alpha=o.min_lr / o.lr
-        )
-    else:  # wsd: warmup, hold the peak, decay linearly to min_lr over the last decay_fraction
-        decay = max(int(round(o.decay_fraction * steps)), 1)
-        stable = max(steps - o.warmup_steps - decay, 0)
-        main = optax.join_schedules(
-            [optax.constant_schedule(o.lr), optax.linear_schedule(o.lr, o.min_lr, decay)],
-            [stable],
-        )
-    if o.warmup_steps == 0:
-        return main
-    return optax.join_schedules([warmup, main], [o.warmup_steps])
+    warmup = max(o.warmup_steps, 1)
+    peak = warmup - 1  # the position of the first step at lr
+    last = steps - 1  # the position of the schedule's last step: min_lr there
+    decay = max(int(round(o.decay_fraction * steps)), 1)  # wsd: the steps below the peak
+
+    def at(position):
+        p = jnp.asarray(position, jnp.float32)
+        rising = o.lr * jnp.minimum((p + 1) / warmup, 1.0)
+        if o.schedule == "constant":
+            return rising
+        if o.schedule == "cosine":
+            t = jnp.clip((p - peak) / max(last - peak, 1), 0.0, 1.0)
+            after = o.min_lr + (o.lr - o.min_lr) * 0.5 * (1 + jnp.cos(jnp.pi * t))
+        else:  # wsd: hold the peak, then linearly to min_lr over the last `decay` steps
+            t = jnp.clip((p - (last - decay)) / decay, 0.0, 1.0)
+            after = o.lr + (o.min_lr - o.lr) * t
+        return jnp.where(p < peak, rising, after)
+
+    return at
 
 
 def decay_mask(params: dict) -> dict:
