@@ -27,25 +27,23 @@ def lr_schedule(cfg: Config) -> optax.Schedule:
     it. (The decay ended one position past the last step: a WSD run never reached
     min_lr, and the peak came a step after the warmup.)"""
     o, steps = cfg.optim, schedule_steps(cfg)
-    warmup = max(o.warmup_steps, 1)
-    peak = warmup - 1  # the position of the first step at lr
+    peak = max(o.warmup_steps, 1) - 1  # the position of the first step at lr
     last = steps - 1  # the position of the schedule's last step: min_lr there
-    decay = max(int(round(o.decay_fraction * steps)), 1)  # wsd: the steps below the peak
-
-    def at(position):
-        p = jnp.asarray(position, jnp.float32)
-        rising = o.lr * jnp.minimum((p + 1) / warmup, 1.0)
-        if o.schedule == "constant":
-            return rising
-        if o.schedule == "cosine":
-            t = jnp.clip((p - peak) / max(last - peak, 1), 0.0, 1.0)
-            after = o.min_lr + (o.lr - o.min_lr) * 0.5 * (1 + jnp.cos(jnp.pi * t))
-        else:  # wsd: hold the peak, then linearly to min_lr over the last `decay` steps
-            t = jnp.clip((p - (last - decay)) / decay, 0.0, 1.0)
-            after = o.lr + (o.min_lr - o.lr) * t
-        return jnp.where(p < peak, rising, after)
-
-    return at
+    if peak > 0:  # lr / warmup_steps at position 0 (step 1) up to lr at position peak
+        warmup = optax.linear_schedule(o.lr / o.warmup_steps, o.lr, peak)
+    else:
+        warmup = optax.constant_schedule(o.lr)
+    if o.schedule == "constant":
+        main, starts = [optax.constant_schedule(o.lr)], []
+    elif o.schedule == "cosine":
+        main = [optax.cosine_decay_schedule(o.lr, max(last - peak, 1), alpha=o.min_lr / o.lr)]
+        starts = []
+    else:  # wsd: hold the peak, then linearly to min_lr over the last `decay` steps
+        decay = max(int(round(o.decay_fraction * steps)), 1)
+        hold = max(last - decay, peak)
+        main = [optax.constant_schedule(o.lr), optax.linear_schedule(o.lr, o.min_lr, last - hold)]
+        starts = [hold]
+    return optax.join_schedules([warmup, *main], [peak, *starts])
 
 
 def decay_mask(params: dict) -> dict:
