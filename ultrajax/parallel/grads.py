@@ -64,6 +64,11 @@ def splits_last(grad_accum: int, zero: Zero, manual) -> bool:
     return grad_accum > 1 and bool(deferred_axes(zero, manual))
 
 
+# the name scope of the last micro-batch's conditional (accumulate): its taken branch
+# runs every step, as the communication count reads it (tools/hlo.py)
+LAST_MICRO_BATCH = "last_micro_batch"
+
+
 def _bytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
@@ -321,10 +326,14 @@ class Gradients:
             out = jax.tree.map(lambda s: zeros(s.shape, s.dtype, vma(s)), shapes[:2])
             return *out, ops[1]
 
-        if _stacked_bytes(jaxpr.jaxpr) <= _bytes(held):
+        # explicit collectives only: under the partitioner the branch's operands were
+        # resharded (an all-to-all of the gathered weights, HSDP ZeRO-3)
+        if self.specs is not None or _stacked_bytes(jaxpr.jaxpr) <= _bytes(held):
             acc, part, _ = traced((acc, held))
         else:
-            acc, part, _ = jax.lax.cond(self._zero(batch, acc) == 0, traced, never, (acc, held))
+            with jax.named_scope(LAST_MICRO_BATCH):  # the branch that runs every step
+                pred = self._zero(batch, acc) == 0
+                acc, part, _ = jax.lax.cond(pred, traced, never, (acc, held))
         return acc, add(total, part)
 
     def _zero(self, batch, acc):

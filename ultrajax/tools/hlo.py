@@ -18,6 +18,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from ultrajax.config.schema import Config
 from ultrajax.cost.comms import KINDS, expected, expected_by_kind
+from ultrajax.parallel.grads import LAST_MICRO_BATCH
 
 DTYPE_BYTES = {
     "pred": 1,
@@ -289,7 +290,7 @@ def _reaches_collective(mod: HloModule, edges, comp: str, seen=None) -> bool:
 def multiplicities(mod: HloModule, branch: float = 1) -> tuple[dict[str, float], list[str]]:
     """How many times each computation runs per call of the entry; notes on unknown loops.
     A conditional's branches count `branch` times a call (1: as if each ran every time;
-    DiLoCo's synchronisation, 1/H of the steps)."""
+    DiLoCo's synchronisation, 1/H of the steps), but the last micro-batch's (every step)."""
     edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
     unknown = []  # (while instruction, its body) with no trip count in the HLO
     for comp, instrs in mod.computations.items():
@@ -306,9 +307,10 @@ def multiplicities(mod: HloModule, branch: float = 1) -> tuple[dict[str, float],
                 # the condition runs trip + 1 times; collectives never live there
                 edges[comp].append((callee, factor if key in ("body", "condition") else 1))
             b = _BRANCHES.search(rest)
-            if b:
+            if b:  # the last micro-batch's branch runs every step (its other, never)
+                weight = 1 if LAST_MICRO_BATCH in rest else branch
                 for callee in re.findall(r"%?([\w.\-]+)", b.group(1)):
-                    edges[comp].append((callee, branch))
+                    edges[comp].append((callee, weight))
     # a loop that runs no collective (context parallelism's 0-or-1-trip "skip this
     # pair" loops) cannot change the communication: no note
     notes = [
