@@ -12,7 +12,8 @@
 # pids to <train.run_dir>/logs/pids. The script waits for all processes; if one
 # fails, the others are stopped (SIGTERM, then SIGKILL after $ULTRAJAX_GRACE_S
 # seconds, default 2), that process's last lines are printed and the script exits
-# with its status. Ctrl-C / SIGTERM are forwarded to every process (a SIGTERM'd
+# with its status (a process that ended with 1, its peers gone, waits up to that grace
+# for one that ends with a one-line error, 2: that one is reported). Ctrl-C / SIGTERM are forwarded to every process (a SIGTERM'd
 # run saves a checkpoint and stops). No process is left behind.
 set -euo pipefail
 
@@ -98,6 +99,21 @@ while ((${#running[@]} > 0)); do
   i=${running[$finished]}
   unset "running[$finished]"
   if ((status != 0)); then
+    if ((status != 2)); then  # a process that lost its peers (a connection reset: 1) can end
+      # before the one whose one-line error (2) made them leave: the cause is that one's
+      deadline=$((SECONDS + GRACE))
+      while ((${#running[@]} > 0 && SECONDS < deadline)); do
+        for pid in "${!running[@]}"; do
+          kill -0 "$pid" 2>/dev/null && continue
+          other=0
+          wait "$pid" || other=$?
+          j=${running[$pid]}
+          unset "running[$pid]"
+          if ((other == 2)); then finished=$pid i=$j status=2; break 2; fi
+        done
+        sleep 0.1
+      done
+    fi
     sleep 0.2  # let tail show process 0's last words
     echo "launch_local: process $i (pid $finished) exited with status $status; stopping the others" >&2
     stop_all TERM
