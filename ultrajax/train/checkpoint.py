@@ -201,9 +201,9 @@ def read_config(path: str | Path) -> Config:
 
 
 def beside(path: str | Path, cfg: Config, name: str) -> Path | None:
-    """A file kept beside a checkpoint's steps (hf-to-orbax's generation_config.json), or
-    beside the checkpoint its run started from (checkpoint.init_from): a fine-tuned
-    model keeps what its base came with."""
+    """A file kept beside a checkpoint's steps (hf-to-orbax's tokenizer.json and
+    generation_config.json), or beside the checkpoint its run started from
+    (checkpoint.init_from): a fine-tuned model keeps what its base came with."""
     roots = [locate(path)[0]]
     if cfg.checkpoint.init_from:
         try:
@@ -215,17 +215,18 @@ def beside(path: str | Path, cfg: Config, name: str) -> Path | None:
 
 def read_tokenizer(path: str | Path, cfg: Config):
     """The tokenizer a checkpoint's weights were trained with: the run's copy named by the
-    step's data position (Checkpoints.keep_tokenizer); beside a parameter-only checkpoint
-    (hf-to-orbax), its tokenizer.json; else data.tokenizer as the saved config names it."""
+    step's data position (Checkpoints.keep_tokenizer); for a parameter-only checkpoint
+    (hf-to-orbax), the tokenizer.json `beside` it; else data.tokenizer as the saved
+    config names it."""
     root, step = locate(path)
     if (root / str(step) / "data").exists():
         digest = _read_json_item(root, step, "data").get("tokenizer")
         kept = root / TOKENIZERS / f"{digest}.json"
-        if digest not in (None, tokenizer_lib.ByteTokenizer.digest) and kept.is_file():
-            return tokenizer_lib.HFTokenizer(str(kept))
-    elif (root / "tokenizer.json").is_file():
-        return tokenizer_lib.HFTokenizer(str(root / "tokenizer.json"))
-    return sources.make_tokenizer(cfg.data)
+        if digest in (None, tokenizer_lib.ByteTokenizer.digest) or not kept.is_file():
+            kept = None
+    else:
+        kept = beside(path, cfg, "tokenizer.json")
+    return tokenizer_lib.HFTokenizer(str(kept)) if kept else sources.make_tokenizer(cfg.data)
 
 
 # --------------------------------------------------------------------------- checks
