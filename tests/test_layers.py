@@ -173,6 +173,26 @@ def test_data_preparation_imports_no_jax():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_a_top_level_kernels_import_from_the_checkout_gets_the_installed_package(tmp_path):
+    """From the checkout's root (on sys.path under `python -m`) kernels/ is also a top-level
+    `kernels`, the name of Hugging Face's package, which transformers >= 5.25 imports: that
+    import must get the installed one (it got ours, and every conversion test failed on
+    `from kernels import CUDAProperties`), and ultrajax.kernels stays ours."""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("INSTALLED = True\n")
+    code = (
+        f"import sys; sys.path.insert(1, {str(site)!r}); import kernels, ultrajax.kernels as ours; "
+        "print(getattr(kernels, 'INSTALLED', False), ours.__file__)"
+    )
+    root = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, "-c", code]
+    out = subprocess.run(argv, cwd=root, capture_output=True, text=True, check=True)
+    installed, ours = out.stdout.split()
+    assert installed == "True", out.stdout
+    assert Path(ours).resolve() == root / "kernels" / "__init__.py"
+
+
 SCREEN = 80  # lines: a function reads top to bottom on one screen
 
 
