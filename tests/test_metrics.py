@@ -3,6 +3,7 @@ writer's TensorBoard and W&B scalars."""
 
 import json
 import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -244,6 +245,23 @@ def test_metrics_writer_tensorboard_scalars(tmp_path, monkeypatch):
     assert [p[:2] for p in points["train/tokens"]] == [(4, 4096.0)]
     assert [p[:2] for p in points["train/memory/peak_gib"]] == [(4, 1.5)]
     assert [p[2] for p in points["train/loss"]] == [r["time"] for r in RECORDS]  # wall clock
+
+
+def test_the_writer_imports_no_torch(tmp_path):
+    """tensorboardX imports torch where it is installed, to accept torch tensors (1.7 s
+    of every run's start here); the writer is handed floats and leaves torch out of it,
+    and torch still imports afterwards."""
+    pytest.importorskip("torch")
+    code = (
+        "import sys; from ultrajax.train import metrics; "
+        "w = metrics.MetricsWriter(sys.argv[1], fresh=True); w.write({'step': 1, 'loss': 2.0}); "
+        "w.close(); print('torch' in sys.modules); import torch"
+    )
+    argv = [sys.executable, "-c", code, str(tmp_path)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False"]
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_metrics_writer_resume_purges_and_fresh_restarts(tmp_path, monkeypatch):
