@@ -3,6 +3,8 @@
 import hashlib
 import json
 import re
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -128,6 +130,16 @@ def test_stdlib_source_finds_python_files():
     assert not any(d.key.startswith(("site-packages", "dist-packages")) for d in docs)
     assert any(d.key == "os.py" for d in docs)
     assert "import" in next(d for d in docs if d.key == "os.py").read()
+    # the files a glob finds, less site-packages, in the glob's order (the walk prunes it)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    globbed = [
+        str(p.relative_to(root))
+        for p in sorted(root.rglob("*.py"))
+        if p.relative_to(root).parts[0] not in ("site-packages", "dist-packages")
+        and p.is_file()
+        and p.stat().st_size > 0
+    ]
+    assert [d.key for d in docs] == globbed
 
 
 def test_text_file(tmp_path):

@@ -61,15 +61,21 @@ class Doc:
 
 
 def stdlib_docs() -> list[Doc]:
-    """The interpreter's standard library .py files (no site-packages), sorted."""
+    """The interpreter's standard library .py files (no site-packages), sorted as paths.
+
+    Walked with site-packages left out, not globbed and filtered: an environment with
+    torch and transformers installed holds tens of thousands of files there, and the
+    glob cost every run's start 0.9 s (the same list: no symbolic link followed)."""
     root = Path(sysconfig.get_paths()["stdlib"])
+    paths = []
+    for top, dirs, files in os.walk(root):
+        if Path(top) == root:
+            dirs[:] = [d for d in dirs if d not in ("site-packages", "dist-packages")]
+        paths += [Path(top, f) for f in files if f.endswith(".py")]
     docs = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if rel.parts and rel.parts[0] in ("site-packages", "dist-packages"):
-            continue
+    for path in sorted(paths):
         if path.is_file() and path.stat().st_size > 0:
-            docs.append(Doc(key=str(rel), path=str(path)))
+            docs.append(Doc(key=str(path.relative_to(root)), path=str(path)))
     if not docs:
         raise ConfigError(f"data.source=stdlib: no .py files found under {root}")
     return docs
