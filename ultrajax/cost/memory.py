@@ -13,6 +13,8 @@ Adam moments, the batch) plus the largest of its phases' temporaries:
     gradients, the layer's weights and weight gradients);
   - head backward: the same saved activations, the gradient buffers, and the
     logits' working set (exp(logits), their gradient and its transposed copy);
+  - lookup backward (an untied table under ZeRO >= 1, each device's own code): after
+    the layers', the lookup's whole fp32 gradient and its copy for the reduce-scatter;
   - layer forward (plain xla attention): the mask's hoisted broadcasts, and under
     recomputation the layer's scores and probabilities live again;
   - optimizer update: the fp32 gradients and the update's temporaries.
@@ -82,6 +84,7 @@ class Phase(StrEnum):
     LAYER_BACKWARD = "layer backward"
     LAYER_FORWARD = "layer forward"
     HEAD_BACKWARD = "head backward"
+    LOOKUP_BACKWARD = "lookup backward"
     PIPELINE_TICK = "pipeline tick"
     GRADIENT_REDUCTION = "gradient reduction"
     OPTIMIZER_UPDATE = "optimizer update"
@@ -184,6 +187,8 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
     work = layer_work(cfg, platform=platform)
     kept = fixed.copy + held["gradients"] + held["accumulators"] + held["embed_grad"]
     phases = _phases(cfg, saved, kept, work, fixed.head_work, fixed.head_copy)
+    if _lookup_after(cfg):
+        phases[Phase.LOOKUP_BACKWARD] = _lookup_backward(cfg, fixed.copy, held)
     if loop_on_gpu(cfg, platform):
         phases = _looped(cfg, phases, saved, fixed.copy, held)
     parts = Breakdown(
@@ -356,6 +361,38 @@ def _phases(cfg, saved, kept, work, head_work, head_copy) -> dict[Phase, float]:
     phases[Phase.HEAD_BACKWARD] = saved + kept - d.c * head_elems + head_work + head_copy
     phases[Phase.OPTIMIZER_UPDATE] = _update(param_elements(cfg, "stored"))
     return phases
+
+
+def _lookup_after(cfg: Config) -> bool:
+    """Whether the step ends with its own phase for the embedding lookup's gradient: an
+    untied table under ZeRO >= 1, the code each device's own (model/ops.py's lookup rule
+    makes the gradient's zeros after the layers' backward; a tied table's is held through
+    it, `_gradients`, and the partitioner's zeros are a constant)."""
+    zero = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
+    return zero.active >= 1 and not cfg.model.tie_embeddings and not partitioned(cfg)
+
+
+def _lookup_backward(cfg: Config, copy: float, held: dict[str, float]) -> float:
+    """After the layers' backward: the lookup's whole fp32 gradient (its zeros and the
+    scatter into them one buffer) and, for the reduce-scatter over fsdp along the
+    embedding axis, a transposed copy of it, beside the copies, the running sum and the
+    other gradients; not yet its own reduced shard where the gradients are buffers apart
+    from the sum (the scatter writes it), nor a chunked loss's whole head gradient
+    (reduced by then). ZeRO-1 with accumulation adds the lookup's into the whole running
+    sum in place, and the sum is copied for its reduce-scatter where the earlier
+    micro-batches run in a loop (3 or more; with 2 the loop is inlined and no copy was
+    seen). Read off XLA:CPU's buffers (vocabulary 32768 beside d_model 64, fsdp 8: 1.86
+    to 2.0 tables beyond the rest; ZeRO-1 with accumulation 1.06, 0.03 with 2)."""
+    table = 4.0 * _whole(cfg, (llama.EMBEDDING,))
+    own = 4.0 * param_elements(cfg, "stored", where=_embedding) if held["gradients"] else 0.0
+    rest = copy + held["gradients"] - own + held["accumulators"]
+    if cfg.train.grad_accum > 1 and Zero(cfg.parallel.zero, cfg.mesh.fsdp).active == 1:
+        return rest + table * (cfg.train.grad_accum > 2)
+    return rest + 2 * table
+
+
+def _embedding(p) -> bool:
+    return p.part == llama.EMBEDDING
 
 
 def _looped(cfg, phases, saved, copy, held) -> dict[Phase, float]:

@@ -99,6 +99,8 @@ def _predicted_bars(p: dict) -> list[tuple[str, float]]:
         ("fp32 accumulators", parts["accumulators"]),
         ("whole embedding gradient", 0 if p["pipelined"] else parts["embed_grad"]),
     ]
+    if phase == memory.Phase.LOOKUP_BACKWARD:  # after the layers': no activations saved
+        return bars + held + [("lookup gradient and its copy", p["phases"][phase] - p["held"])]
     saved = [(f"saved: {k}", v) for k, v in p["activations"].items()]
     work = p["phases"][phase] - p["held"] - parts["saved"]
     return bars + held + saved + [(f"working set ({phase})", work)]
