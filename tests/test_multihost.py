@@ -535,6 +535,7 @@ def test_only_process_zero_prints_and_writes(runs):
     assert "hosts: 2 process(es) x 4 devices" in log0
     assert "8 streams of 1 row a step; this process packs 4 of them" in log0
     assert "summary:" not in log1 and " loss " not in log1 and "mesh:" not in log1
+    assert "joining the 2-process run at 127.0.0.1:" in log0 and "joining" not in log1
     assert "all 2 processes finished" in out.stderr
 
 
@@ -631,6 +632,9 @@ def test_slurm_environment_starts_a_two_process_run(tmp_path):
         )
         cmd = [sys.executable, "-c", code]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    outs = [p.communicate(timeout=120)[0].splitlines() for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
-    assert sorted(outs) == [["0", "2", "4"], ["1", "2", "4"]]
+    assert sorted(out[-1].split() for out in outs) == [["0", "2", "4"], ["1", "2", "4"]]
+    # until all have joined JAX says nothing: process 0 (the task of rank 0) says so first
+    assert outs[0][0].startswith("joining the 2-process run (slurm): waiting for every process")
+    assert len(outs[1]) == 1

@@ -132,6 +132,18 @@ def joining(
     return None
 
 
+JOIN_TIMEOUT_S = 300  # jax.distributed.initialize's own default, said in the joining line
+
+
+def _first(how: Joining, env: Mapping[str, str]) -> bool:
+    """Whether this process is process 0, the one that prints (SLURM and Open MPI give
+    the rank in the environment; JAX's detection reads the same)."""
+    if how.process_id is not None:
+        return how.process_id == 0
+    rank = env.get("SLURM_PROCID") if how.source == "slurm" else env.get("OMPI_COMM_WORLD_RANK")
+    return rank in (None, "0")
+
+
 def initialize(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None):
     """Join the multi-process run this process belongs to, if any. Call it after the
     platform options are set and before anything asks JAX for devices."""
@@ -152,12 +164,21 @@ def initialize(args: argparse.Namespace | None = None, env: Mapping[str, str] | 
         pass
     if how.process_id == 0 and how.coordinator:  # the coordinator's port, taken: XLA segfaults
         _check_port_free(how.coordinator)
+    if _first(how, env if env is not None else os.environ):
+        # until every process has joined JAX says nothing (5 minutes where one never starts)
+        at = f" at {how.coordinator}" if how.coordinator else ""
+        print(
+            f"joining the {how.num_processes}-process run{at} ({how.source}): waiting for "
+            f"every process to start (JAX gives up after {JOIN_TIMEOUT_S // 60} minutes)",
+            flush=True,
+        )
     try:
         jax.distributed.initialize(
             coordinator_address=how.coordinator,
             num_processes=how.num_processes,
             process_id=how.process_id,
             local_device_ids=list(how.local_device_ids) if how.local_device_ids else None,
+            initialization_timeout=JOIN_TIMEOUT_S,
         )
     except (ValueError, RuntimeError) as e:
         first = (str(e).strip().splitlines() or [""])[0].rstrip(".")
