@@ -13,10 +13,11 @@ if __name__ == "kernels":
     import os
     import sys
 
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
+    _here = os.path.realpath(__file__)  # real paths: a linked checkout is this one too
+    _root = os.path.dirname(os.path.dirname(_here))
+    _elsewhere = [p for p in sys.path if os.path.realpath(p or os.curdir) != _root]
     _spec = importlib.machinery.PathFinder.find_spec("kernels", _elsewhere)
-    if _spec is not None and _spec.origin != __file__:
+    if _spec is not None and os.path.realpath(_spec.origin or "") != _here:
         # the import statement hands back what sys.modules holds once this file has run
         _module = importlib.util.module_from_spec(_spec)
         sys.modules["kernels"] = _module

@@ -191,6 +191,17 @@ def test_a_top_level_kernels_import_from_the_checkout_gets_the_installed_package
     installed, ours = out.stdout.split()
     assert installed == "True", out.stdout
     assert Path(ours).resolve() == root / "kernels" / "__init__.py"
+    # the checkout on the path a second time, through a link, is the same checkout (it
+    # would find itself again, and again)
+    (tmp_path / "link").symlink_to(root)
+    linked = code.replace(
+        f"sys.path.insert(1, {str(site)!r})",
+        f"sys.path[1:1] = [{str(tmp_path / 'link')!r}, {str(site)!r}]",
+    )
+    assert linked != code
+    argv = [sys.executable, "-c", linked]
+    out = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[0] == "True", out.stderr[-2000:]
 
 
 SCREEN = 80  # lines: a function reads top to bottom on one screen
