@@ -321,7 +321,7 @@ def _gradients(cfg: Config) -> dict[str, float]:
         # reduced shards are a buffer beside the sum
         final = 0 if accum and z.active >= 2 and not splits_last(cfg) else stored
     embed = 0.0  # an untied lookup's own gradient is made after the layers' backward
-    held = cfg.model.tie_embeddings or partitioned(cfg)  # or its zeros are a constant
+    held = not _lookup_made_after(cfg)
     if held and not accum:
         embed = _beyond_shard(cfg, llama.EMBEDDING, 4) if z.active >= 1 else 0.0
     elif held and z.active >= 2:
@@ -382,7 +382,7 @@ def _with_the_last_built_early(cfg: Config, phases: dict, saved: float) -> dict:
     XLA:CPU, fp32, data 8 at seq 256 to 1024 with 4 micro-batches: 0.57-0.63 of the
     compiled peak before, the last micro-batch's saved activations and 1.2 to 2.1 fp32
     score arrays the gap."""
-    hoisted = 0.0 if _flash(cfg) else HOISTED_S * 4 * dims(cfg).S
+    hoisted = 0.0 if _flash(cfg) else _mask_broadcasts(cfg)
     out = dict(phases)
     out[Phase.LAYER_BACKWARD] += saved + hoisted
     out[Phase.HEAD_BACKWARD] += saved + hoisted
@@ -390,13 +390,18 @@ def _with_the_last_built_early(cfg: Config, phases: dict, saved: float) -> dict:
     return out
 
 
+def _lookup_made_after(cfg: Config) -> bool:
+    """Whether the embedding lookup's gradient is made after the layers' backward: an
+    untied table, the code each device's own (model/ops.py's lookup rule reads its zeros
+    off the cotangent). A tied table's is held through the backward, and where the
+    partitioner splits the step its zeros are a constant XLA builds before it."""
+    return not cfg.model.tie_embeddings and not partitioned(cfg)
+
+
 def _lookup_after(cfg: Config) -> bool:
-    """Whether the step ends with its own phase for the embedding lookup's gradient: an
-    untied table under ZeRO >= 1, the code each device's own (model/ops.py's lookup rule
-    makes the gradient's zeros after the layers' backward; a tied table's is held through
-    it, `_gradients`, and the partitioner's zeros are a constant)."""
-    zero = Zero(cfg.parallel.zero, cfg.mesh.fsdp)
-    return zero.active >= 1 and not cfg.model.tie_embeddings and not partitioned(cfg)
+    """Whether the step ends with its own phase for the lookup's gradient: made after the
+    layers' backward, whole, and reduce-scattered over fsdp (ZeRO >= 1)."""
+    return Zero(cfg.parallel.zero, cfg.mesh.fsdp).active >= 1 and _lookup_made_after(cfg)
 
 
 def _lookup_backward(cfg: Config, copy: float, held: dict[str, float]) -> float:
@@ -411,15 +416,12 @@ def _lookup_backward(cfg: Config, copy: float, held: dict[str, float]) -> float:
     seen). Read off XLA:CPU's buffers (vocabulary 32768 beside d_model 64, fsdp 8: 1.86
     to 2.0 tables beyond the rest; ZeRO-1 with accumulation 1.06, 0.03 with 2)."""
     table = 4.0 * _whole(cfg, (llama.EMBEDDING,))
-    own = 4.0 * param_elements(cfg, "stored", where=_embedding) if held["gradients"] else 0.0
+    stored = param_elements(cfg, "stored", where=lambda p: p.part == llama.EMBEDDING)
+    own = 4.0 * stored if held["gradients"] else 0.0
     rest = copy + held["gradients"] - own + held["accumulators"]
     if cfg.train.grad_accum > 1 and Zero(cfg.parallel.zero, cfg.mesh.fsdp).active == 1:
         return rest + table * (cfg.train.grad_accum > 2)
     return rest + 2 * table
-
-
-def _embedding(p) -> bool:
-    return p.part == llama.EMBEDDING
 
 
 def _looped(cfg, phases, saved, copy, held) -> dict[Phase, float]:
@@ -494,10 +496,16 @@ def _hoisted(cfg: Config) -> int:
     SOFTMAX_ROWS_SPLIT rows."""
     d = dims(cfg)
     recompute = _policy(cfg.model) != "none"
-    hoisted = HOISTED_S * 4 * d.S + (2 * 4 * d.S if recompute else 0)
+    hoisted = _mask_broadcasts(cfg) + (2 * 4 * d.S if recompute else 0)
     if recompute and d.b * d.a * d.s >= SOFTMAX_ROWS_SPLIT:
         hoisted += 4 * d.S
     return hoisted
+
+
+def _mask_broadcasts(cfg: Config) -> float:
+    """Plain attention's mask broadcasts XLA hoists out of a layer scan: two fp32 arrays
+    and a bool one of the scores' size (HOISTED_S of them in fp32)."""
+    return HOISTED_S * 4 * dims(cfg).S
 
 
 def _update(stored: int) -> float:

@@ -147,6 +147,7 @@ def _first(how: Joining, env: Mapping[str, str]) -> bool:
 def initialize(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None):
     """Join the multi-process run this process belongs to, if any. Call it after the
     platform options are set and before anything asks JAX for devices."""
+    env = os.environ if env is None else env
     how = joining(
         getattr(args, "coordinator", None),
         getattr(args, "num_processes", None),
@@ -164,7 +165,7 @@ def initialize(args: argparse.Namespace | None = None, env: Mapping[str, str] | 
         pass
     if how.process_id == 0 and how.coordinator:  # the coordinator's port, taken: XLA segfaults
         _check_port_free(how.coordinator)
-    if _first(how, env if env is not None else os.environ):
+    if _first(how, env):
         # until every process has joined JAX says nothing (5 minutes where one never starts)
         at = f" at {how.coordinator}" if how.coordinator else ""
         print(
