@@ -27,14 +27,18 @@ from ultrajax.train import batch as batch_lib
 from ultrajax.train import loop as train
 from ultrajax.train import step as step_lib
 
+# rows a micro-batch, over the data-parallel ranks: half grid.ROWS, as a step of p=4 with
+# 8 micro-batches of 8 layers is compute, not compiles (1 s of XLA:CPU a step)
+ROWS = 4
+
 
 def batches(m: int, n: int = 3) -> list[batch_lib.Batch]:
-    """`grid.batches` with m micro-batches: two documents a row, some padding."""
+    """`grid.batches` with m micro-batches of ROWS rows: two documents a row, some padding."""
     rng = np.random.default_rng(1234)
     out = []
     for _ in range(n):
-        tokens = rng.integers(0, grid.VOCAB, (m, grid.ROWS, grid.SEQ + 1)).astype(np.int32)
-        cut = rng.integers(4, grid.SEQ - 4, (m, grid.ROWS, 1))
+        tokens = rng.integers(0, grid.VOCAB, (m, ROWS, grid.SEQ + 1)).astype(np.int32)
+        cut = rng.integers(4, grid.SEQ - 4, (m, ROWS, 1))
         idx = np.arange(grid.SEQ + 1)
         seg = np.where(idx < cut, 1, 2).astype(np.int32)
         seg[..., -3:] = 0
@@ -47,7 +51,11 @@ def batches(m: int, n: int = 3) -> list[batch_lib.Batch]:
 @functools.cache
 def run(layout: tuple, m: int, *model: str):
     """3 steps: (losses, grad norms, params, compiled HLO, eval (total, count, HLO))."""
-    cfg = grid.make_cfg(dict(layout), f"train.grad_accum={m}", *model)
+    sizes = {k: v for k, v in layout if k in ("mesh.data", "mesh.fsdp")}
+    rows = ROWS // (sizes.get("mesh.data", 1) * sizes.get("mesh.fsdp", 1))
+    cfg = grid.make_cfg(
+        dict(layout), f"train.grad_accum={m}", f"train.micro_batch_size={rows}", *model
+    )
     mesh, rules, tx, sched, shardings, batch_sh = harness.setup(cfg)
     with jax.set_mesh(mesh):
         state = harness.init_state(cfg, tx, shardings)
