@@ -176,10 +176,10 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
     the attention `model.attention` means on `platform` (default: this backend)."""
     platform = platform or jax.default_backend()
     cfg = concrete(cfg, platform)
-    fixed = _fixed(cfg)
+    fixed = _fixed(cfg, platform)
     if cfg.mesh.pipeline > 1:
         return _pipelined(cfg, fixed, platform)
-    held = _gradients(cfg)
+    held = _gradients(cfg, platform)
     per_layer = saved_per_layer(cfg, platform)
     activations = {part: cfg.model.n_layers * b for part, b in per_layer.items()}
     activations["masks and rotary tables"] = invariant_activations(cfg)
@@ -189,6 +189,11 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
     phases = _phases(cfg, saved, kept, work, fixed.head_work, fixed.head_copy)
     if _lookup_after(cfg):
         phases[Phase.LOOKUP_BACKWARD] = _lookup_backward(cfg, fixed.copy, held)
+    if _reduced_whole(cfg, platform):
+        head = _head_all_reduce(cfg, saved + fixed.copy, fixed.head_copy, held)
+        phases[Phase.HEAD_BACKWARD] = max(phases[Phase.HEAD_BACKWARD], head)
+        # a layer's weight gradients too: all-reduced whole, then sliced
+        phases[Phase.LAYER_BACKWARD] += 4.0 * sum(layer_weight_elements(cfg).values())
     if loop_on_gpu(cfg, platform):
         phases = _looped(cfg, phases, saved, fixed.copy, held)
     elif _last_built_early(cfg):
@@ -218,7 +223,7 @@ class _Fixed:
     head_work: float  # the logits' and loss's working set
 
 
-def _fixed(cfg: Config) -> _Fixed:
+def _fixed(cfg: Config, platform: str) -> _Fixed:
     """The arguments (master weights, Adam's moments and count, the batch), the outputs,
     the compute copy of the weights and the logits' working set."""
     m, t = cfg.model, cfg.train
@@ -232,7 +237,7 @@ def _fixed(cfg: Config) -> _Fixed:
         moments += (pb + 4) * stored
     states = dict(master=pb * stored, optimizer=moments, batch=batch)
     arguments = pb * stored + moments + batch + 8  # + step counter and Adam's count
-    copy, head_copy = _copies(cfg)
+    copy, head_copy = _copies(cfg, platform)
     c_loss = _loss_chunk(cfg)
     if c_loss and cfg.mesh.pipeline == 1:
         # the chunked loss writes each chunk's logit gradient out in the compute dtype
@@ -258,7 +263,7 @@ def _whole(cfg: Config, parts: tuple[str, ...]) -> int:
     return param_elements(cfg, "compute", ignore=(FSDP,), where=lambda p: p.part in parts)
 
 
-def _copies(cfg: Config) -> tuple[float, float]:
+def _copies(cfg: Config, platform: str) -> tuple[float, float]:
     """(compute-dtype copies of the weights held through the layer backward, the LM head's
     gathered copy held only from before the forward to the head's backward), in bytes.
 
@@ -282,12 +287,12 @@ def _copies(cfg: Config) -> tuple[float, float]:
     head = _whole(cfg, (llama.HEAD,) if not m.tie_embeddings else (llama.EMBEDDING,))
     layers = _whole(cfg, (llama.ATTENTION, llama.MLP, llama.NORM))
     copy = c * layers if z.active in (1, 2) else shard_copy
-    if cfg.train.grad_accum > 1:
+    if cfg.train.grad_accum > 1 and not (z.active >= 3 and _reduced_whole(cfg, platform)):
         return copy + c * (table + head), 0.0
-    return copy, c * head
+    return copy, c * head  # gspmd's ZeRO-3 on a CPU: the head gathered in the loop
 
 
-def _gradients(cfg: Config) -> dict[str, float]:
+def _gradients(cfg: Config, platform: str) -> dict[str, float]:
     """Gradient memory held through the backward pass, by Breakdown field.
 
     Gradients leave each weight's backward rule in fp32, reduced (ultrajax/model/ops.py):
@@ -321,7 +326,7 @@ def _gradients(cfg: Config) -> dict[str, float]:
         # reduced shards are a buffer beside the sum
         final = 0 if accum and z.active >= 2 and not splits_last(cfg) else stored
     embed = 0.0  # an untied lookup's own gradient is made after the layers' backward
-    held = not _lookup_made_after(cfg)
+    held = not _lookup_made_after(cfg) and not _reduced_whole(cfg, platform)
     if held and not accum:
         embed = _beyond_shard(cfg, llama.EMBEDDING, 4) if z.active >= 1 else 0.0
     elif held and z.active >= 2:
@@ -396,6 +401,40 @@ def _lookup_made_after(cfg: Config) -> bool:
     off the cotangent). A tied table's is held through the backward, and where the
     partitioner splits the step its zeros are a constant XLA builds before it."""
     return not cfg.model.tie_embeddings and not partitioned(cfg)
+
+
+def _reduced_whole(cfg: Config, platform: str) -> bool:
+    """Whether the partitioner's reductions of the weight gradients are all-reduces with
+    whole results, then sliced to this device's shard: gspmd, ZeRO-2/3 over data and fsdp
+    alone, an untied table and the whole loss, on XLA:CPU, which has no pass to rewrite
+    the pair into a reduce-scatter (XLA:GPU's ReduceScatterCreator does; its buffers are
+    not read yet, so a GPU keeps explicit's terms). Read off XLA:CPU's buffer assignment
+    (vocabulary 32768 beside d_model 64, and 8192 beside 1024, fsdp 8, 1 to 4
+    micro-batches): each micro-batch's whole fp32 head gradient and each layer's are
+    all-reduced into a second whole buffer; the lookup's gradient is made from the
+    shards (no whole table); under ZeRO-3 the head is gathered inside the micro-batch
+    loop and the embedding never (ZeRO-2: both gathers hoisted out of it, as explicit's)."""
+    sizes = cfg.mesh.sizes()
+    alone = all(v == 1 for k, v in sizes.items() if k not in ("data", FSDP))
+    return (
+        platform == "cpu"
+        and cfg.parallel.collectives == "gspmd"
+        and Zero(cfg.parallel.zero, cfg.mesh.fsdp).active >= 2
+        and alone
+        and not cfg.model.tie_embeddings
+        and not _loss_chunk(cfg)
+    )
+
+
+def _head_all_reduce(cfg: Config, kept: float, head_copy: float, held: dict) -> float:
+    """The head backward of `_reduced_whole`: beside what is kept (the saved
+    activations, the copies, the gradient shards and the running sum) its larger moment,
+    the head's gradient made (the gathered head where not held through the step, one fp32
+    logits gradient and the whole fp32 head gradient) or reduced (that gradient and the
+    all-reduce's whole result)."""
+    grad = 4.0 * _whole(cfg, (llama.HEAD,))
+    kept += held["gradients"] + held["accumulators"] + held["embed_grad"]
+    return kept + max(head_copy + 4.0 * dims(cfg).V + grad, 2 * grad)
 
 
 def _lookup_after(cfg: Config) -> bool:
