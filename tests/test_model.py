@@ -51,7 +51,7 @@ def _count(cfg: ModelConfig) -> int:
         dict(tie_embeddings=True),
         dict(tie_embeddings=True, n_kv_heads=1, n_layers=3),
         dict(head_dim=16),  # explicit head_dim != d_model / n_heads
-        dict(head_dim=8, n_heads=6, n_kv_heads=3, d_model=40, d_ff=96, vocab_size=200),
+        dict(head_dim=8, n_heads=6, n_kv_heads=3, d_model=40, vocab_size=200),
     ],
     ids=["gqa", "mha", "mqa", "tied", "tied-mqa-3layers", "head_dim", "odd-shape"],
 )
@@ -377,3 +377,32 @@ def test_cross_entropy_grad_is_autodiff_of_the_loss_in_one_pass(scale):
     np.testing.assert_array_equal(m, logits.max(-1))
     ref = jnp.exp(logits - logits.max(-1)[..., None]).sum(-1)
     np.testing.assert_allclose(s, ref, rtol=4 * eps * math.log2(logits.shape[-1]))
+
+
+def test_fields_the_test_states_are_shared_across_leave_the_state_alone():
+    """tests/harness.init_state keys its states by the model with NOT_IN_STATE's fields at
+    one value: every one of them set otherwise (an MoE model, so the router's are read)
+    gives the same train state, bit for bit."""
+    import harness
+
+    from ultrajax.train import optim
+    from ultrajax.train import step as step_lib
+
+    moe = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_d_ff=32")
+    other = dict(
+        dtype="bfloat16", remat="full", attention="tiled", attention_backward="fused",
+        loss_chunk=16, scan_unroll=2, seq_len=32, norm_eps=1e-3, moe_grouped="ragged",
+        moe_capacity=1.25, moe_aux_coef=0.1, moe_z_coef=0.01,
+    )  # fmt: skip
+    assert set(other) <= set(harness.NOT_IN_STATE)
+    assert all(other[k] != harness.NOT_IN_STATE[k] for k in other)
+    cfg = harness.make(*moe)[0]
+    changed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **other))
+    assert harness.init_model(changed.model) == harness.init_model(cfg.model)
+    states = [
+        jax.jit(lambda k, c=c: step_lib.init_state(c, optim.optimizer(c), k))(jax.random.key(0))
+        for c in (cfg, changed)
+    ]
+    same = jax.tree.map(lambda a, b: a.dtype == b.dtype and np.array_equal(a, b), *states)
+    assert len(jax.tree.leaves(same)) > 10 and all(jax.tree.leaves(same))
+    assert set(harness.NOT_IN_STATE) - set(other) == {"attention_blocks"}  # its own lists
