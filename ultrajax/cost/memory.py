@@ -43,7 +43,7 @@ from enum import StrEnum
 import jax
 
 from ultrajax.config.schema import Config
-from ultrajax.config.validate import auto_loss_chunk
+from ultrajax.cost import tables
 from ultrajax.cost.activations import (
     HOISTED_S,
     PIPE_ATTN_S,
@@ -66,7 +66,7 @@ from ultrajax.cost.sizes import dims, layer_weight_elements, param_elements
 from ultrajax.cost.units import dtype_bytes, fmt_bytes
 from ultrajax.model import llama
 from ultrajax.parallel.axes import FSDP
-from ultrajax.parallel.layout import partitioned, splits_last
+from ultrajax.parallel.layout import splits_last
 from ultrajax.parallel.mesh import vocab_over_pipeline
 from ultrajax.parallel.zero import Zero, prefetches
 
@@ -187,10 +187,10 @@ def estimate(cfg: Config, platform: str | None = None) -> Estimate:
     work = layer_work(cfg, platform=platform)
     kept = fixed.copy + held["gradients"] + held["accumulators"] + held["embed_grad"]
     phases = _phases(cfg, saved, kept, work, fixed.head_work, fixed.head_copy)
-    if _lookup_after(cfg):
-        phases[Phase.LOOKUP_BACKWARD] = _lookup_backward(cfg, fixed.copy, held)
-    if _reduced_whole(cfg, platform):
-        head = _head_all_reduce(cfg, saved + fixed.copy, fixed.head_copy, held)
+    if tables.lookup_after(cfg):
+        phases[Phase.LOOKUP_BACKWARD] = tables.lookup_backward(cfg, fixed.copy, held)
+    if tables.reduced_whole(cfg, platform):
+        head = tables.head_all_reduce(cfg, saved + fixed.copy, fixed.head_copy, held)
         phases[Phase.HEAD_BACKWARD] = max(phases[Phase.HEAD_BACKWARD], head)
         # a layer's weight gradients too: all-reduced whole, then sliced
         phases[Phase.LAYER_BACKWARD] += 4.0 * sum(layer_weight_elements(cfg).values())
@@ -238,7 +238,7 @@ def _fixed(cfg: Config, platform: str) -> _Fixed:
     states = dict(master=pb * stored, optimizer=moments, batch=batch)
     arguments = pb * stored + moments + batch + 8  # + step counter and Adam's count
     copy, head_copy = _copies(cfg, platform)
-    c_loss = _loss_chunk(cfg)
+    c_loss = tables.loss_chunk(cfg)
     if c_loss and cfg.mesh.pipeline == 1:
         # the chunked loss writes each chunk's logit gradient out in the compute dtype
         # beside its fp32 logits (model/loss.py, nn.cross_entropy_grad)
@@ -247,20 +247,6 @@ def _fixed(cfg: Config, platform: str) -> _Fixed:
         head_work = HEAD_WORK_V * 4 * d.V * (c_loss / m.seq_len if c_loss else 1.0)
     head_work += HEAD_WORK_X * c * d.X
     return _Fixed(states, arguments, 4 * 4, copy, head_copy, head_work)
-
-
-def _loss_chunk(cfg: Config) -> int:
-    """model.loss_chunk, 0 where the head and loss run whole: the logits of one chunk of
-    the sequence at a time (ultrajax/model/loss.py); null in a config that skipped
-    validation is what validation would resolve it to."""
-    m = cfg.model
-    c = auto_loss_chunk(cfg) if m.loss_chunk is None else m.loss_chunk
-    return c if 0 < c < m.seq_len else 0
-
-
-def _whole(cfg: Config, parts: tuple[str, ...]) -> int:
-    """Elements of these parts of the model per device once gathered over fsdp."""
-    return param_elements(cfg, "compute", ignore=(FSDP,), where=lambda p: p.part in parts)
 
 
 def _copies(cfg: Config, platform: str) -> tuple[float, float]:
@@ -281,13 +267,13 @@ def _copies(cfg: Config, platform: str) -> tuple[float, float]:
     shard_copy = c * param_elements(cfg, "compute") if c != dtype_bytes(m.param_dtype) else 0.0
     if not z.active:
         if shard_copy == 0.0 and vocab_over_pipeline(cfg):
-            shard_copy = c * _whole(cfg, (llama.EMBEDDING, llama.HEAD))
+            shard_copy = c * tables.whole(cfg, (llama.EMBEDDING, llama.HEAD))
         return shard_copy, 0.0
-    table = _whole(cfg, (llama.EMBEDDING,)) * (not m.tie_embeddings)
-    head = _whole(cfg, (llama.HEAD,) if not m.tie_embeddings else (llama.EMBEDDING,))
-    layers = _whole(cfg, (llama.ATTENTION, llama.MLP, llama.NORM))
+    table = tables.whole(cfg, (llama.EMBEDDING,)) * (not m.tie_embeddings)
+    head = tables.whole(cfg, (llama.HEAD,) if not m.tie_embeddings else (llama.EMBEDDING,))
+    layers = tables.whole(cfg, (llama.ATTENTION, llama.MLP, llama.NORM))
     copy = c * layers if z.active in (1, 2) else shard_copy
-    if cfg.train.grad_accum > 1 and not (z.active >= 3 and _reduced_whole(cfg, platform)):
+    if cfg.train.grad_accum > 1 and not (z.active >= 3 and tables.reduced_whole(cfg, platform)):
         return copy + c * (table + head), 0.0
     return copy, c * head  # gspmd's ZeRO-3 on a CPU: the head gathered in the loop
 
@@ -319,43 +305,32 @@ def _gradients(cfg: Config, platform: str) -> dict[str, float]:
     whole = param_elements(cfg, "compute", ignore=(FSDP,))
     accum = cfg.train.grad_accum > 1
     if not z.active:
-        final = _whole(cfg, (llama.ATTENTION, llama.MLP, llama.NORM)) if accum else whole
+        final = tables.whole(cfg, (llama.ATTENTION, llama.MLP, llama.NORM)) if accum else whole
     else:
         # ZeRO-2/3 accumulation scatters into the sum's shards, which are the gradients,
         # but where a data axis' reduction waits for the last micro-batch: that one's
         # reduced shards are a buffer beside the sum
         final = 0 if accum and z.active >= 2 and not splits_last(cfg) else stored
     embed = 0.0  # an untied lookup's own gradient is made after the layers' backward
-    held = not _lookup_made_after(cfg) and not _reduced_whole(cfg, platform)
+    held = not tables.lookup_made_after(cfg) and not tables.reduced_whole(cfg, platform)
     if held and not accum:
-        embed = _beyond_shard(cfg, llama.EMBEDDING, 4) if z.active >= 1 else 0.0
+        embed = tables.beyond_shard(cfg, llama.EMBEDDING, 4) if z.active >= 1 else 0.0
     elif held and z.active >= 2:
-        embed = 4.0 * _whole(cfg, (llama.EMBEDDING,))
-    if _loss_chunk(cfg) and not cfg.model.tie_embeddings and z.active >= (2 if accum else 1):
+        embed = 4.0 * tables.whole(cfg, (llama.EMBEDDING,))
+    if tables.loss_chunk(cfg) and not cfg.model.tie_embeddings and z.active >= (2 if accum else 1):
         # the chunked loss makes the head's gradient whole in the forward pass (the tied
         # table's is the embedding's, above): held through the layer backward beside the
         # reduced one, but where it is the gradient itself (no ZeRO, one micro-batch) or is
         # added into the whole running sum as soon as it is complete (ZeRO-0/1 with
         # accumulation; its zeros are read off the activations, model/loss.py, so XLA
         # cannot build them before the micro-batch loop and keep them through it)
-        embed += 4.0 * _whole(cfg, (llama.HEAD,))
+        embed += 4.0 * tables.whole(cfg, (llama.HEAD,))
     acc_elems = stored if z.active >= 2 else whole
     return dict(
         gradients=4.0 * final,
         accumulators=4.0 * acc_elems if accum else 0.0,
         embed_grad=embed,
     )
-
-
-def _beyond_shard(cfg: Config, part: str, nbytes: int) -> float:
-    """Bytes of the whole (gathered over fsdp) parameters of `part` beyond this device's
-    shard of them."""
-
-    def where(p):
-        return p.part == part
-
-    full = param_elements(cfg, "compute", ignore=(FSDP,), where=where)
-    return nbytes * (full - param_elements(cfg, "stored", where=where))
 
 
 def _phases(cfg, saved, kept, work, head_work, head_copy) -> dict[Phase, float]:
@@ -393,74 +368,6 @@ def _with_the_last_built_early(cfg: Config, phases: dict, saved: float) -> dict:
     out[Phase.HEAD_BACKWARD] += saved + hoisted
     out[Phase.LAYER_FORWARD] += saved
     return out
-
-
-def _lookup_made_after(cfg: Config) -> bool:
-    """Whether the embedding lookup's gradient is made after the layers' backward: an
-    untied table, the code each device's own (model/ops.py's lookup rule reads its zeros
-    off the cotangent). A tied table's is held through the backward, and where the
-    partitioner splits the step its zeros are a constant XLA builds before it."""
-    return not cfg.model.tie_embeddings and not partitioned(cfg)
-
-
-def _reduced_whole(cfg: Config, platform: str) -> bool:
-    """Whether the partitioner's reductions of the weight gradients are all-reduces with
-    whole results, then sliced to this device's shard: gspmd, ZeRO-2/3 over data and fsdp
-    alone, an untied table and the whole loss, on XLA:CPU, which has no pass to rewrite
-    the pair into a reduce-scatter (XLA:GPU's ReduceScatterCreator does; its buffers are
-    not read yet, so a GPU keeps explicit's terms). Read off XLA:CPU's buffer assignment
-    (vocabulary 32768 beside d_model 64, and 8192 beside 1024, fsdp 8, 1 to 4
-    micro-batches): each micro-batch's whole fp32 head gradient and each layer's are
-    all-reduced into a second whole buffer; the lookup's gradient is made from the
-    shards (no whole table); under ZeRO-3 the head is gathered inside the micro-batch
-    loop and the embedding never (ZeRO-2: both gathers hoisted out of it, as explicit's)."""
-    sizes = cfg.mesh.sizes()
-    alone = all(v == 1 for k, v in sizes.items() if k not in ("data", FSDP))
-    return (
-        platform == "cpu"
-        and cfg.parallel.collectives == "gspmd"
-        and Zero(cfg.parallel.zero, cfg.mesh.fsdp).active >= 2
-        and alone
-        and not cfg.model.tie_embeddings
-        and not _loss_chunk(cfg)
-    )
-
-
-def _head_all_reduce(cfg: Config, kept: float, head_copy: float, held: dict) -> float:
-    """The head backward of `_reduced_whole`: beside what is kept (the saved
-    activations, the copies, the gradient shards and the running sum) its larger moment,
-    the head's gradient made (the gathered head where not held through the step, one fp32
-    logits gradient and the whole fp32 head gradient) or reduced (that gradient and the
-    all-reduce's whole result)."""
-    grad = 4.0 * _whole(cfg, (llama.HEAD,))
-    kept += held["gradients"] + held["accumulators"] + held["embed_grad"]
-    return kept + max(head_copy + 4.0 * dims(cfg).V + grad, 2 * grad)
-
-
-def _lookup_after(cfg: Config) -> bool:
-    """Whether the step ends with its own phase for the lookup's gradient: made after the
-    layers' backward, whole, and reduce-scattered over fsdp (ZeRO >= 1)."""
-    return Zero(cfg.parallel.zero, cfg.mesh.fsdp).active >= 1 and _lookup_made_after(cfg)
-
-
-def _lookup_backward(cfg: Config, copy: float, held: dict[str, float]) -> float:
-    """After the layers' backward: the lookup's whole fp32 gradient (its zeros and the
-    scatter into them one buffer) and, for the reduce-scatter over fsdp along the
-    embedding axis, a transposed copy of it, beside the copies, the running sum and the
-    other gradients; not yet its own reduced shard where the gradients are buffers apart
-    from the sum (the scatter writes it), nor a chunked loss's whole head gradient
-    (reduced by then). ZeRO-1 with accumulation adds the lookup's into the whole running
-    sum in place, and the sum is copied for its reduce-scatter where the earlier
-    micro-batches run in a loop (3 or more; with 2 the loop is inlined and no copy was
-    seen). Read off XLA:CPU's buffers (vocabulary 32768 beside d_model 64, fsdp 8: 1.86
-    to 2.0 tables beyond the rest; ZeRO-1 with accumulation 1.06, 0.03 with 2)."""
-    table = 4.0 * _whole(cfg, (llama.EMBEDDING,))
-    stored = param_elements(cfg, "stored", where=lambda p: p.part == llama.EMBEDDING)
-    own = 4.0 * stored if held["gradients"] else 0.0
-    rest = copy + held["gradients"] - own + held["accumulators"]
-    if cfg.train.grad_accum > 1 and Zero(cfg.parallel.zero, cfg.mesh.fsdp).active == 1:
-        return rest + table * (cfg.train.grad_accum > 2)
-    return rest + 2 * table
 
 
 def _looped(cfg, phases, saved, copy, held) -> dict[Phase, float]:
