@@ -620,20 +620,26 @@ MOE_SHAPE = (
         ("mesh.data=2", "mesh.expert=4", "model.remat=full"),
         ("mesh.expert=8",),
         ("mesh.data=2", "mesh.expert=4", "model.moe_grouped=ragged"),
+        # narrow experts: the rows' copies outweigh their hidden arrays (0.68 while the
+        # blocks' coefficient lumped the two)
+        ("mesh.expert=8", "model.moe_d_ff=32"),
+        ("mesh.expert=4", "mesh.tensor=2", "parallel.sequence_parallel=true", "model.moe_d_ff=64"),
     ],
 )
 def test_moe_estimate_follows_the_compiled_step(layout):
     """An MoE model's peak: the grouped matmuls' working set (activations.grouped_work:
-    a CPU's blocks, their padded rows and fp32 weight gradients, or ragged_dot's dense
-    products over every expert, E·R·f elements; each fitted on one device), and under
-    expert parallelism the received slots (expert_rows). Expert parallelism was not
-    fitted: within 12% of XLA:CPU's compiled peak (0.89-0.95 for the blocks, 0.99 for
-    ragged_dot); without the grouped matmuls' working set the estimate read 0.80-0.84 of
-    it with the blocks, 0.75 with ragged_dot."""
+    a CPU's blocks, copies of their padded rows and hidden arrays and fp32 weight
+    gradients, under expert parallelism the exchange's slots besides; or ragged_dot's
+    dense products over every expert, E·R·f elements), and under expert parallelism the
+    received slots (expert_rows). Within 10% of XLA:CPU's compiled peak (the blocks'
+    coefficients fitted on 60 steps, scripts/fit_moe_memory.py; these layouts 0.93-1.01
+    as the tests compile, the last, expert 4 x TP 2 + SP, not among them: 0.70 before);
+    without the grouped matmuls'
+    working set the estimate read 0.80-0.84 of it with the blocks, 0.75 with ragged_dot."""
     cfg, devices = make(*MOE_SHAPE, *layout)
     compiled = analyze.compiled_memory(analyze.compile_step(cfg, devices, FAST))
     est = memory.estimate(cfg)
-    assert 0.88 <= est.peak / compiled["peak"] <= 1.12, (est.peak, compiled["peak"])
+    assert 0.9 <= est.peak / compiled["peak"] <= 1.1, (est.peak, compiled["peak"])
 
 
 def test_moe_estimate_matches_the_h200s_compiled_steps():

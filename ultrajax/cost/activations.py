@@ -47,12 +47,19 @@ GROUPED = {
     ("cpu", 4): {"none": 15.3, "selective": 15.4, "full": 25.9},
     ("cpu", 2): {"none": 25.5, "selective": 24.5, "full": 31.3},
 }
-# model.moe_grouped=blocked: (fp32 copies of the rows multiplied, of d_model + hidden
-# elements each; fp32 copies of the local experts' weight gradient, d_model x hidden each)
-# in the backward's working set, least squares over XLA:CPU's compiled steps (4 and 8
-# experts, d_model 128/256, hidden 256/512, 512/1024 rows; each within 16% of its
-# excess, which is 10-20% of the peak); selective as full (one shape: nearer full)
-BLOCKED = {"none": (1.4, 4.0), "selective": (2.4, 6.1), "full": (2.4, 6.1)}
+# model.moe_grouped=blocked: (fp32 copies of the rows multiplied, R' x d_model; of their
+# hidden arrays, R' x hidden; of the local experts' weight gradient, d_model x hidden) in
+# the backward's working set, and under expert parallelism BLOCKED_EXCHANGE fp32 copies
+# of R' x d_model more (the exchange's send and receive slots of the rows' gradients
+# and the copies around them). The rows' coefficients least squares over XLA:CPU's
+# compiled steps (scripts/fit_moe_memory.py, 2026-12-07: 8 experts, top-2, d_model
+# 64-256, hidden 32-512, 256 or 512 tokens a device, one device, expert 2 and 8, data 2
+# x expert 4; 20 steps a policy, predicted / compiled peak 0.91-1.065); the weights' from
+# the fit before (4 and 8 experts, d_model 128/256, hidden 256/512), which lumped both
+# row terms into 1.4 / 2.4 copies of R' x (d_model + hidden): right where the hidden
+# arrays outweigh the rows, 0.58-0.82 of the peak with hidden 32 or 64
+BLOCKED = {"none": (2.4, 1.6, 4.0), "selective": (6.8, 0.27, 6.1), "full": (6.7, 0.25, 6.1)}
+BLOCKED_EXCHANGE = {"none": 4.0, "selective": 2.2, "full": 1.55}
 ATTN_S = 3.75  # fitted: scores, probabilities, their gradient, a transposed copy (fp32)
 # Not fitted, read off XLA:CPU's buffer assignment: from this many softmax rows (b·a·s per
 # device) XLA:CPU's fusion writes the normalised probabilities as an fp32 array of their
@@ -329,8 +336,9 @@ def grouped_work(cfg: Config, platform: str | None = None) -> float:
     (local experts, rows multiplied, hidden) elements, E·R·f whatever the expert split
     (E / n experts over n slots of R). Bytes per element from the compiled steps
     (GROUPED). model.moe_grouped=blocked (model/grouped.py) holds none of them, but
-    copies of the rows padded to blocks and the experts' fp32 weight gradients as its
-    loops sum them (BLOCKED)."""
+    copies of the rows padded to blocks, of their hidden arrays and the experts' fp32
+    weight gradients as its loops sum them, and under expert parallelism the exchange's
+    slots (BLOCKED, BLOCKED_EXCHANGE)."""
     m = cfg.model
     if not m.moe:
         return 0.0
@@ -338,9 +346,11 @@ def grouped_work(cfg: Config, platform: str | None = None) -> float:
     pol = work_features(cfg)[0]
     f = m.expert_ff // cfg.mesh.tensor
     if grouped.implementation(m.moe_grouped, platform) == "blocked":
-        rows, weights = BLOCKED[pol]
+        by_h, by_f, weights = BLOCKED[pol]
+        by_h += BLOCKED_EXCHANGE[pol] * (cfg.mesh.expert > 1)
         local = m.moe_experts // cfg.mesh.expert
-        return 4.0 * (rows * expert_rows(cfg) * (m.d_model + f) + weights * local * m.d_model * f)
+        rows = expert_rows(cfg)
+        return 4.0 * (rows * (by_h * m.d_model + by_f * f) + weights * local * m.d_model * f)
     return GROUPED[platform, dims(cfg).c][pol] * m.moe_experts * _moe_rows(cfg) * f
 
 
