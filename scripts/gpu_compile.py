@@ -92,6 +92,7 @@ def main(argv=None) -> int:
     from jax.experimental import topologies
 
     from ultrajax.config.validate import resolve_mesh
+    from ultrajax.parallel.layout import unsupported
     from ultrajax.tools import analyze, roofline
 
     card = hardware.by_name(args.gpu)
@@ -108,6 +109,8 @@ def main(argv=None) -> int:
         resolve_mesh(cfg, args.devices)
     except ConfigError as e:
         cli.fail(str(e))
+    if unsupported(cfg, "gpu"):  # what the train command refuses on a GPU
+        cli.fail(unsupported(cfg, "gpu"))
     t0 = time.perf_counter()
     with analyze.traced_as_gpu(cudnn=True):
         compiled = analyze.lower_step(cfg, topology.devices).compile()

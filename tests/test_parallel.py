@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -19,9 +20,10 @@ import numpy as np
 import pytest
 
 from ultrajax.config import schema as config
-from ultrajax.parallel import grads
+from ultrajax.model.attention import backends
+from ultrajax.parallel import grads, layout
 from ultrajax.parallel.context import token_order
-from ultrajax.tools import hlo
+from ultrajax.tools import analyze, hlo
 from ultrajax.train import batch as batch_lib
 from ultrajax.train import step as step_lib
 
@@ -585,6 +587,73 @@ def test_grad_reduce_dtype_bfloat16_reduces_in_bf16():
     big32 = [c for c in found32 if c.kind == "all-reduce" and c.bytes >= SMALL]
     assert sum(c.bytes for c in big) == pytest.approx(sum(c.bytes for c in big32) / 2)
     np.testing.assert_allclose(run("data8", "explicit", *extra)[0], run(None)[0], rtol=2e-2)
+
+
+# --------------------------------------------------------------------------- custom partitioning
+
+
+def custom_partitioned(fn):
+    """fn(q, k, v) as one op XLA's partitioner hands to jax's custom partitioning, as
+    cuDNN's attention is (jax.nn.dot_product_attention), with fn's own backward."""
+    from jax.experimental.custom_partitioning import custom_partitioning
+
+    op = custom_partitioning(fn)
+
+    def partition(mesh, arg_shapes, result_shape):
+        s = arg_shapes[0].sharding
+        return mesh, fn, s, (s, s, s)
+
+    op.def_partition(
+        infer_sharding_from_operands=lambda mesh, args, result: args[0].sharding,
+        partition=partition,
+        sharding_rule="b s h d, b t g d, b t g d -> b s h d",
+    )
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        return op(q, k, v)
+
+    attend.defvjp(lambda q, k, v: (op(q, k, v), (q, k, v)), lambda r, g: jax.vjp(fn, *r)[1](g))
+    return attend
+
+
+@pytest.mark.parametrize("name", ["data8", "fsdp8-zero1"])
+def test_a_custom_partitioned_attention_compiles_in_gspmds_manual_step(name, monkeypatch):
+    """gspmd's step is manual over the data axes where a reduction is deferred (ZeRO-0/1)
+    and nothing is left to the partitioner there: it is made manual over the one-wide
+    axes too, as explicit's is, so jax inlines a custom-partitioned op instead of calling
+    its partitioner in a partly manual region, which failed (AssertionError in jax 0.10):
+    the 1B step with cuDNN's attention over 8 H200s, as DDP or ZeRO-1 under gspmd, did not
+    compile for a GPU (scripts/gpu_compile.py, docs/parallelism.md)."""
+    plain = backends.BACKENDS["xla"].fn
+    op = custom_partitioned(lambda q, k, v: plain(q, k, v, None))
+    patched = dataclasses.replace(
+        backends.BACKENDS["xla"], fn=lambda q, k, v, seg=None: op(q, k, v)
+    )
+    monkeypatch.setitem(backends.BACKENDS, "xla", patched)
+    cfg = make_cfg(dict(LAYOUTS[name], **{"parallel.collectives": "gspmd"}), "train.grad_accum=1")
+    assert not layout.partly_manual(cfg)
+    text = analyze.lower_step(cfg, jax.devices()[:8]).compile(harness.FAST).as_text()
+    assert "all-reduce" in text or "reduce-scatter" in text  # the data reduction is there
+
+
+def test_a_partly_manual_gspmd_step_picks_no_cudnn():
+    """Where gspmd's step is manual over `data` beside TP left to the partitioner, cuDNN's
+    custom partitioning fails to compile for a GPU (jax 0.10): `auto` picks our Pallas
+    kernel there, and asking for cuDNN is refused with the way out; explicit's step, and
+    gspmd's without a manual region, keep cuDNN."""
+    mixed = {"mesh.data": 4, "mesh.tensor": 2, "parallel.sequence_parallel": True}
+    causal = ("model.attention=auto", "data.cross_doc_mask=false")
+    cfg = make_cfg(dict(mixed, **{"parallel.collectives": "gspmd"}), *causal)
+    assert layout.partly_manual(cfg) and layout.attention_backend(cfg, "gpu") == "pallas"
+    assert layout.unsupported(cfg, "gpu") is None
+    cfg.model.attention = "cudnn"
+    assert "parallel.collectives=explicit" in layout.unsupported(cfg, "gpu")
+    explicit = dict(mixed, **{"parallel.collectives": "explicit"})
+    alone = dict(LAYOUTS["tp2-sp"], **{"parallel.collectives": "gspmd"})
+    for other in (explicit, alone):
+        cfg = make_cfg(other, *causal)
+        assert not layout.partly_manual(cfg) and layout.attention_backend(cfg, "gpu") == "cudnn"
 
 
 # --------------------------------------------------------------------------- vma

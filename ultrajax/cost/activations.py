@@ -15,6 +15,7 @@ from ultrajax.cost.sizes import dims, layer_kinds, layer_weight_elements
 from ultrajax.model import grouped, llama, remat
 from ultrajax.model.attention import backends as attention_lib
 from ultrajax.model.attention import blocked, tiled
+from ultrajax.parallel import layout
 from ultrajax.parallel.context import pair_kernel
 from ultrajax.parallel.pipeline import plan as plan_lib
 from ultrajax.parallel.pipeline import schedules
@@ -545,9 +546,7 @@ def concrete(cfg: Config, platform: str | None = None) -> Config:
     """The config with `model.attention` resolved for `platform` (default: this process's
     backend): the memory model needs to know whether the scores are stored."""
     platform = platform or jax.default_backend()
-    name = attention_lib.resolve(
-        cfg.model.attention, platform, cfg.data.cross_doc_mask, cfg.model.seq_len
-    )
+    name = layout.attention_backend(cfg, platform)
     if name == cfg.model.attention:
         return cfg
     cfg = copy.deepcopy(cfg)

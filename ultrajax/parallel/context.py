@@ -213,12 +213,15 @@ class Context:
     kernel: str = "xla"
     blocks: tuple | None = None  # model.attention_blocks: the Pallas tiles (None: defaults)
     fused_bwd: bool = False  # model.attention_backward=fused: the kernel's one backward
+    # manual over some mesh axes, the partitioner's over others (parallel/layout.py): auto
+    # picks no cuDNN here, whose custom partitioning fails in such a region
+    partly_manual: bool = False
     axis: str = AXIS
 
     def attend(self, q, k, v, segment_ids, implementation: str):
         if self.size == 1:
             return attend(q, k, v, segment_ids, implementation=implementation, blocks=self.blocks,
-                          fused_bwd=self.fused_bwd)  # fmt: skip
+                          fused_bwd=self.fused_bwd, partly_manual=self.partly_manual)  # fmt: skip
         if segment_ids is None:
             segment_ids = jnp.ones(q.shape[:2], jnp.int32)
         if not self.own_shard_map:

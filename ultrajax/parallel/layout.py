@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ultrajax.config.no_effect import layer_loop
 from ultrajax.config.schema import Config
 from ultrajax.model import fp8, remat
+from ultrajax.model.attention import backends as attention_lib
 from ultrajax.model.llama import fp8_weights, logical_axes
 from ultrajax.parallel import grads as grads_lib
 from ultrajax.parallel.axes import (
@@ -47,6 +48,13 @@ def unsupported(cfg: Config, backend: str) -> str | None:
             f"{cfg.mesh.sequence}) runs the ring's pairs in the Pallas kernel, whose CPU "
             "interpreter fails JAX's varying-axes check inside the step; on a CPU use "
             "model.attention=auto (plain XLA pairs): on a GPU the kernel runs them"
+        )
+    if backend == "gpu" and cfg.model.attention == "cudnn" and partly_manual(cfg):
+        return (
+            "model.attention=cudnn with parallel.collectives=gspmd, the step manual over "
+            f"{', '.join(sorted(manual_axes(cfg, cfg.mesh.sizes())))} and the partitioner's "
+            "over the other axes: jax's partitioning of cuDNN's call fails to compile there; "
+            "use model.attention=auto (our Pallas kernel) or parallel.collectives=explicit"
         )
     if backend == "cpu" and p.collectives == "gspmd" and p.grad_reduce_dtype == "bfloat16":
         return (
@@ -90,6 +98,28 @@ def partitioned(cfg: Config) -> bool:
     partitioned_axes, asks the same inside the trace)."""
     sizes = cfg.mesh.sizes()
     return not frozenset(a for a in AXES if sizes[a] > 1) <= manual_axes(cfg, sizes)
+
+
+def partly_manual(cfg: Config) -> bool:
+    """Whether the step's code runs in a shard_map manual over some mesh axes while the
+    partitioner splits it over others (gspmd: the data axes manual for a deferred
+    reduction or the experts' exchange, beside TP, SP or fsdp left to the partitioner).
+    Where every axis wider than one is manual the region is made manual over the
+    one-wide axes too (`Layout.axis_names`). Compiled for H200s on a CPU host, jax 0.10:
+    jax's custom partitioning, cuDNN attention's, fails in a partly manual region
+    (AssertionError over one-wide auto axes; with TP left to the partitioner, its rule
+    reads a GSPMDSharding's missing spec, and given the mesh XLA's partitioner aborts)."""
+    gspmd = cfg.parallel.collectives == "gspmd"
+    return gspmd and bool(manual_axes(cfg, cfg.mesh.sizes())) and partitioned(cfg)
+
+
+def attention_backend(cfg: Config, platform: str) -> str:
+    """The attention backend `model.attention` means for this run on `platform`
+    (model/attention/backends.py `resolve`, told whether the step is `partly_manual`)."""
+    m = cfg.model
+    return attention_lib.resolve(
+        m.attention, platform, cfg.data.cross_doc_mask, m.seq_len, partly_manual(cfg)
+    )
 
 
 def splits_last(cfg: Config) -> bool:
@@ -138,19 +168,23 @@ class Layout:
             kernel=pair_kernel(cfg, jax.default_backend()) if cfg.mesh.sequence > 1 else "xla",
             blocks=None if (b := cfg.model.attention_blocks) is None else tuple(b),
             fused_bwd=cfg.model.attention_backward == "fused",
+            partly_manual=partly_manual(cfg),
         )
         # explicit: manual over every axis, the one-wide ones too (their specs name none of
         # them, so nothing varies over them): a partially manual shard_map puts sharding
         # annotations into collectives' reducers, and XLA:CPU aborts on a bf16 all-reduce
         # of such (AllReducePromotion)
-        self.axis_names = self.manual if self.gspmd else frozenset(AXES)
+        # gspmd: as explicit where every axis wider than one is manual (nothing is left to
+        # the partitioner), so that no region is partly manual (`partly_manual`)
+        whole = self.manual and not partly_manual(cfg)
+        self.axis_names = frozenset(AXES) if whole or not self.gspmd else self.manual
         self.specs = {k: self._specs(k) for k in ("stored", "compute")}
         self.gathered = self._specs("compute", drop=FSDP)
         if self.gspmd and FSDP in self.manual:
             # ZeRO-3 under a step manual over fsdp (expert parallelism): the partitioner
             # gathers all but the layers, which `gather_layer` gathers per device
             self.specs["compute"] = dict(self.gathered, layers=self.specs["compute"]["layers"])
-        inner = rules.inside(self.manual) if self.manual else rules
+        inner = rules.inside(self.axis_names) if self.manual else rules
         self.tp = (
             Partitioned(inner, join_inputs=mesh.shape[TENSOR] > 1)
             if self.gspmd
@@ -158,7 +192,7 @@ class Layout:
         )
         auto_specs = None
         if self.gspmd:  # the partitioner gives each reduced gradient its final layout
-            auto = frozenset(AXES) - self.manual
+            auto = frozenset(AXES) - self.axis_names
             # the state's layout (ZeRO: this rank's shard; a pipeline's embedding and head:
             # this stage's split of the vocabulary)
             flat = _flat_specs(self.specs["stored"])

@@ -51,7 +51,7 @@ from ultrajax.cost.flops import attention_flops
 from ultrajax.model.attention import backends as attention
 from ultrajax.model.llama import param_count
 from ultrajax.parallel import mesh as mesh_lib
-from ultrajax.parallel.layout import unsupported
+from ultrajax.parallel.layout import attention_backend, unsupported
 from ultrajax.tools import hlo as hlo_lib
 from ultrajax.tools.plots import plot_breakdown, plot_schedule, plot_sweep
 from ultrajax.tools.report import format_report, pipeline_report
@@ -69,7 +69,7 @@ def _compile_config(cfg: Config) -> tuple[Config, list[str]]:
     """The config to compile on this backend, and notes on what had to change."""
     notes = []
     backend = jax.default_backend()
-    on_gpu = attention.resolve(cfg.model.attention, "gpu", cfg.data.cross_doc_mask)
+    on_gpu = attention_backend(cfg, "gpu")
     if backend != "gpu" and attention.BACKENDS[on_gpu].gpu_kernel:
         cfg = copy.deepcopy(cfg)
         cfg.model.attention = "xla"

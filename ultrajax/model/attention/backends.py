@@ -74,18 +74,23 @@ BACKENDS = {
 CHOICES = ("auto", *BACKENDS)
 
 
-def resolve(name: str, platform: str, packed: bool, seq_len: int | None = None) -> str:
+def resolve(
+    name: str, platform: str, packed: bool, seq_len: int | None = None, partly_manual=False
+) -> str:
     """The backend `model.attention` means on `platform` ("gpu", "cpu", ...).
 
     auto, on a GPU: cuDNN for causal-only masks, our Pallas kernel for packed documents
-    (cuDNN needs a dense mask there and was slower: benchmarks/RESULTS.md). Elsewhere the
+    (cuDNN needs a dense mask there and was slower: benchmarks/RESULTS.md) and where the
+    attention runs `partly_manual`: in a shard_map manual over some mesh axes while the
+    partitioner splits it over others, where jax's custom partitioning of cuDNN's call
+    fails to compile (jax 0.10; parallel/layout.py, `partly_manual`). Elsewhere the
     tiled XLA attention up to one block of keys (`seq_len <= BLOCK`: 2.5x the plain one's
     speed on XLA:CPU, benchmarks/RESULTS.md), and the blocked one beyond, whose working
     set does not grow with the square of the sequence."""
     if name != "auto":
         return name
     if platform == "gpu":
-        return "pallas" if packed else "cudnn"
+        return "pallas" if packed or partly_manual else "cudnn"
     return "tiled" if seq_len is not None and seq_len <= BLOCK else "blocked"
 
 
@@ -105,13 +110,14 @@ def problem(name: str, platform: str) -> str | None:
 
 
 def attend(q, k, v, segment_ids=None, *, implementation: str = "xla", q_offset=0, blocks=None,
-           fused_bwd: bool = False):  # fmt: skip
-    """Dispatch to a backend of the table; `auto` resolves for the platform compiling.
-    `blocks` (model.attention_blocks) and `fused_bwd` (model.attention_backward=fused)
-    reach the backends that take tile sizes."""
+           fused_bwd: bool = False, partly_manual: bool = False):  # fmt: skip
+    """Dispatch to a backend of the table; `auto` resolves for the platform compiling
+    (and `partly_manual`, `resolve`'s). `blocks` (model.attention_blocks) and `fused_bwd`
+    (model.attention_backward=fused) reach the backends that take tile sizes."""
     if implementation == "auto":
+        packed = segment_ids is not None
         implementation = resolve(
-            "auto", jax.default_backend(), segment_ids is not None, seq_len=k.shape[1]
+            "auto", jax.default_backend(), packed, seq_len=k.shape[1], partly_manual=partly_manual
         )
     try:
         backend = BACKENDS[implementation]
