@@ -578,15 +578,24 @@ def test_bf16_weights_gather_in_bf16_and_gradients_reduce_in_fp32(name, mode):
     np.testing.assert_allclose(loss, run(None)[0], rtol=2e-2)  # bf16 against fp32
 
 
-def test_grad_reduce_dtype_bfloat16_reduces_in_bf16():
+@pytest.mark.parametrize("mode", MODES)
+def test_grad_reduce_dtype_bfloat16_reduces_in_bf16(mode):
+    """Both modes as DDP; gspmd's step there is manual over every axis (no partly manual
+    region, whose bf16 all-reduce aborts XLA:CPU: refused there, on a CPU only)."""
     extra = (*BF16, "parallel.grad_reduce_dtype=bfloat16")
-    found = partitioned("data8", "explicit", *extra)
+    found = partitioned("data8", mode, *extra)
     big = [c for c in found if c.kind == "all-reduce" and c.bytes >= SMALL]
     assert big and all(c.dtype == "bf16" for c in big), big
-    found32 = partitioned("data8", "explicit", *BF16)
+    found32 = partitioned("data8", mode, *BF16)
     big32 = [c for c in found32 if c.kind == "all-reduce" and c.bytes >= SMALL]
     assert sum(c.bytes for c in big) == pytest.approx(sum(c.bytes for c in big32) / 2)
-    np.testing.assert_allclose(run("data8", "explicit", *extra)[0], run(None)[0], rtol=2e-2)
+    np.testing.assert_allclose(run("data8", mode, *extra)[0], run(None)[0], rtol=2e-2)
+    assert layout.unsupported(run("data8", mode, *extra)[5], "cpu") is None
+    mixed = make_cfg(dict(LAYOUTS["dp2-fsdp2-tp2-zero3-sp"], **{"parallel.collectives": mode}))
+    mixed.parallel.grad_reduce_dtype, mixed.train.grad_accum = "bfloat16", 1
+    mixed.parallel.zero = 1  # manual over data and fsdp, tensor the partitioner's
+    refused = layout.unsupported(mixed, "cpu")
+    assert (refused is not None) == (mode == "gspmd") and layout.unsupported(mixed, "gpu") is None
 
 
 # --------------------------------------------------------------------------- custom partitioning

@@ -49,17 +49,23 @@ def unsupported(cfg: Config, backend: str) -> str | None:
             "interpreter fails JAX's varying-axes check inside the step; on a CPU use "
             "model.attention=auto (plain XLA pairs): on a GPU the kernel runs them"
         )
-    if backend == "gpu" and cfg.model.attention == "cudnn" and partly_manual(cfg):
+    if not partly_manual(cfg):
+        return None
+    where = (
+        "with parallel.collectives=gspmd, the step manual over "
+        f"{', '.join(sorted(manual_axes(cfg, cfg.mesh.sizes())))} and the partitioner's over "
+        "the other axes"
+    )
+    if backend == "gpu" and cfg.model.attention == "cudnn":
         return (
-            "model.attention=cudnn with parallel.collectives=gspmd, the step manual over "
-            f"{', '.join(sorted(manual_axes(cfg, cfg.mesh.sizes())))} and the partitioner's "
-            "over the other axes: jax's partitioning of cuDNN's call fails to compile there; "
-            "use model.attention=auto (our Pallas kernel) or parallel.collectives=explicit"
+            f"model.attention=cudnn {where}: jax's partitioning of cuDNN's call fails to "
+            "compile there; use model.attention=auto (our Pallas kernel) or "
+            "parallel.collectives=explicit"
         )
-    if backend == "cpu" and p.collectives == "gspmd" and p.grad_reduce_dtype == "bfloat16":
+    if backend == "cpu" and p.grad_reduce_dtype == "bfloat16":
         return (
-            "parallel.grad_reduce_dtype=bfloat16 with parallel.collectives=gspmd aborts XLA's "
-            "CPU compiler (a bf16 all-reduce in a partly manual shard_map); on a CPU use "
+            f"parallel.grad_reduce_dtype=bfloat16 {where}, aborts XLA's CPU compiler (a bf16 "
+            "all-reduce in a partly manual shard_map); on a CPU use "
             "parallel.collectives=explicit or grad_reduce_dtype=float32"
         )
     return None
