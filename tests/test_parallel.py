@@ -21,7 +21,7 @@ import pytest
 
 from ultrajax.config import schema as config
 from ultrajax.model.attention import backends
-from ultrajax.parallel import grads, layout
+from ultrajax.parallel import context, grads, layout
 from ultrajax.parallel.context import token_order
 from ultrajax.tools import analyze, hlo
 from ultrajax.train import batch as batch_lib
@@ -663,6 +663,55 @@ def test_a_partly_manual_gspmd_step_picks_no_cudnn():
     for other in (explicit, alone):
         cfg = make_cfg(other, *causal)
         assert not layout.partly_manual(cfg) and layout.attention_backend(cfg, "gpu") == "cudnn"
+
+
+def test_a_gpu_kernel_runs_on_its_devices_rows_and_heads_under_gspmd(monkeypatch):
+    """A GPU kernel is one call the partitioner cannot split: left to it, Pallas's ran on
+    all 64 rows on each of 8 H200s (gspmd ZeRO-2 compiled for them: 8x the attention's
+    work and 43.6 GiB, not 24.9). Under gspmd it runs in a shard_map of its own, on this
+    device's rows and heads, and trains as one device does. A stand-in kernel (the plain
+    attention, marked a GPU kernel) records the shapes it is called with."""
+    plain, seen = backends.BACKENDS["xla"], []
+
+    def kernel(q, k, v, seg=None):
+        seen.append(q.shape)
+        return plain.fn(q, k, v, seg)
+
+    stand_in = dataclasses.replace(plain, name="pallas", fn=kernel, gpu_kernel=True)
+    monkeypatch.setitem(backends.BACKENDS, "pallas", stand_in)
+    name = "dp2-fsdp2-tp2-zero3-sp"
+    cfg = make_cfg(dict(LAYOUTS[name], **{"parallel.collectives": "gspmd"}))
+    assert not layout.partly_manual(cfg)
+    got = run_layout.__wrapped__(
+        tuple(dict(LAYOUTS[name], **{"parallel.collectives": "gspmd"}).items()),
+        "model.attention=pallas",
+    )
+    rows, heads = ROWS // 4, cfg.model.n_heads // 2  # data x fsdp, and tensor
+    assert seen and all(shape[0] == rows and shape[2] == heads for shape in seen), seen
+    assert_same_training(got, run(None))
+
+
+def test_context_parallel_attention_runs_on_its_devices_rows_and_heads_under_gspmd(
+    monkeypatch,
+):
+    """Context parallelism under gspmd enters a shard_map of its own for the ring; manual
+    over `sequence` alone, the partitioner ran its pair kernel (Pallas's on a GPU) on all
+    the fsdp group's rows on each device (compiled for 8 H200s, fsdp4 x sequence2: 32
+    rows, not 8). It is manual over the partitioner's axes too, and trains as one device."""
+    ring, seen = context._context_attention, []
+
+    def recorded(ctx, q, *rest):
+        seen.append(q.shape)
+        return ring(ctx, q, *rest)
+
+    monkeypatch.setattr(context, "_context_attention", recorded)
+    name = "cp2-fsdp2-tp2-zero2"
+    over = dict(CONTEXT[name], **{"parallel.collectives": "gspmd"})
+    cfg = make_cfg(over)
+    got = run_layout.__wrapped__(tuple(over.items()))
+    rows, heads = ROWS // 2, cfg.model.n_heads // 2  # fsdp, and tensor
+    assert seen and all(s[0] == rows and s[1] == SEQ // 2 and s[2] == heads for s in seen), seen
+    assert_same_training(got, run(None))
 
 
 # --------------------------------------------------------------------------- vma

@@ -216,24 +216,49 @@ class Context:
     # manual over some mesh axes, the partitioner's over others (parallel/layout.py): auto
     # picks no cuDNN here, whose custom partitioning fails in such a region
     partly_manual: bool = False
+    # (axes, q's spec, k's and v's, the segment ids') where the partitioner lays the step
+    # out: a GPU kernel runs per device in a shard_map manual over those axes
+    region: tuple = ()
     axis: str = AXIS
 
     def attend(self, q, k, v, segment_ids, implementation: str):
         if self.size == 1:
-            return attend(q, k, v, segment_ids, implementation=implementation, blocks=self.blocks,
-                          fused_bwd=self.fused_bwd, partly_manual=self.partly_manual)  # fmt: skip
+            return self._kernel(q, k, v, segment_ids, implementation)
         if segment_ids is None:
             segment_ids = jnp.ones(q.shape[:2], jnp.int32)
         if not self.own_shard_map:
             return _context_attention(self, q, k, v, segment_ids)
-        spec = PartitionSpec(None, self.axis)
+        # manual over the partitioner's axes too where it can be (`region`): left to it,
+        # the pair kernel ran on every row of the fsdp group on each device
+        alone = PartitionSpec(None, self.axis)
+        axes, q_spec, kv_spec, seg_spec = self.region or ({self.axis}, alone, alone, alone)
         return jax.shard_map(
             functools.partial(_context_attention, self),
-            in_specs=(spec,) * 4,
-            out_specs=spec,
-            axis_names={self.axis},
+            in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+            out_specs=q_spec,
+            axis_names=axes,
             check_vma=True,
         )(q, k, v, segment_ids)
+
+    def _kernel(self, q, k, v, segment_ids, implementation: str):
+        """One device's attention. A GPU kernel (Pallas's or cuDNN's call) is one op the
+        partitioner cannot split: left to it, Pallas's ran on the whole batch and every
+        head on each device (compiled for 8 H200s, gspmd ZeRO-2 over fsdp: 64 rows, not
+        8), so where the step is the partitioner's it runs in a shard_map of its own."""
+        packed = segment_ids is not None
+        name = resolve(implementation, jax.default_backend(), packed, k.shape[1],
+                       self.partly_manual)  # fmt: skip
+        fn = functools.partial(attend, implementation=name, blocks=self.blocks,
+                               fused_bwd=self.fused_bwd)  # fmt: skip
+        if not self.region or not BACKENDS[name].gpu_kernel:
+            return fn(q, k, v, segment_ids)
+        axes, q_spec, kv_spec, seg_spec = self.region
+        args, specs = (q, k, v), (q_spec, kv_spec, kv_spec)
+        if packed:
+            args, specs = (*args, segment_ids), (*specs, seg_spec)
+        return jax.shard_map(fn, in_specs=specs, out_specs=q_spec, axis_names=axes, check_vma=True)(
+            *args
+        )
 
     def output_residual(self, implementation: str, segment_ids, seq_len: int) -> str:
         """What the attention keeps of its output for its backward: across devices, the

@@ -5,6 +5,7 @@ the gradient plan. The step composes what this hands it; nothing else asks the c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -191,6 +192,8 @@ class Layout:
             # gathers all but the layers, which `gather_layer` gathers per device
             self.specs["compute"] = dict(self.gathered, layers=self.specs["compute"]["layers"])
         inner = rules.inside(self.axis_names) if self.manual else rules
+        if self.gspmd:  # the GPU kernels' own shard_map over the partitioner's axes
+            self.cp = dataclasses.replace(self.cp, region=self._kernel_region(inner))
         self.tp = (
             Partitioned(inner, join_inputs=mesh.shape[TENSOR] > 1)
             if self.gspmd
@@ -223,6 +226,21 @@ class Layout:
             | frozenset({PIPELINE} if self.pipeline > 1 else ()),
             ordered=_ordered_weights(cfg, mesh, self.names),
         )
+
+    def _kernel_region(self, inner: Rules) -> tuple:
+        """`Context.region`: the axes the partitioner splits the attention over and its
+        operands' layouts there; none where the step is manual over every axis wider than
+        one, nor where it is partly manual: nested in the data axes' region, jax 0.10
+        lowers the kernel's saved log-sum-exp over the outer manual axes too, which
+        Shardy's verifier rejects (compiled for H200s, docs/parallelism.md)."""
+        if partly_manual(self.cfg):
+            return ()
+        axes = frozenset(AXES) - (self.axis_names if self.manual else frozenset())
+        if all(self.mesh.shape[a] == 1 for a in axes):
+            return ()
+        q = inner.spec(("batch", "length", "heads", "head_dim"))
+        kv = inner.spec(("batch", "length", "kv_heads", "head_dim"))
+        return axes, q, kv, inner.spec(("batch", "length"))
 
     def _specs(self, kind, drop=None):
         specs = jax.tree.map(lambda n: self.rules.spec(n, kind), self.names, is_leaf=_is_names)
