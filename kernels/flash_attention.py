@@ -500,24 +500,32 @@ def _backward(q, k, v, qs, ks, delta, lse, do, *, blocks: BlockSizes, causal: bo
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _flash(q, k, v, qs, ks, blocks, flags, saved_as):
-    return _forward(q, k, v, qs, ks, blocks=blocks, **flags._asdict())
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _flash(q, k, v, qs, ks, blocks, flags, saved_as, per_device):
+    return _flash_fwd(q, k, v, qs, ks, blocks, flags, saved_as, per_device)[0]
 
 
-def _flash_fwd(q, k, v, qs, ks, blocks, flags, saved_as):
-    o, lse = _forward(q, k, v, qs, ks, blocks=blocks, **flags._asdict())
+def _flash_fwd(q, k, v, qs, ks, blocks, flags, saved_as, per_device):
+    forward = functools.partial(_forward, blocks=blocks, **flags._asdict())
+    if per_device is not None:
+        forward = per_device(forward, ("q", "kv", "kv", "ids", "ids"), ("q", "rows"))
+    o, lse = forward(q, k, v, qs, ks)
     if saved_as is not None:  # what a remat policy that keeps the name keeps
         o, lse = checkpoint_name(o, saved_as), checkpoint_name(lse, saved_as)
     return (o, lse), (q, k, v, qs, ks, o, lse)
 
 
-def _flash_bwd(blocks, flags, saved_as, res, cts):
-    q, k, v, qs, ks, o, lse = res
+def _flash_bwd(blocks, flags, saved_as, per_device, res, cts):
     do, _ = cts  # the log-sum-exp output is for merging blocks; its gradient is not used
-    dq, dk, dv = _backward(q, k, v, qs, ks, _delta(o, do), lse, do, blocks=blocks,
-                           **flags._asdict())  # fmt: skip
-    return dq, dk, dv, None, None
+
+    def backward(q, k, v, qs, ks, o, lse, do):
+        return _backward(q, k, v, qs, ks, _delta(o, do), lse, do, blocks=blocks,
+                         **flags._asdict())  # fmt: skip
+
+    if per_device is not None:
+        kinds = ("q", "kv", "kv", "ids", "ids", "q", "rows", "q")
+        backward = per_device(backward, kinds, ("q", "kv", "kv"))
+    return (*backward(*res, do), None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -543,13 +551,19 @@ def flash_attention(
     blocks: BlockSizes | None = None,
     interpret: bool = False,
     saved_as: str | None = None,
+    per_device=None,
 ):
     """(out (batch, length, heads, head_dim), lse (batch, length, heads), natural log).
 
     Differentiable in q, k, v (the lse's own gradient is not propagated: callers that
     merge blocks use it for weights only). `blocks` None: `BlockSizes.of` the head_dim.
     `saved_as`: a `checkpoint_name` for the out and lse the backward reads: a remat policy
-    that keeps it runs no forward kernel again in the backward pass."""
+    that keeps it runs no forward kernel again in the backward pass.
+    `per_device`: (fn, kinds of its operands, kinds of its results) -> fn, run on each
+    device's part (a shard_map of the caller's; kinds "q", "kv", "ids" (batch, length),
+    "rows" (batch, heads, length)): the forward and the backward kernels each run in it,
+    so no shard_map is differentiated (jax 0.10 lowers the residuals of one nested in a
+    manual region over the outer axes too, which Shardy rejects)."""
     attention_inputs.check(q, k, v, q_segment_ids, kv_segment_ids)
     b, t, h, d = q.shape
     s = k.shape[1]
@@ -560,7 +574,8 @@ def flash_attention(
     padded = (s % step) > 0
     segmented = q_segment_ids is not None or (padded and (not causal or t > s))
     qp, kp, vp, qs, ks = attention_inputs.pad(q, k, v, q_segment_ids, kv_segment_ids, step)
-    o, lse = _flash(qp, kp, vp, qs, ks, blocks, Flags(causal, segmented, interpret), saved_as)
+    flags = Flags(causal, segmented, interpret)
+    o, lse = _flash(qp, kp, vp, qs, ks, blocks, flags, saved_as, per_device)
     return o[:, :t], lse[:, :, :t].transpose(0, 2, 1)
 
 

@@ -16,11 +16,15 @@ import re
 
 import harness
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ultrajax.config import schema as config
+from ultrajax.kernels import flash_attention as fa
 from ultrajax.model.attention import backends
+from ultrajax.model.attention import xla as xla_attention
+from ultrajax.model.attention.blocked import block_grads
 from ultrajax.parallel import context, grads, layout
 from ultrajax.parallel.context import token_order
 from ultrajax.tools import analyze, hlo
@@ -668,9 +672,9 @@ def test_a_partly_manual_gspmd_step_picks_no_cudnn():
 def test_a_gpu_kernel_runs_on_its_devices_rows_and_heads_under_gspmd(monkeypatch):
     """A GPU kernel is one call the partitioner cannot split: left to it, Pallas's ran on
     all 64 rows on each of 8 H200s (gspmd ZeRO-2 compiled for them: 8x the attention's
-    work and 43.6 GiB, not 24.9). Under gspmd it runs in a shard_map of its own, on this
-    device's rows and heads, and trains as one device does. A stand-in kernel (the plain
-    attention, marked a GPU kernel) records the shapes it is called with."""
+    work and 43.6 GiB, not 24.9). Under gspmd a kernel called whole (cuDNN's) runs in a
+    shard_map of its own, on this device's rows and heads, and trains as one device
+    does. A stand-in (the plain attention, marked a GPU kernel) records its shapes."""
     plain, seen = backends.BACKENDS["xla"], []
 
     def kernel(q, k, v, seg=None):
@@ -689,6 +693,65 @@ def test_a_gpu_kernel_runs_on_its_devices_rows_and_heads_under_gspmd(monkeypatch
     rows, heads = ROWS // 4, cfg.model.n_heads // 2  # data x fsdp, and tensor
     assert seen and all(shape[0] == rows and shape[2] == heads for shape in seen), seen
     assert_same_training(got, run(None))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name,layout_",
+    [
+        ("whole", LAYOUTS["dp2-fsdp2-tp2-zero3-sp"]),
+        ("partly manual", {"mesh.data": 4, "mesh.tensor": 2, "parallel.sequence_parallel": True}),
+    ],
+)
+def test_pallas_kernels_run_on_their_devices_rows_and_heads_under_gspmd(name, layout_, monkeypatch):
+    """Pallas's forward and backward kernels each run per device in a shard_map of their
+    own under gspmd (`context.KernelRegion`), so none is differentiated through one and
+    it nests in a partly manual step too (there it ran on every head of each tensor
+    device: data 4 x TP 2 + SP compiled for 8 H200s, 22.2 GiB, now 20.4). The calls'
+    shapes are this device's rows and heads, and the step trains as one device with the
+    same kernels does. Interpreted where the step's region is whole; in the partly manual
+    one jax's Pallas interpreter fails its vma check (a loop carry loses the outer manual
+    axes), so plain-jnp kernels with the same signatures stand in."""
+    calls = []
+    partly = name == "partly manual"
+    kernels = {"_forward": _jnp_forward, "_backward": _jnp_backward} if partly else {}
+    for fn in ("_forward", "_backward"):
+        real = kernels.get(fn, getattr(fa, fn))
+        monkeypatch.setattr(fa, fn, functools.partial(_recorded, real, calls, fn))
+    over = dict(layout_, **{"parallel.collectives": "gspmd"})
+    assert layout.partly_manual(make_cfg(over)) == partly
+    got = run_layout.__wrapped__(tuple(over.items()), "model.attention=pallas")
+    assert {fn for fn, _ in calls} == {"_forward", "_backward"}, calls
+    rows, heads = ROWS // 4, 4  # data (x fsdp), and the tensor axis's half of 8 heads
+    assert all(q[0] == rows and q[2] == heads for _, q in calls), calls
+    one = [q for _, q in calls[len(calls) // 2 :]]  # (the calls above were traced first)
+    calls.clear()
+    assert_same_training(got, run_layout.__wrapped__((), "model.attention=pallas"))
+    assert calls and all(q[0] == ROWS and q[2] == 8 for _, q in calls), (calls, one)
+
+
+def _recorded(real, calls, name, q, *rest, **kw):
+    calls.append((name, q.shape))
+    return real(q, *rest, **kw)
+
+
+def _jnp_forward(q, k, v, qs, ks, *, causal, out_dtype=None, **_):
+    """flash_attention's `_forward` in plain jnp: (out, lse (b, h, t))."""
+    out, lse = xla_attention.reference(q, k, v, qs, ks, causal=causal)
+    return out.astype(out_dtype or q.dtype), lse
+
+
+def _jnp_backward(q, k, v, qs, ks, delta, lse, do, *, causal, **_):
+    """flash_attention's `_backward` in plain jnp: (dq, dk, dv) from the probabilities
+    recomputed off the log-sum-exp, as the kernel does."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    seen = xla_attention.visible(qs, ks, t, k.shape[1], causal)
+    qg, s = xla_attention.scores(q, k, seen)
+    p = jnp.where(seen, jnp.exp(s - lse.reshape(b, kv, h // kv, t, 1)), 0.0)
+    dog = do.reshape(qg.shape)
+    dq, dk, dv = block_grads(qg, k, v, dog, p, delta.reshape(p.shape[:-1]), d**-0.5)
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 def test_context_parallel_attention_runs_on_its_devices_rows_and_heads_under_gspmd(

@@ -43,7 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from ultrajax.kernels import flash_attention as fa
-from ultrajax.kernels.varying import vary, vma, zeros
+from ultrajax.kernels.varying import vary, vary_like, vma, zeros
 from ultrajax.model import remat
 from ultrajax.model.attention.backends import BACKENDS, attend, output_residual, resolve
 from ultrajax.model.attention.blocked import block_grads
@@ -199,6 +199,31 @@ def _pairs(mine, theirs, qs, ks, state, compute):
 
 
 @dataclass(frozen=True)
+class KernelRegion:
+    """Pallas's kernels run per device (flash_attention's `per_device`): each call in a
+    shard_map manual over the axes the partitioner lays the step out over, which would
+    otherwise run the one op it cannot split on every row and head on each device.
+    Nothing is differentiated through it, so it nests in a partly manual step too; the
+    vma check is off, as interpreted Pallas fails it (its forward and backward are
+    per-device code that needs no check)."""
+
+    axes: frozenset
+    q: PartitionSpec  # (batch, length, heads, head_dim)
+    kv: PartitionSpec  # (batch, length, kv_heads, head_dim)
+    ids: PartitionSpec  # (batch, length)
+
+    def __call__(self, fn, ins: tuple, outs: tuple):
+        b, t, h, _ = (*self.q, None, None, None, None)[:4]
+        spec = {"q": self.q, "kv": self.kv, "ids": self.ids, "rows": PartitionSpec(b, h, t)}
+        run = jax.shard_map(fn, in_specs=tuple(spec[k] for k in ins),
+                            out_specs=tuple(spec[k] for k in outs), axis_names=self.axes,
+                            check_vma=False)  # fmt: skip
+        # untyped out of an unchecked region: typed as its operands vary over the outer
+        # manual axes (a partly manual step's data axes)
+        return lambda *args: vary_like(run(*args), *args)
+
+
+@dataclass(frozen=True)
 class Context:
     """How attention runs across the `sequence` axis, for per-device code in shard_map."""
 
@@ -231,7 +256,8 @@ class Context:
         # manual over the partitioner's axes too where it can be (`region`): left to it,
         # the pair kernel ran on every row of the fsdp group on each device
         alone = PartitionSpec(None, self.axis)
-        axes, q_spec, kv_spec, seg_spec = self.region or ({self.axis}, alone, alone, alone)
+        region = self.region if not self.partly_manual else ()  # nested: Shardy's error
+        axes, q_spec, kv_spec, seg_spec = region or ({self.axis}, alone, alone, alone)
         return jax.shard_map(
             functools.partial(_context_attention, self),
             in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
@@ -244,14 +270,19 @@ class Context:
         """One device's attention. A GPU kernel (Pallas's or cuDNN's call) is one op the
         partitioner cannot split: left to it, Pallas's ran on the whole batch and every
         head on each device (compiled for 8 H200s, gspmd ZeRO-2 over fsdp: 64 rows, not
-        8), so where the step is the partitioner's it runs in a shard_map of its own."""
+        8), so where the step is the partitioner's it runs in a shard_map of its own:
+        Pallas's forward and backward kernels each (`KernelRegion`), cuDNN's whole call
+        (not in a partly manual step, where it is refused)."""
         packed = segment_ids is not None
         name = resolve(implementation, jax.default_backend(), packed, k.shape[1],
                        self.partly_manual)  # fmt: skip
         fn = functools.partial(attend, implementation=name, blocks=self.blocks,
                                fused_bwd=self.fused_bwd)  # fmt: skip
-        if not self.region or not BACKENDS[name].gpu_kernel:
+        backend = BACKENDS[name]
+        if not self.region or not backend.gpu_kernel:
             return fn(q, k, v, segment_ids)
+        if backend.tiles:
+            return fn(q, k, v, segment_ids, per_device=KernelRegion(*self.region))
         axes, q_spec, kv_spec, seg_spec = self.region
         args, specs = (q, k, v), (q_spec, kv_spec, kv_spec)
         if packed:

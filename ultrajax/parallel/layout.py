@@ -230,11 +230,7 @@ class Layout:
     def _kernel_region(self, inner: Rules) -> tuple:
         """`Context.region`: the axes the partitioner splits the attention over and its
         operands' layouts there; none where the step is manual over every axis wider than
-        one, nor where it is partly manual: nested in the data axes' region, jax 0.10
-        lowers the kernel's saved log-sum-exp over the outer manual axes too, which
-        Shardy's verifier rejects (compiled for H200s, docs/parallelism.md)."""
-        if partly_manual(self.cfg):
-            return ()
+        one."""
         axes = frozenset(AXES) - (self.axis_names if self.manual else frozenset())
         if all(self.mesh.shape[a] == 1 for a in axes):
             return ()

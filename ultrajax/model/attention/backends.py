@@ -110,10 +110,11 @@ def problem(name: str, platform: str) -> str | None:
 
 
 def attend(q, k, v, segment_ids=None, *, implementation: str = "xla", q_offset=0, blocks=None,
-           fused_bwd: bool = False, partly_manual: bool = False):  # fmt: skip
+           fused_bwd: bool = False, partly_manual: bool = False, per_device=None):  # fmt: skip
     """Dispatch to a backend of the table; `auto` resolves for the platform compiling
-    (and `partly_manual`, `resolve`'s). `blocks` (model.attention_blocks) and `fused_bwd`
-    (model.attention_backward=fused) reach the backends that take tile sizes."""
+    (and `partly_manual`, `resolve`'s). `blocks` (model.attention_blocks), `fused_bwd`
+    (model.attention_backward=fused) and `per_device` (the kernels' own shard_map,
+    parallel/context.py) reach the backends that take tile sizes."""
     if implementation == "auto":
         packed = segment_ids is not None
         implementation = resolve(
@@ -126,7 +127,8 @@ def attend(q, k, v, segment_ids=None, *, implementation: str = "xla", q_offset=0
             f"model.attention: unknown implementation {implementation!r}; "
             f"use one of {', '.join(CHOICES)}"
         ) from None
-    tiles = {"blocks": blocks, "fused_bwd": fused_bwd} if backend.tiles else {}
+    tiles = {"blocks": blocks, "fused_bwd": fused_bwd, "per_device": per_device}
+    tiles = tiles if backend.tiles else {}
     if isinstance(q_offset, int) and q_offset == 0:
         return backend.fn(q, k, v, segment_ids, **tiles)
     if not backend.q_offset:

@@ -19,11 +19,13 @@ def cudnn_attention(q, k, v, segment_ids=None, q_offset=0):
     )
 
 
-def pallas_attention(q, k, v, segment_ids=None, q_offset=0, *, blocks=None, fused_bwd=False):
+def pallas_attention(q, k, v, segment_ids=None, q_offset=0, *, blocks=None, fused_bwd=False,
+                     per_device=None):  # fmt: skip
     """Our Pallas flash attention (kernels/flash_attention.py): segment ids per block, no
     dense mask. Interpreted on a CPU (slow: for tests), compiled through Triton on a GPU.
     `blocks`: model.attention_blocks ([q, k, q_bwd, k_bwd]; None: the kernel's defaults);
-    `fused_bwd`: model.attention_backward=fused (one backward kernel)."""
+    `fused_bwd`: model.attention_backward=fused (one backward kernel); `per_device`: the
+    kernels' own shard_map (kernels/flash_attention.py, parallel/context.py)."""
     interpret = jax.default_backend() != "gpu"
     out, _ = fa.flash_attention(
         q,
@@ -34,5 +36,6 @@ def pallas_attention(q, k, v, segment_ids=None, q_offset=0, *, blocks=None, fuse
         blocks=fa.BlockSizes.of(blocks, q.shape[-1], q.dtype.itemsize, fused_bwd),
         interpret=interpret,
         saved_as=remat.ATTN_SAVED,
+        per_device=per_device,
     )
     return out
