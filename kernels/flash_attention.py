@@ -500,6 +500,9 @@ def _backward(q, k, v, qs, ks, delta, lse, do, *, blocks: BlockSizes, causal: bo
     return dq, dk, dv
 
 
+_OPERANDS = ("q", "kv", "kv", "ids", "ids")  # q, k, v, their segment ids: `per_device`'s kinds
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _flash(q, k, v, qs, ks, blocks, flags, saved_as, per_device):
     return _flash_fwd(q, k, v, qs, ks, blocks, flags, saved_as, per_device)[0]
@@ -508,7 +511,7 @@ def _flash(q, k, v, qs, ks, blocks, flags, saved_as, per_device):
 def _flash_fwd(q, k, v, qs, ks, blocks, flags, saved_as, per_device):
     forward = functools.partial(_forward, blocks=blocks, **flags._asdict())
     if per_device is not None:
-        forward = per_device(forward, ("q", "kv", "kv", "ids", "ids"), ("q", "rows"))
+        forward = per_device(forward, _OPERANDS, ("q", "rows"))
     o, lse = forward(q, k, v, qs, ks)
     if saved_as is not None:  # what a remat policy that keeps the name keeps
         o, lse = checkpoint_name(o, saved_as), checkpoint_name(lse, saved_as)
@@ -516,16 +519,12 @@ def _flash_fwd(q, k, v, qs, ks, blocks, flags, saved_as, per_device):
 
 
 def _flash_bwd(blocks, flags, saved_as, per_device, res, cts):
+    q, k, v, qs, ks, o, lse = res
     do, _ = cts  # the log-sum-exp output is for merging blocks; its gradient is not used
-
-    def backward(q, k, v, qs, ks, o, lse, do):
-        return _backward(q, k, v, qs, ks, _delta(o, do), lse, do, blocks=blocks,
-                         **flags._asdict())  # fmt: skip
-
+    backward = functools.partial(_backward, blocks=blocks, **flags._asdict())
     if per_device is not None:
-        kinds = ("q", "kv", "kv", "ids", "ids", "q", "rows", "q")
-        backward = per_device(backward, kinds, ("q", "kv", "kv"))
-    return (*backward(*res, do), None, None)
+        backward = per_device(backward, (*_OPERANDS, "rows", "rows", "q"), ("q", "kv", "kv"))
+    return (*backward(q, k, v, qs, ks, _delta(o, do), lse, do), None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -559,11 +558,8 @@ def flash_attention(
     merge blocks use it for weights only). `blocks` None: `BlockSizes.of` the head_dim.
     `saved_as`: a `checkpoint_name` for the out and lse the backward reads: a remat policy
     that keeps it runs no forward kernel again in the backward pass.
-    `per_device`: (fn, kinds of its operands, kinds of its results) -> fn, run on each
-    device's part (a shard_map of the caller's; kinds "q", "kv", "ids" (batch, length),
-    "rows" (batch, heads, length)): the forward and the backward kernels each run in it,
-    so no shard_map is differentiated (jax 0.10 lowers the residuals of one nested in a
-    manual region over the outer axes too, which Shardy rejects)."""
+    `per_device`: (fn, operand kinds, result kinds) -> fn on each device's part, in which
+    the forward and backward kernels each run ("rows": (b, h, t); parallel/context.py)."""
     attention_inputs.check(q, k, v, q_segment_ids, kv_segment_ids)
     b, t, h, d = q.shape
     s = k.shape[1]
