@@ -32,6 +32,7 @@ diagonal. Packed documents: a pair with no common segment id is skipped too.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -200,24 +201,29 @@ def _pairs(mine, theirs, qs, ks, state, compute):
 
 @dataclass(frozen=True)
 class KernelRegion:
-    """Pallas's kernels run per device (flash_attention's `per_device`): each call in a
-    shard_map manual over the axes the partitioner lays the step out over, which would
-    otherwise run the one op it cannot split on every row and head on each device.
-    Nothing is differentiated through it, so it nests in a partly manual step too; the
-    vma check is off, as interpreted Pallas fails it (its forward and backward are
-    per-device code that needs no check)."""
+    """Where the partitioner lays the step out, attention runs per device in a shard_map
+    manual over those axes: left to it, the kernel it cannot split (Pallas's, cuDNN's,
+    the ring's pairs) ran on every row and head on each device. Pallas's forward and
+    backward kernels each run in one (flash_attention's `per_device`), unchecked, as
+    interpreted Pallas fails the vma check; nothing is differentiated through those, so
+    they nest in a partly manual step too. cuDNN's call and the ring run `checked`."""
 
     axes: frozenset
     q: PartitionSpec  # (batch, length, heads, head_dim)
     kv: PartitionSpec  # (batch, length, kv_heads, head_dim)
     ids: PartitionSpec  # (batch, length)
+    checked: bool = False
 
-    def __call__(self, fn, ins: tuple, outs: tuple):
+    def __call__(self, fn, ins: tuple, outs: tuple | str):
+        """fn per device, its operands and results named by kind ("q", "kv", "ids", and
+        "rows": (batch, heads, length)); one result: its kind alone."""
         b, t, h, _ = (*self.q, None, None, None, None)[:4]
         spec = {"q": self.q, "kv": self.kv, "ids": self.ids, "rows": PartitionSpec(b, h, t)}
-        run = jax.shard_map(fn, in_specs=tuple(spec[k] for k in ins),
-                            out_specs=tuple(spec[k] for k in outs), axis_names=self.axes,
-                            check_vma=False)  # fmt: skip
+        out_specs = spec[outs] if isinstance(outs, str) else tuple(spec[k] for k in outs)
+        run = jax.shard_map(fn, in_specs=tuple(spec[k] for k in ins), out_specs=out_specs,
+                            axis_names=self.axes, check_vma=self.checked)  # fmt: skip
+        if self.checked:
+            return run
         # untyped out of an unchecked region: typed as its operands vary over the outer
         # manual axes (a partly manual step's data axes)
         return lambda *args: vary_like(run(*args), *args)
@@ -241,9 +247,8 @@ class Context:
     # manual over some mesh axes, the partitioner's over others (parallel/layout.py): auto
     # picks no cuDNN here, whose custom partitioning fails in such a region
     partly_manual: bool = False
-    # (axes, q's spec, k's and v's, the segment ids') where the partitioner lays the step
-    # out: a GPU kernel runs per device in a shard_map manual over those axes
-    region: tuple = ()
+    # where the partitioner lays the step out: attention's kernels run per device there
+    region: KernelRegion | None = None
     axis: str = AXIS
 
     def attend(self, q, k, v, segment_ids, implementation: str):
@@ -256,15 +261,11 @@ class Context:
         # manual over the partitioner's axes too where it can be (`region`): left to it,
         # the pair kernel ran on every row of the fsdp group on each device
         alone = PartitionSpec(None, self.axis)
-        region = self.region if not self.partly_manual else ()  # nested: Shardy's error
-        axes, q_spec, kv_spec, seg_spec = region or ({self.axis}, alone, alone, alone)
-        return jax.shard_map(
-            functools.partial(_context_attention, self),
-            in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
-            out_specs=q_spec,
-            axis_names=axes,
-            check_vma=True,
-        )(q, k, v, segment_ids)
+        region = self.region if not self.partly_manual else None  # nested: Shardy's error
+        region = region or KernelRegion(frozenset({self.axis}), alone, alone, alone)
+        ring = dataclasses.replace(region, checked=True)
+        ring = ring(functools.partial(_context_attention, self), ("q", "kv", "kv", "ids"), "q")
+        return ring(q, k, v, segment_ids)
 
     def _kernel(self, q, k, v, segment_ids, implementation: str):
         """One device's attention. A GPU kernel (Pallas's or cuDNN's call) is one op the
@@ -282,14 +283,10 @@ class Context:
         if not self.region or not backend.gpu_kernel:
             return fn(q, k, v, segment_ids)
         if backend.tiles:
-            return fn(q, k, v, segment_ids, per_device=KernelRegion(*self.region))
-        axes, q_spec, kv_spec, seg_spec = self.region
-        args, specs = (q, k, v), (q_spec, kv_spec, kv_spec)
-        if packed:
-            args, specs = (*args, segment_ids), (*specs, seg_spec)
-        return jax.shard_map(fn, in_specs=specs, out_specs=q_spec, axis_names=axes, check_vma=True)(
-            *args
-        )
+            return fn(q, k, v, segment_ids, per_device=self.region)
+        args = (q, k, v, segment_ids) if packed else (q, k, v)
+        whole = dataclasses.replace(self.region, checked=True)
+        return whole(fn, ("q", "kv", "kv", "ids")[: len(args)], "q")(*args)
 
     def output_residual(self, implementation: str, segment_ids, seq_len: int) -> str:
         """What the attention keeps of its output for its backward: across devices, the

@@ -29,7 +29,7 @@ from ultrajax.parallel.axes import (
     TENSOR,
     TOKEN_AXES,
 )
-from ultrajax.parallel.context import Context, pair_kernel
+from ultrajax.parallel.context import Context, KernelRegion, pair_kernel
 from ultrajax.parallel.expert import Experts
 from ultrajax.parallel.grads import Gradients
 from ultrajax.parallel.mesh import Rules, entry_axes, only_axes
@@ -227,16 +227,16 @@ class Layout:
             ordered=_ordered_weights(cfg, mesh, self.names),
         )
 
-    def _kernel_region(self, inner: Rules) -> tuple:
+    def _kernel_region(self, inner: Rules) -> KernelRegion | None:
         """`Context.region`: the axes the partitioner splits the attention over and its
         operands' layouts there; none where the step is manual over every axis wider than
         one."""
         axes = frozenset(AXES) - (self.axis_names if self.manual else frozenset())
         if all(self.mesh.shape[a] == 1 for a in axes):
-            return ()
+            return None
         q = inner.spec(("batch", "length", "heads", "head_dim"))
         kv = inner.spec(("batch", "length", "kv_heads", "head_dim"))
-        return axes, q, kv, inner.spec(("batch", "length"))
+        return KernelRegion(axes, q, kv, inner.spec(("batch", "length")))
 
     def _specs(self, kind, drop=None):
         specs = jax.tree.map(lambda n: self.rules.spec(n, kind), self.names, is_leaf=_is_names)
